@@ -1,0 +1,150 @@
+"""The one configuration object: a frozen, validated ``TierConfig``."""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field, fields
+from typing import Optional, Union
+
+from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES
+
+Budget = Union[int, str]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+    "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+DIRECT_IO_MODES = ("auto", "on", "off")
+
+
+def parse_bytes(value: Budget, field_name: str = "budget") -> int:
+    """Parse ``value`` (int bytes, or a string such as "64MiB", "1.5GiB") into bytes.
+
+    Raises ``ValueError`` naming ``field_name`` and the value when it is negative or unparsable.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}")
+    if isinstance(value, int):
+        num_bytes = value
+    elif isinstance(value, float) and value.is_integer():
+        num_bytes = int(value)
+    elif isinstance(value, str):
+        match = _BUDGET_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{field_name}: cannot parse {value!r}; use bytes or a size such as "
+                f"'512KiB', '64MiB', '1.5GiB'")
+        num_bytes = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}")
+    if num_bytes < 0:
+        raise ValueError(f"{field_name}: must not be negative, got {value!r}")
+    return num_bytes
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable IEC size, e.g. 1.5 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes} B"  # pragma: no cover
+
+
+def _check_dir_usable(path: str) -> None:
+    """Raise ValueError unless ``path`` is (or can become) a writable directory."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"disk_dir: {path!r} exists and is not a directory")
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe.rstrip(os.sep)) or "."
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"disk_dir: {path!r} cannot be created: {probe!r} is not a directory")
+    # os.access lies for root; really try to create a file.
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".tiercache-probe-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"disk_dir: {path!r} is not writable ({exc.strerror})") from None
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Budgets, block size and policies of a tiered KV cache. Validated on construction.
+
+    Budgets accept int bytes or IEC strings ("64MiB", "1.5GiB") and are stored as int bytes.
+    ``host_budget=0`` disables the host tier; ``disk_budget=0`` or no ``disk_dir`` disables disk.
+
+    Example::
+
+        cfg = TierConfig(device_budget="32MiB", host_budget="128MiB",
+                         disk_dir="./kv", disk_budget="4GiB")
+    """
+
+    device_budget: Budget = "1GiB"
+    host_budget: Budget = "4GiB"
+    disk_budget: Budget = "16GiB"
+    disk_dir: Optional[str] = None
+    block_tokens: int = 256
+    eviction: str = "lru"
+    prefetch: str = "next-layer"
+    prefetch_depth: int = 2
+    io_workers: int = 4
+    direct_io: str = "auto"
+    queue_depth: int = 64
+    device: Optional[str] = None
+    checksum_host: bool = False
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget", "host_budget", "disk_budget"):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
+        if self.device_budget == 0:
+            raise ValueError("device_budget: must be > 0 (attention reads from the device tier)")
+        self._check_int("block_tokens", 1, 1 << 20)
+        self._check_int("prefetch_depth", 1, 1024)
+        self._check_int("io_workers", 1, 256)
+        self._check_int("queue_depth", 1, 1 << 16)
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction: unknown policy {self.eviction!r}; known: "
+                             f"{', '.join(sorted(EVICTION_POLICIES))}")
+        if self.prefetch not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch: unknown policy {self.prefetch!r}; known: "
+                             f"{', '.join(sorted(PREFETCH_POLICIES))}")
+        if self.direct_io not in DIRECT_IO_MODES:
+            raise ValueError(f"direct_io: must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
+                raise ValueError(f"disk_dir: expected a directory path, got {self.disk_dir!r}")
+            object.__setattr__(self, "disk_dir", os.path.abspath(os.fspath(self.disk_dir)))
+            if self.disk_budget > 0:
+                _check_dir_usable(self.disk_dir)
+        if self.device is not None and not isinstance(self.device, str):
+            object.__setattr__(self, "device", str(self.device))
+
+    def _check_int(self, name: str, low: int, high: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name}: must be an integer in [{low}, {high}], got {value!r}")
+
+    @property
+    def host_enabled(self) -> bool:
+        return self.host_budget > 0
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_dir is not None and self.disk_budget > 0
+
+    def replace(self, **changes) -> "TierConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return TierConfig(**values)

@@ -1,0 +1,284 @@
+"""The disk tier: fixed-size records in a data file, each with a header and CRC32C.
+
+Record layout (one slot): a 4096-byte header, then the payload padded to 4096 bytes, so a
+slot can be read or written with direct I/O in one vectored call. The header carries the
+format version, model digest, block key, token count, dtype, shape, payload length, the
+payload's CRC32C and its own CRC32C. Every read checks both checksums and the key; a record
+that fails is never returned as data. Records are only written into free slots, so a torn
+write can only damage a slot that held nothing live; freeing a slot of a persistent tier
+writes a tombstone so that a reopened tier cannot resurrect deleted data.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import struct
+import threading
+from typing import Iterator, Optional
+
+import crc32c
+import torch
+
+from tiercache.errors import CacheDirError
+from tiercache.table import BlockKey
+from tiercache.tiers import ALIGN, BlockGeometry, aligned_buffer, align_up
+
+log = logging.getLogger("tiercache")
+
+MAGIC = b"TCKV"
+FORMAT_VERSION = 1
+HEADER_BYTES = ALIGN
+_HEADER = struct.Struct("<4sHHI16sQIIIBB2x6IQI")  # + header crc (I)
+_CRC = struct.Struct("<I")
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+LOCK_NAME = "tiercache.lock"
+DATA_NAME = "blocks.dat"
+
+
+class RecordError(Exception):
+    """A record failed validation: bad magic, version, checksum, key or bounds."""
+
+
+def ensure_private_dir(path: str, allow_shared: bool = False) -> None:
+    """Create ``path`` as 0700; refuse an existing one with looser permissions or another owner."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise CacheDirError(f"disk_dir: cannot create {path!r} ({exc.strerror})") from None
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheDirError(f"disk_dir: {path!r} is not a directory")
+    if allow_shared:
+        return
+    if st.st_uid != os.geteuid():
+        raise CacheDirError(f"disk_dir: {path!r} is owned by uid {st.st_uid}, not by this user "
+                            f"(uid {os.geteuid()}); refusing to use it")
+    if st.st_mode & 0o077:
+        raise CacheDirError(f"disk_dir: {path!r} has permissions {oct(st.st_mode & 0o777)}; "
+                            f"expected 0700 (chmod 700 it, or opt in to a shared directory)")
+
+
+def probe_direct_io(directory: str) -> bool:
+    """Whether the filesystem under ``directory`` accepts O_DIRECT aligned I/O."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
+    buf, mm = aligned_buffer(ALIGN)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        view = memoryview(buf.numpy())
+        os.pwritev(fd, [view], 0)
+        os.preadv(fd, [view], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        del view
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _ptr_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGN == 0 and t.numel() % ALIGN == 0
+
+
+class DiskTier:
+    """Slots of ``record_bytes`` in one data file inside a private, locked directory."""
+
+    def __init__(self, directory: str, geometry: BlockGeometry, num_slots: int, *,
+                 direct_io: str = "auto", model_digest: bytes = b"", persistent: bool = True,
+                 allow_shared_dir: bool = False) -> None:
+        self.directory = directory
+        self.geometry = geometry
+        self.num_slots = num_slots
+        self.persistent = persistent
+        self.model_digest = (model_digest or b"").ljust(16, b"\0")[:16]
+        self.payload_bytes = geometry.block_bytes
+        self.record_bytes = HEADER_BYTES + align_up(self.payload_bytes)
+        ensure_private_dir(directory, allow_shared_dir)
+        self._lock_fd = self._take_lock()
+        supported = probe_direct_io(directory)
+        if direct_io == "on" and not supported:
+            os.close(self._lock_fd)
+            raise ValueError(f"direct_io: 'on' but the filesystem under {directory!r} does not support O_DIRECT")
+        self.direct_io = supported and direct_io != "off"
+        self.path = os.path.join(directory, DATA_NAME)
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self._fd = os.open(self.path, flags, 0o600)
+        self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
+        self._local = threading.local()
+        self.closed = False
+
+    @staticmethod
+    def record_size(geometry: BlockGeometry) -> int:
+        """Bytes of one slot on disk: header plus padded payload."""
+        return HEADER_BYTES + align_up(geometry.block_bytes)
+
+    # ---- locking -------------------------------------------------------------------
+    def _take_lock(self) -> int:
+        path = os.path.join(self.directory, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = ""
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache "
+                                    f"process{f' (pid {holder})' if holder else ''}; use another directory") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    # ---- record codec ----------------------------------------------------------------
+    def _header_buf(self) -> tuple:
+        buf = getattr(self._local, "header", None)
+        if buf is None:
+            tensor, mm = aligned_buffer(HEADER_BYTES)
+            buf = self._local.header = (tensor, mm, memoryview(tensor.numpy()))
+        return buf
+
+    def _encode_header(self, mv: memoryview, key: BlockKey, num_tokens: int, payload_crc: int) -> None:
+        g = self.geometry
+        shape = list(g.shape) + [0] * (6 - len(g.shape))
+        head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, self.model_digest,
+                            key.seq_id, key.layer, key.index, num_tokens,
+                            DTYPE_CODES[g.dtype], len(g.shape), *shape, self.payload_bytes, payload_crc)
+        mv[:len(head)] = head
+        mv[len(head):len(head) + 4] = _CRC.pack(crc32c.crc32c(head))
+        mv[len(head) + 4:] = bytes(HEADER_BYTES - len(head) - 4)
+
+    def decode_header(self, mv: memoryview) -> tuple:
+        """Validate a header; return (key, num_tokens, payload_crc). Raises RecordError."""
+        head = bytes(mv[:_HEADER.size])
+        (crc,) = _CRC.unpack(bytes(mv[_HEADER.size:_HEADER.size + 4]))
+        if head[:4] != MAGIC:
+            raise RecordError("bad magic (not a tiercache record)")
+        if crc32c.crc32c(head) != crc:
+            raise RecordError("header checksum mismatch")
+        fields = _HEADER.unpack(head)
+        _, version, header_len, _, digest, seq_id, layer, index, num_tokens, dtype_code, ndim = fields[:11]
+        shape = fields[11:17]
+        payload_len, payload_crc = fields[17], fields[18]
+        if version != FORMAT_VERSION:
+            raise RecordError(f"format version {version}, expected {FORMAT_VERSION}")
+        if header_len != HEADER_BYTES:
+            raise RecordError(f"header length {header_len}, expected {HEADER_BYTES}")
+        if digest != self.model_digest:
+            raise RecordError("record written for another model or dtype")
+        g = self.geometry
+        if (CODE_DTYPES.get(dtype_code) != g.dtype or ndim != len(g.shape)
+                or tuple(shape[:ndim]) != g.shape or payload_len != self.payload_bytes):
+            raise RecordError("record shape, dtype or length does not match this cache")
+        if not 0 <= num_tokens <= g.block_tokens:
+            raise RecordError(f"token count {num_tokens} out of range")
+        return BlockKey(seq_id, layer, index), num_tokens, payload_crc
+
+    # ---- I/O -----------------------------------------------------------------------------
+    def _fd_for(self, payload: torch.Tensor) -> int:
+        if self._fd_direct is not None and _ptr_aligned(payload):
+            return self._fd_direct
+        return self._fd
+
+    def write(self, slot: int, key: BlockKey, payload: torch.Tensor, num_tokens: int) -> None:
+        """Write a record. ``payload`` is a contiguous uint8 CPU tensor, ideally page-aligned."""
+        self._check_slot(slot)
+        if payload.numel() < self.payload_bytes:
+            raise ValueError("payload buffer too small")
+        _, _, hmv = self._header_buf()
+        pmv = memoryview(payload.numpy())
+        crc = crc32c.crc32c(pmv[:self.payload_bytes])
+        self._encode_header(hmv, key, num_tokens, crc)
+        fd = self._fd_for(payload)
+        if fd == self._fd_direct:
+            length = align_up(self.payload_bytes)
+            parts = [hmv, pmv[:length]]
+        else:
+            parts = [hmv, pmv[:self.payload_bytes]]
+        total = sum(len(p) for p in parts)
+        written = os.pwritev(fd, parts, slot * self.record_bytes)
+        if written != total:
+            raise OSError(errno.EIO, f"short write ({written} of {total} bytes)")
+
+    def read(self, slot: int, key: BlockKey, out: torch.Tensor) -> int:
+        """Read and verify the record in ``slot`` into ``out``; returns its token count."""
+        self._check_slot(slot)
+        _, _, hmv = self._header_buf()
+        pmv = memoryview(out.numpy())
+        fd = self._fd_for(out)
+        length = align_up(self.payload_bytes) if fd == self._fd_direct else self.payload_bytes
+        got = os.preadv(fd, [hmv, pmv[:length]], slot * self.record_bytes)
+        if got < HEADER_BYTES + self.payload_bytes:
+            raise RecordError(f"truncated record ({got} bytes)")
+        found, num_tokens, crc = self.decode_header(hmv)
+        if found != key:
+            raise RecordError(f"slot holds {found!r}, expected {key!r}")
+        if crc32c.crc32c(pmv[:self.payload_bytes]) != crc:
+            raise RecordError("payload checksum mismatch")
+        return num_tokens
+
+    def tombstone(self, slot: int) -> None:
+        """Invalidate the record in ``slot`` (only needed when the tier persists)."""
+        if self.persistent:
+            os.pwrite(self._fd, bytes(_HEADER.size + 4), slot * self.record_bytes)
+
+    def scan(self) -> Iterator[tuple]:
+        """Yield (slot, key, num_tokens) of every valid header; invalid ones are skipped.
+
+        Only headers are checked here; payloads are checked when read.
+        """
+        size = os.fstat(self._fd).st_size
+        last = min(self.num_slots, size // self.record_bytes + (1 if size % self.record_bytes else 0))
+        for slot in range(last):
+            head = os.pread(self._fd, _HEADER.size + 4, slot * self.record_bytes)
+            if len(head) < _HEADER.size + 4 or head[:4] != MAGIC:
+                continue
+            try:
+                key, num_tokens, _ = self.decode_header(memoryview(head + bytes(HEADER_BYTES - len(head))))
+            except RecordError:
+                yield slot, None, 0
+                continue
+            yield slot, key, num_tokens
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"disk slot {slot} out of range")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.persistent:
+            try:
+                os.fsync(self._fd)
+            except OSError:
+                pass
+        for fd in (self._fd_direct, self._fd):
+            if fd is not None:
+                os.close(fd)
+        if not self.persistent:
+            for name in (DATA_NAME, LOCK_NAME):
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                except OSError:
+                    pass
+            try:
+                os.rmdir(self.directory)
+            except OSError:
+                pass
+        os.close(self._lock_fd)

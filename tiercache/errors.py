@@ -1,0 +1,22 @@
+"""Exceptions that tiercache raises on purpose. Each message names the problem."""
+from __future__ import annotations
+
+
+class TierCacheError(Exception):
+    """Base class for tiercache's own errors."""
+
+
+class CapacityError(TierCacheError):
+    """Live KV data do not fit in the configured budgets. Raised before anything is lost."""
+
+
+class BlockCorruptedError(TierCacheError):
+    """A live block failed its integrity check and no intact copy exists."""
+
+
+class UnsupportedModelError(TierCacheError, ValueError):
+    """The model's architecture cannot be served by a tiered KV cache."""
+
+
+class CacheDirError(TierCacheError, ValueError):
+    """The cache directory cannot be used (locked by another process, wrong owner, ...)."""

@@ -1,0 +1,802 @@
+"""The block store: one object that owns the table, the tiers, the policies and the moves.
+
+Bookkeeping happens under one lock (``self._lock``) and never waits on I/O; bytes move on
+the transfer engine's threads, and each move's completion callback commits or rolls back
+its table entry. Callers that need a block on the device wait on those moves without the
+lock held, and the time they wait is recorded as stall time.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Hashable, Iterable, Optional
+
+import torch
+
+from tiercache.config import TierConfig, format_bytes
+from tiercache.disk import DiskTier, RecordError
+from tiercache.errors import BlockCorruptedError, CapacityError
+from tiercache.events import Events
+from tiercache.policies import make_eviction
+from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier
+from tiercache.tiers import BlockGeometry, DevicePool, HostPool, aligned_buffer
+from tiercache.transfer import Priority, TransferEngine, wait_all
+
+log = logging.getLogger("tiercache")
+
+
+class BlockStore:
+    """KV blocks across device, host and disk tiers within hard byte budgets.
+
+    Args:
+        config: budgets, policies and I/O settings.
+        geometry: the shape and dtype of one block.
+        device: where the device tier lives (defaults to ``config.device`` or CPU).
+        disk_dir: directory of the disk tier (defaults to ``config.disk_dir``).
+        persistent: keep disk records across close/reopen (False: a private session file,
+            removed on close).
+        events: counters to feed (a fresh ``Events`` by default).
+    """
+
+    def __init__(self, config: TierConfig, geometry: BlockGeometry, *,
+                 device: Optional[torch.device | str] = None, disk_dir: Optional[str] = None,
+                 persistent: bool = True, model_digest: bytes = b"",
+                 events: Optional[Events] = None) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.device = torch.device(device if device is not None else (config.device or "cpu"))
+        self.events = events if events is not None else Events(config.eviction)
+        self._cuda = self.device.type == "cuda"
+        num_slots = {Tier.DEVICE: self._slots_for("device_budget", config.device_budget, geometry.block_bytes)}
+        if config.host_enabled:
+            num_slots[Tier.HOST] = self._slots_for("host_budget", config.host_budget, geometry.padded_bytes)
+        disk_dir = disk_dir or config.disk_dir
+        self.disk: Optional[DiskTier] = None
+        if config.disk_enabled and disk_dir is not None:
+            record_bytes = DiskTier.record_size(geometry)
+            num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes)
+        self.table = BlockTable(num_slots)
+        self.tiers = self.table.tiers()
+        self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
+        self.host_pool: Optional[HostPool] = None
+        if Tier.HOST in num_slots:
+            self.host_pool = HostPool(geometry, num_slots[Tier.HOST], pin=self._cuda,
+                                      on_pin_fallback=self.events.pinned_fallback)
+        if Tier.DISK in num_slots:
+            self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
+                                 model_digest=model_digest, persistent=persistent)
+        self.policies = {tier: make_eviction(config.eviction) for tier in self.tiers}
+        self._lock = threading.RLock()
+        self._inflight: dict = {}  # Move -> Future (prepared moves, started or not)
+        self._started: set = set()
+        self._to_device: dict = {}  # key -> Future of the move filling its device copy
+        self._tokens: dict = {}  # key -> tokens written (for disk headers)
+        self._prefetched: set = set()
+        self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2)
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._compute_event = None
+        self.engine = TransferEngine(config.io_workers, config.queue_depth)
+        self.closed = False
+        if self.disk is not None and persistent:
+            self._adopt_disk_records()
+
+    # ---- construction helpers --------------------------------------------------------
+    @staticmethod
+    def _slots_for(field: str, budget: int, unit_bytes: int) -> int:
+        n = budget // unit_bytes
+        if n < 1:
+            raise ValueError(f"{field}: {budget} bytes ({format_bytes(budget)}) is smaller than one block "
+                             f"({unit_bytes} bytes on this tier); raise it or lower block_tokens")
+        return n
+
+    def _adopt_disk_records(self) -> None:
+        dropped = 0
+        for slot, key, num_tokens in self.disk.scan():
+            if key is None or key in self.table:
+                dropped += 1
+                if key is None:
+                    self.events.integrity_error("disk")
+                self.disk.tombstone(slot)
+                continue
+            self.table.adopt(key, Tier.DISK, slot)
+            self.policies[Tier.DISK].insert(key)
+            self._tokens[key] = num_tokens
+        self.dropped_on_open = dropped
+
+    # ---- queries ---------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        return self.geometry.block_bytes
+
+    def num_slots(self, tier: Tier) -> int:
+        return self.table.num_slots(tier)
+
+    def capacity_blocks(self) -> int:
+        """Distinct blocks that fit when every tier holds different ones."""
+        return sum(self.table.num_slots(t) for t in self.tiers)
+
+    def tiers_of(self, key: Hashable) -> list:
+        entry = self.table.get(key)
+        return [] if entry is None else entry.ready_tiers()
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self.table
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.table)
+
+    def tier_stats(self) -> dict:
+        out = {}
+        with self._lock:
+            for tier, name in ((Tier.DEVICE, "device"), (Tier.HOST, "host"), (Tier.DISK, "disk")):
+                unit = self._unit_bytes(tier)
+                budget = {Tier.DEVICE: self.config.device_budget, Tier.HOST: self.config.host_budget,
+                          Tier.DISK: self.config.disk_budget if self.disk is not None else 0}[tier]
+                used = self.table.num_used(tier)
+                out[name] = {"budget_bytes": budget if tier in self.tiers else 0,
+                             "used_bytes": used * unit, "blocks": used,
+                             "capacity_blocks": self.table.num_slots(tier)}
+        return out
+
+    def stats(self) -> dict:
+        return self.events.snapshot(self.tier_stats())
+
+    def _unit_bytes(self, tier: Tier) -> int:
+        if tier is Tier.DEVICE:
+            return self.geometry.block_bytes
+        if tier is Tier.HOST:
+            return self.geometry.padded_bytes
+        return DiskTier.record_size(self.geometry)
+
+    # ---- generic block API -------------------------------------------------------------
+    def put(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int] = None) -> None:
+        """Store a new block (``[2, B, H, T, D]``) on the device tier, evicting as needed."""
+        if tuple(block.shape) != self.geometry.shape:
+            raise ValueError(f"block shape {tuple(block.shape)} != {self.geometry.shape}")
+        (slot,) = self.new_blocks([key])
+        try:
+            self.device_pool.write_block(slot, block.to(self.geometry.dtype))
+            self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
+        finally:
+            self.unpin([key])
+
+    def get(self, key: Hashable) -> torch.Tensor:
+        """A copy of the block's bytes from its fastest intact copy (no promotion).
+
+        Raises ``KeyError`` for an unknown block and ``BlockCorruptedError`` when every copy
+        failed its integrity check.
+        """
+        while True:
+            with self._lock:
+                if self.table.get(key) is None:
+                    self.events.miss()
+                    raise KeyError(key)
+                tier = self.table.best_source(key)
+                if tier is None:  # only copies in flight: wait for them, then look again
+                    waits = self._inflight_for(key)
+                else:
+                    copy = self.table.copy(key, tier)
+                    copy.readers += 1
+                    slot, waits = copy.slot, None
+            if waits is not None:
+                wait_all(waits)
+                continue
+            out = torch.empty(self.geometry.shape, dtype=self.geometry.dtype)
+            corrupted = False
+            try:
+                if tier is Tier.DEVICE:
+                    self.device_pool.read_block(slot, out)
+                elif tier is Tier.HOST:
+                    out.copy_(self.host_pool.view(slot))
+                else:
+                    with self._staging.take() as buf:
+                        self.disk.read(slot, key, buf)
+                        out.copy_(self._as_block(buf))
+            except RecordError as exc:
+                corrupted = True
+                self.events.integrity_error(tier.label)
+                reason = str(exc)
+            finally:
+                with self._lock:
+                    self.table.copy(key, tier).readers -= 1
+                    if corrupted:
+                        self._discard(key, tier)
+                    self._collect_deleted(key)
+                    lost = corrupted and self.table.best_source(key) is None and not self._inflight_for(key)
+                    if lost:
+                        self._forget(key)
+            if lost:
+                raise BlockCorruptedError(f"block {key!r}: its {tier.label} record failed its integrity "
+                                          f"check ({reason}) and no intact copy exists")
+            if not corrupted:
+                self.events.hit(tier.label)
+                return out
+
+    def delete(self, key: Hashable) -> None:
+        """Forget ``key``; copies in flight are freed when their move completes."""
+        with self._lock:
+            self._forget(key)
+
+    def pin(self, keys: Iterable[Hashable]) -> None:
+        with self._lock:
+            for key in keys:
+                self.table.pin(key)
+
+    def unpin(self, keys: Iterable[Hashable]) -> None:
+        with self._lock:
+            for key in keys:
+                if self.table.get(key) is not None:
+                    self.table.unpin(key)
+
+    def promote(self, key: Hashable, dst: Tier = Tier.DEVICE) -> Future:
+        """Copy ``key`` up to ``dst`` asynchronously (the lower copy stays)."""
+        if dst is Tier.DEVICE:
+            return _done_future(lambda: self.ensure_device([key], pin=False))
+        with self._lock:
+            src = self.table.best_source(key, below=dst)
+            if src is None or self.table.copy(key, dst) is not None:
+                return _done_future(lambda: None)
+            moves = self._room(dst, 1, {key}, allow_writeback=True)
+            if self.table.num_free(dst) < 1:
+                return _done_future(lambda: (self._wait_moves(moves), self.promote(key, dst).result()))
+            move = self._prepare(key, src, dst, drop_source=False)
+        self._submit_all(moves, Priority.WRITEBACK)
+        return self._submit(move, Priority.PREFETCH)
+
+    def demote(self, key: Hashable) -> Future:
+        """Move the fastest copy of ``key`` one tier down asynchronously."""
+        with self._lock:
+            src = self.table.best_source(key)
+            lower = self._lower(src) if src is not None else None
+            if lower is None or not self.table.is_movable(key, src):
+                return _done_future(lambda: None)
+            if self.table.copy(key, lower) is not None:
+                if self.table.can_drop(key, src):
+                    self._drop(key, src, evicted=False)
+                return _done_future(lambda: None)
+            moves = self._room(lower, 1, {key}, allow_writeback=True)
+            if self.table.num_free(lower) < 1:
+                return _done_future(lambda: (self._wait_moves(moves), self.demote(key).result()))
+            move = self._prepare(key, src, lower, drop_source=True)
+        self._submit_all(moves, Priority.WRITEBACK)
+        return self._submit(move, Priority.WRITEBACK)
+
+    # ---- the decode path -----------------------------------------------------------------
+    def new_blocks(self, keys: list, protect: Iterable[Hashable] = ()) -> list:
+        """Allocate device slots for new blocks; they come back READY and pinned."""
+        protect = set(protect) | set(keys)
+        stall = 0.0
+        while True:
+            with self._lock:
+                moves = self._room(Tier.DEVICE, len(keys), protect, allow_writeback=True)
+                if self.table.num_free(Tier.DEVICE) >= len(keys) and not moves:
+                    slots = []
+                    for key in keys:
+                        slots.append(self.table.allocate(key, Tier.DEVICE))
+                        self.table.commit(key, Tier.DEVICE)
+                        self.table.pin(key)
+                        self.policies[Tier.DEVICE].insert(key)
+                        self._tokens[key] = 0
+                    if stall:
+                        self.events.stall(stall)
+                    return slots
+            stall += self._wait_moves(moves)
+
+    def ensure_device(self, keys: list, pin: bool = True) -> float:
+        """Make every block of ``keys`` READY on the device and pin it; returns seconds waited."""
+        keys = list(keys)
+        protect = set(keys)
+        pinned: list = []
+        counted: set = set()
+        stall = 0.0
+        try:
+            while True:
+                submit: list = []
+                waits: list = []
+                with self._lock:
+                    missing = []
+                    for key in keys:
+                        entry = self.table.get(key)
+                        if entry is None:
+                            raise BlockCorruptedError(f"block {key!r} is not in the cache (lost or deleted)")
+                        c = entry.copies.get(Tier.DEVICE)
+                        first = key not in counted
+                        counted.add(key)
+                        if c is not None and c.state is CopyState.READY:
+                            if key not in pinned:
+                                self.table.pin(key)
+                                pinned.append(key)
+                                self.policies[Tier.DEVICE].touch(key)
+                            if first:
+                                self.events.hit("device")
+                                if key in self._prefetched:
+                                    self._prefetched.discard(key)
+                                    self.events.prefetch("used")
+                        elif c is not None:  # FILLING: a prefetch is on its way
+                            waits.append(self._to_device[key])
+                            if first and key in self._prefetched:
+                                self._prefetched.discard(key)
+                                self.events.prefetch("late")
+                                self.events.hit("device")
+                        else:
+                            src = self.table.best_source(key)
+                            if src is None:
+                                waits.extend(self._inflight_for(key))
+                                continue
+                            if first:
+                                self.events.hit(src.label)
+                            missing.append((key, src))
+                    if missing:
+                        submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
+                        for key, src in missing[:self.table.num_free(Tier.DEVICE)]:
+                            submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
+                    if not missing and not waits:
+                        break
+                    if not submit and not waits and missing:
+                        submit_none = True
+                    else:
+                        submit_none = False
+                if submit_none:
+                    raise CapacityError(self._capacity_message(len(keys)))
+                futures = [self._submit(m, Priority.DEMAND) for m in submit] + waits
+                t0 = time.perf_counter()
+                errors = wait_all(futures)
+                stall += time.perf_counter() - t0
+                for exc in errors:
+                    if isinstance(exc, BlockCorruptedError):
+                        with self._lock:
+                            lost = [k for k in keys if self.table.get(k) is None]
+                        if lost:
+                            raise exc
+                    elif not isinstance(exc, (OSError, RecordError)):
+                        raise exc
+        except BaseException:
+            self.unpin(pinned)
+            raise
+        if not pin:
+            self.unpin(pinned)
+        if stall:
+            self.events.stall(stall)
+        return stall
+
+    def prefetch(self, keys: list, protect: Iterable[Hashable] = ()) -> int:
+        """Start bringing ``keys`` to the device without waiting; only clean copies are evicted."""
+        protect = set(protect) | set(keys)
+        submit = []
+        with self._lock:
+            wanted = []
+            for key in keys:
+                entry = self.table.get(key)
+                if entry is None or Tier.DEVICE in entry.copies:
+                    continue
+                src = self.table.best_source(key)
+                if src is not None:
+                    wanted.append((key, src))
+            if not wanted:
+                return 0
+            self._room(Tier.DEVICE, len(wanted), protect, allow_writeback=False)
+            for key, src in wanted[:self.table.num_free(Tier.DEVICE)]:
+                submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
+                self._prefetched.add(key)
+        for move in submit:
+            self._submit(move, Priority.PREFETCH)
+        return len(submit)
+
+    def device_slots(self, keys: list) -> list:
+        with self._lock:
+            return [self.table.copy(k, Tier.DEVICE).slot for k in keys]
+
+    def begin_write(self, key: Hashable) -> int:
+        """Before appending to ``key``'s device copy: wait for moves reading it, drop stale copies.
+
+        The block must be pinned on the device. Returns its device slot.
+        """
+        while True:
+            with self._lock:
+                entry = self.table.get(key)
+                if not entry.in_flight():
+                    for tier, slot in self.table.drop_others(key, Tier.DEVICE):
+                        self._released(key, tier, slot)
+                    return entry.copies[Tier.DEVICE].slot
+                waits = self._inflight_for(key)
+            wait_all(waits)
+
+    def note_tokens(self, key: Hashable, num_tokens: int) -> None:
+        self._tokens[key] = num_tokens
+
+    def write_behind(self, key: Hashable) -> None:
+        """A sealed block gets a clean copy one tier down if there is a free slot there."""
+        with self._lock:
+            entry = self.table.get(key)
+            if entry is None:
+                return
+            top = self.table.best_source(key)
+            lower = self._lower(top) if top is not None else None
+            if lower is None or lower in entry.copies or self.table.num_free(lower) < 1:
+                return
+            move = self._prepare(key, top, lower, drop_source=False)
+        self._submit(move, Priority.WRITEBACK, chain=True, blocking=False)
+
+    def note_compute(self) -> None:
+        """On CUDA: later copies into device slots wait for the work queued so far."""
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._compute_event = event
+
+    def wait_idle(self) -> None:
+        """Wait until no move is in flight."""
+        while True:
+            with self._lock:
+                futures = list(self._inflight.values())
+            if not futures:
+                return
+            wait_all(futures)
+
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Permute the batch rows of every block (beam search); lower copies are refreshed."""
+        self.wait_idle()
+        rows = rows.to(torch.long).cpu()
+        with self._lock:
+            device_keys = list(self.table.keys_on(Tier.DEVICE))
+            self.device_pool.reorder_rows([self.table.copy(k, Tier.DEVICE).slot for k in device_keys], rows)
+            for key in list(self.table.keys()):
+                entry = self.table.get(key)
+                for tier in list(entry.copies):
+                    if tier is Tier.DEVICE:
+                        continue
+                    if Tier.DEVICE in entry.copies:
+                        self._drop(key, tier, evicted=False)
+                    elif tier is Tier.HOST:
+                        view = self.host_pool.view(entry.copies[tier].slot)
+                        view.copy_(view.index_select(1, rows))
+                    elif Tier.HOST in entry.copies:
+                        self._drop(key, tier, evicted=False)
+                    else:  # only on disk: rewrite it in place
+                        slot = entry.copies[tier].slot
+                        with self._staging.take() as buf:
+                            self._read_disk(key, slot, buf, raw=False)
+                            block = self._as_block(buf)
+                            block.copy_(block.index_select(1, rows))
+                            self.disk.write(slot, key, buf, self._tokens.get(key, 0))
+
+    def flush(self) -> int:
+        """Give every block a disk copy (where disk slots are free); returns blocks written."""
+        if self.disk is None:
+            return 0
+        with self._lock:
+            moves = []
+            for key in list(self.table.keys()):
+                entry = self.table.get(key)
+                top = self.table.best_source(key)
+                if top is None or Tier.DISK in entry.copies or self.table.num_free(Tier.DISK) < 1:
+                    continue
+                moves.append(self._prepare(key, top, Tier.DISK, drop_source=False))
+        self._wait_moves(moves)
+        return len(moves)
+
+    def close(self) -> None:
+        """Wait for moves, write persistent blocks down to disk, stop workers, close files."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.wait_idle()
+            if self.disk is not None and self.disk.persistent:
+                self.flush()
+        finally:
+            self.engine.close()
+            if self.disk is not None:
+                self.disk.close()
+            if self.host_pool is not None:
+                self.host_pool.close()
+
+    def __enter__(self) -> "BlockStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self) -> None:
+        """Assert the table's invariants and that no tier is over budget (tests)."""
+        with self._lock:
+            self.table.check()
+            for tier, stats in self.tier_stats().items():
+                if stats["budget_bytes"]:
+                    assert stats["used_bytes"] <= stats["budget_bytes"], f"{tier} over budget"
+
+    # ---- internals: eviction ------------------------------------------------------------
+    def _lower(self, tier: Tier) -> Optional[Tier]:
+        for t in self.tiers:
+            if t > tier:
+                return t
+        return None
+
+    def _room(self, tier: Tier, n: int, protect: set, allow_writeback: bool) -> list:
+        """Under the lock: free up to ``n`` slots on ``tier``. Clean copies are dropped now;
+        dirty ones get demotion moves, returned for the caller to submit and wait on."""
+        need = n - self.table.num_free(tier)
+        if need <= 0:
+            return []
+        lower = self._lower(tier)
+
+        def evictable(key) -> bool:
+            if key in protect:
+                return False
+            if self.table.can_drop(key, tier):
+                return True
+            return allow_writeback and lower is not None and self.table.is_movable(key, tier)
+
+        policy = self.policies[tier]
+        victims = policy.evict(need, evictable)
+        if victims is None:  # fewer than `need` evictable: take all there are
+            available = sum(1 for key in self.table.keys_on(tier) if evictable(key))
+            victims = policy.evict(available, evictable) or []
+        moves = []
+        for key in victims:
+            if self.table.can_drop(key, tier):
+                self._drop(key, tier, evicted=True)
+                continue
+            if self.table.num_free(lower) < 1:
+                moves.extend(self._room(lower, 1, protect, allow_writeback))
+            if self.table.num_free(lower) >= 1:
+                moves.append(self._prepare(key, tier, lower, drop_source=True))
+                self.events.eviction(tier.label)
+        if not moves:
+            # Nothing to demote now: waiting on moves that free slots here may still help.
+            moves = [m for m in self._inflight if m.drop_source and m.src is tier]
+        return moves
+
+    def _drop(self, key: Hashable, tier: Tier, evicted: bool) -> None:
+        slot = self.table.drop(key, tier)
+        self._released(key, tier, slot)
+        if evicted:
+            self.events.eviction(tier.label)
+
+    def _discard(self, key: Hashable, tier: Tier) -> None:
+        for t, slot in self.table.discard(key, tier):
+            self._released(key, t, slot)
+
+    def _released(self, key: Hashable, tier: Tier, slot: int) -> None:
+        """Under the lock, right after a slot was freed (before anyone can reuse it)."""
+        self.policies[tier].remove(key)
+        if tier is Tier.DEVICE and key in self._prefetched:
+            self._prefetched.discard(key)
+            self.events.prefetch("unused")
+        if tier is Tier.DISK:
+            self.disk.tombstone(slot)
+
+    def _forget(self, key: Hashable) -> None:
+        for tier, slot in self.table.delete(key):
+            self._released(key, tier, slot)
+        self._tokens.pop(key, None)
+
+    def _collect_deleted(self, key: Hashable) -> None:
+        entry = self.table._blocks.get(key)
+        if entry is not None and entry.deleted:
+            for tier, slot in self.table._collect(entry):
+                self._released(key, tier, slot)
+
+    def _inflight_for(self, key: Hashable) -> list:
+        return [f for m, f in self._inflight.items() if m.key == key]
+
+    def _capacity_message(self, num_needed: int) -> str:
+        g = self.geometry
+        return (f"the device tier holds {self.table.num_slots(Tier.DEVICE)} blocks "
+                f"(device_budget={format_bytes(self.config.device_budget)}, {format_bytes(g.block_bytes)} "
+                f"per block) but this step needs {num_needed} blocks resident at once and the rest are "
+                f"pinned or in flight; minimum device_budget = {num_needed * g.block_bytes} bytes "
+                f"({format_bytes(num_needed * g.block_bytes)})")
+
+    def _wait_moves(self, moves: list) -> float:
+        """Start the prepared ``moves`` that are not running yet and wait for all of them."""
+        futures = [self._submit(m, Priority.WRITEBACK) for m in moves]
+        t0 = time.perf_counter()
+        for exc in wait_all(futures):
+            if not isinstance(exc, (OSError, RecordError, BlockCorruptedError)):
+                raise exc
+        return time.perf_counter() - t0
+
+    # ---- internals: moves ------------------------------------------------------------------
+    def _prepare(self, key: Hashable, src: Tier, dst: Tier, drop_source: bool) -> Move:
+        """Under the lock: reserve the move in the table and register its future at once,
+        so that anyone who sees the FILLING copy can wait for it."""
+        move = self.table.prepare_move(key, src, dst, drop_source=drop_source)
+        future: Future = Future()
+        self._inflight[move] = future
+        if dst is Tier.DEVICE:
+            self._to_device[key] = future
+        return move
+
+    def _submit_all(self, moves: list, priority: Priority) -> list:
+        return [self._submit(m, priority) for m in moves]
+
+    def _submit(self, move: Move, priority: Priority, chain: bool = False, blocking: bool = True) -> Future:
+        """Start a prepared move (once); returns its future."""
+        with self._lock:
+            future = self._inflight.get(move)
+            if future is None:  # already completed
+                return _done_future(lambda: None)
+            if move in self._started:
+                return future
+            self._started.add(move)
+        compute_event = self._compute_event
+        job = lambda: self._run_move(move, compute_event, chain)  # noqa: E731
+        inner = self.engine.submit(job, priority, blocking=blocking)
+        if inner is None:  # queue full and the caller cannot wait: roll the move back
+            with self._lock:
+                self._started.discard(move)
+                for tier, slot in self.table.complete_move(move, ok=False):
+                    self._released(move.key, tier, slot)
+                self._inflight.pop(move, None)
+                if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
+                    self._to_device.pop(move.key, None)
+            future.set_result(None)
+            return future
+        inner.add_done_callback(lambda f: _relay(f, future))
+        return future
+
+    def _run_move(self, move: Move, compute_event, chain: bool) -> None:
+        t0 = time.perf_counter()
+        error: Optional[BaseException] = None
+        corrupted = False
+        try:
+            self._copy(move, compute_event)
+        except RecordError as exc:
+            corrupted = True
+            self.events.integrity_error(move.src.label)
+            error = BlockCorruptedError(f"block {move.key!r}: {move.src.label} record failed its integrity "
+                                        f"check ({exc}); it is never returned as data")
+        except BaseException as exc:  # noqa: BLE001 - rolled back, then re-raised to waiters
+            error = exc
+        seconds = time.perf_counter() - t0
+        follow = None
+        with self._lock:
+            for tier, slot in self.table.complete_move(move, error is None):
+                self._released(move.key, tier, slot)
+            if corrupted:
+                self._discard(move.key, move.src)
+            if error is None:
+                self.policies[move.dst].insert(move.key)
+                if chain and move.dst is not Tier.DISK:
+                    lower = self._lower(move.dst)
+                    entry = self.table.get(move.key)
+                    if (lower is not None and entry is not None and lower not in entry.copies
+                            and self.table.num_free(lower) >= 1):
+                        follow = self._prepare(move.key, move.dst, lower, drop_source=False)
+            future = self._inflight.pop(move, None)
+            self._started.discard(move)
+            if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
+                self._to_device.pop(move.key, None)
+        if error is None:
+            self.events.move(move.src.label, move.dst.label, self.geometry.block_bytes, seconds)
+        else:
+            self.events.failed_move()
+            if not corrupted:
+                log.warning("tiercache: move %s %s->%s failed: %s", move.key, move.src.label, move.dst.label, error)
+        if follow is not None:
+            self._submit(follow, Priority.WRITEBACK, chain=True, blocking=False)
+        if error is not None:
+            raise error
+
+    def _copy(self, move: Move, compute_event) -> None:
+        src, dst = move.src, move.dst
+        if src is Tier.DISK:
+            if dst is Tier.HOST:
+                self._read_disk(move.key, move.src_slot, self.host_pool.raw(move.dst_slot), raw=True)
+            else:
+                with self._staging.take() as buf:
+                    self._read_disk(move.key, move.src_slot, buf, raw=True)
+                    self._to_device_slot(move.dst_slot, self._as_block(buf), compute_event)
+        elif dst is Tier.DISK:
+            if src is Tier.HOST:
+                self.disk.write(move.dst_slot, move.key, self.host_pool.raw(move.src_slot), self._tokens.get(move.key, 0))
+            else:
+                with self._staging.take() as buf:
+                    self._from_device_slot(move.src_slot, self._as_block(buf), compute_event)
+                    self.disk.write(move.dst_slot, move.key, buf, self._tokens.get(move.key, 0))
+        elif src is Tier.HOST and dst is Tier.DEVICE:
+            self._to_device_slot(move.dst_slot, self.host_pool.view(move.src_slot), compute_event)
+        elif src is Tier.DEVICE and dst is Tier.HOST:
+            self._from_device_slot(move.src_slot, self.host_pool.view(move.dst_slot), compute_event)
+        else:  # pragma: no cover - the store never plans other moves
+            raise RuntimeError(f"unsupported move {src.label}->{dst.label}")
+
+    def _to_device_slot(self, slot: int, block: torch.Tensor, compute_event) -> None:
+        if self._cuda:
+            with torch.cuda.stream(self._copy_stream):
+                if compute_event is not None:
+                    self._copy_stream.wait_event(compute_event)
+                self.device_pool.write_block(slot, block, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            done.synchronize()
+        else:
+            self.device_pool.write_block(slot, block)
+
+    def _from_device_slot(self, slot: int, out: torch.Tensor, compute_event) -> None:
+        if self._cuda:
+            with torch.cuda.stream(self._copy_stream):
+                if compute_event is not None:
+                    self._copy_stream.wait_event(compute_event)
+                self.device_pool.read_block(slot, out, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            done.synchronize()
+        else:
+            self.device_pool.read_block(slot, out)
+
+    def _read_disk(self, key: Hashable, slot: int, buf: torch.Tensor, raw: bool = True) -> None:
+        try:
+            self.disk.read(slot, key, buf)
+        except RecordError as exc:
+            if raw:
+                raise
+            self.events.integrity_error("disk")
+            raise BlockCorruptedError(f"block {key!r}: disk record failed its integrity check ({exc})") from None
+
+    def _as_block(self, buf: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        return buf[:g.block_bytes].view(g.dtype).view(g.shape)
+
+
+def _relay(inner: Future, outer: Future) -> None:
+    exc = inner.exception()
+    if exc is not None:
+        outer.set_exception(exc)
+    else:
+        outer.set_result(inner.result())
+
+
+def _done_future(fn) -> Future:
+    f: Future = Future()
+    try:
+        f.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001
+        f.set_exception(exc)
+    return f
+
+
+class _BufferPool:
+    """Pre-allocated, page-aligned staging buffers for disk I/O (no allocation per call)."""
+
+    def __init__(self, num_bytes: int, count: int) -> None:
+        self._free = []
+        self._owners = []
+        for _ in range(count):
+            tensor, mm = aligned_buffer(num_bytes)
+            self._free.append(tensor)
+            self._owners.append(mm)
+        self._cond = threading.Condition()
+
+    def take(self) -> "_Lease":
+        return _Lease(self)
+
+    def _acquire(self) -> torch.Tensor:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return self._free.pop()
+
+    def _release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+class _Lease:
+    def __init__(self, pool: _BufferPool) -> None:
+        self._pool = pool
+        self._buf = None
+
+    def __enter__(self) -> torch.Tensor:
+        self._buf = self._pool._acquire()
+        return self._buf
+
+    def __exit__(self, *exc) -> None:
+        self._pool._release(self._buf)

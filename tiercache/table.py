@@ -1,0 +1,350 @@
+"""The block table: which block has a copy on which tier, in which slot, in which state.
+
+It is the only code that changes that state. It knows nothing of tensors, files or
+streams, so it is tested with plain keys. Not thread-safe: the store serialises access.
+
+A block may have copies on several tiers at once (a clean copy below a hot one makes
+eviction a simple drop). A copy is FILLING while a move writes it and READY after; a copy
+that an in-flight move reads has ``readers > 0``. Neither kind is ever freed or reused.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Optional
+
+
+class Tier(enum.IntEnum):
+    """Storage tiers, fastest first."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class CopyState(enum.Enum):
+    FILLING = "filling"  # a move is writing it; not readable yet
+    READY = "ready"
+
+
+@dataclass
+class Copy:
+    slot: int
+    state: CopyState
+    readers: int = 0  # in-flight moves reading this copy
+
+
+@dataclass
+class BlockEntry:
+    key: Hashable
+    copies: dict = field(default_factory=dict)  # Tier -> Copy
+    pins: int = 0  # a pinned block keeps its device copy
+    deleted: bool = False
+
+    def ready_tiers(self) -> list:
+        return sorted(t for t, c in self.copies.items() if c.state is CopyState.READY)
+
+    def in_flight(self) -> bool:
+        return any(c.state is CopyState.FILLING or c.readers for c in self.copies.values())
+
+
+@dataclass(frozen=True)
+class Move:
+    """A prepared move: the source copy is held, the destination slot reserved."""
+
+    key: Hashable
+    src: Tier
+    src_slot: int
+    dst: Tier
+    dst_slot: int
+    drop_source: bool
+
+
+class TableError(RuntimeError):
+    """A caller broke the table's protocol (a bug in tiercache, never a user error)."""
+
+
+class _Slots:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._free_set = set(self._free)
+
+    def alloc(self) -> Optional[int]:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._free_set.discard(slot)
+        return slot
+
+    def take(self, slot: int) -> None:
+        if slot not in self._free_set:
+            raise TableError(f"slot {slot} is not free")
+        self._free.remove(slot)
+        self._free_set.discard(slot)
+
+    def release(self, slot: int) -> None:
+        if slot in self._free_set or not 0 <= slot < self.num_slots:
+            raise TableError(f"slot {slot} released twice or out of range")
+        self._free.append(slot)
+        self._free_set.add(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free_set
+
+
+class BlockTable:
+    """Blocks, their copies per tier, and the free slots of each tier."""
+
+    def __init__(self, num_slots: dict) -> None:
+        self._slots = {tier: _Slots(n) for tier, n in num_slots.items()}
+        self._blocks: dict = {}
+        self._on_tier: dict = {tier: set() for tier in num_slots}
+
+    # ---- queries -------------------------------------------------------------------
+    def tiers(self) -> list:
+        return sorted(self._slots)
+
+    def num_slots(self, tier: Tier) -> int:
+        return self._slots[tier].num_slots if tier in self._slots else 0
+
+    def num_free(self, tier: Tier) -> int:
+        return self._slots[tier].num_free if tier in self._slots else 0
+
+    def num_used(self, tier: Tier) -> int:
+        return self.num_slots(tier) - self.num_free(tier)
+
+    def get(self, key: Hashable) -> Optional[BlockEntry]:
+        entry = self._blocks.get(key)
+        return None if entry is None or entry.deleted else entry
+
+    def __contains__(self, key: Hashable) -> bool:
+        return self.get(key) is not None
+
+    def __len__(self) -> int:
+        return sum(1 for e in self._blocks.values() if not e.deleted)
+
+    def keys(self) -> Iterator:
+        return (k for k, e in self._blocks.items() if not e.deleted)
+
+    def keys_on(self, tier: Tier) -> set:
+        return self._on_tier.get(tier, set())
+
+    def copy(self, key: Hashable, tier: Tier) -> Optional[Copy]:
+        entry = self.get(key)
+        return None if entry is None else entry.copies.get(tier)
+
+    def is_ready(self, key: Hashable, tier: Tier) -> bool:
+        c = self.copy(key, tier)
+        return c is not None and c.state is CopyState.READY
+
+    def best_source(self, key: Hashable, below: Optional[Tier] = None) -> Optional[Tier]:
+        """The fastest tier holding a READY copy (strictly below ``below`` when given)."""
+        entry = self.get(key)
+        if entry is None:
+            return None
+        for tier in entry.ready_tiers():
+            if below is None or tier > below:
+                return tier
+        return None
+
+    def can_drop(self, key: Hashable, tier: Tier) -> bool:
+        """True when the copy on ``tier`` may go without losing data or racing a move."""
+        entry = self._blocks.get(key)
+        if entry is None:
+            return False
+        c = entry.copies.get(tier)
+        if c is None or c.state is not CopyState.READY or c.readers:
+            return False
+        if tier is Tier.DEVICE and entry.pins:
+            return False
+        if entry.deleted:
+            return True
+        return any(t != tier and o.state is CopyState.READY for t, o in entry.copies.items())
+
+    def is_movable(self, key: Hashable, tier: Tier) -> bool:
+        """True when the copy on ``tier`` may be the source of a demotion."""
+        entry = self.get(key)
+        if entry is None:
+            return False
+        c = entry.copies.get(tier)
+        if c is None or c.state is not CopyState.READY or c.readers:
+            return False
+        return not (tier is Tier.DEVICE and entry.pins)
+
+    # ---- mutations -----------------------------------------------------------------
+    def allocate(self, key: Hashable, tier: Tier) -> int:
+        """Reserve a slot on ``tier`` for a new copy of ``key`` (FILLING)."""
+        entry = self._blocks.get(key)
+        if entry is not None and entry.deleted:
+            raise TableError(f"block {key!r} is being deleted")
+        if entry is not None and tier in entry.copies:
+            raise TableError(f"block {key!r} already has a copy on {tier.label}")
+        slot = self._slots[tier].alloc()
+        if slot is None:
+            raise TableError(f"no free slot on {tier.label}")
+        if entry is None:
+            entry = self._blocks[key] = BlockEntry(key)
+        entry.copies[tier] = Copy(slot, CopyState.FILLING)
+        self._on_tier[tier].add(key)
+        return slot
+
+    def adopt(self, key: Hashable, tier: Tier, slot: int) -> None:
+        """Register an existing READY copy in a given slot (used when reopening a disk tier)."""
+        if key in self._blocks:
+            raise TableError(f"block {key!r} already known")
+        self._slots[tier].take(slot)
+        self._blocks[key] = BlockEntry(key, {tier: Copy(slot, CopyState.READY)})
+        self._on_tier[tier].add(key)
+
+    def commit(self, key: Hashable, tier: Tier) -> None:
+        entry = self._blocks[key]
+        c = entry.copies[tier]
+        if c.state is not CopyState.FILLING:
+            raise TableError(f"copy of {key!r} on {tier.label} is not filling")
+        c.state = CopyState.READY
+
+    def abort(self, key: Hashable, tier: Tier) -> int:
+        """Give back a FILLING copy whose write failed. Returns the freed slot."""
+        entry = self._blocks[key]
+        c = entry.copies.get(tier)
+        if c is None or c.state is not CopyState.FILLING:
+            raise TableError(f"copy of {key!r} on {tier.label} is not filling")
+        return self._free_copy(entry, tier)
+
+    def prepare_move(self, key: Hashable, src: Tier, dst: Tier, drop_source: bool) -> Move:
+        entry = self.get(key)
+        if entry is None:
+            raise TableError(f"unknown block {key!r}")
+        c = entry.copies.get(src)
+        if c is None or c.state is not CopyState.READY:
+            raise TableError(f"block {key!r} has no READY copy on {src.label}")
+        if drop_source and not self.is_movable(key, src):
+            raise TableError(f"block {key!r} on {src.label} is pinned or busy")
+        dst_slot = self.allocate(key, dst)
+        c.readers += 1
+        return Move(key, src, c.slot, dst, dst_slot, drop_source)
+
+    def complete_move(self, move: Move, ok: bool) -> list:
+        """Commit or roll back ``move``. Returns the (tier, slot) pairs it freed."""
+        entry = self._blocks[move.key]
+        src = entry.copies[move.src]
+        src.readers -= 1
+        freed = []
+        if ok:
+            self.commit(move.key, move.dst)
+            if move.drop_source and not src.readers and not (move.src is Tier.DEVICE and entry.pins):
+                freed.append((move.src, self._free_copy(entry, move.src)))
+        else:
+            freed.append((move.dst, self._free_copy(entry, move.dst)))
+        freed.extend(self._collect(entry))
+        return freed
+
+    def drop(self, key: Hashable, tier: Tier) -> int:
+        """Free the copy on ``tier``; requires ``can_drop``. Returns the freed slot."""
+        if not self.can_drop(key, tier):
+            raise TableError(f"copy of {key!r} on {tier.label} cannot be dropped")
+        entry = self._blocks[key]
+        slot = self._free_copy(entry, tier)
+        self._collect(entry)
+        return slot
+
+    def drop_others(self, key: Hashable, keep: Tier) -> list:
+        """Before a write to the copy on ``keep``: free every other copy (now stale)."""
+        entry = self.get(key)
+        if entry is None or entry.in_flight():
+            raise TableError(f"block {key!r} is unknown or in flight")
+        return [(t, self._free_copy(entry, t)) for t in list(entry.copies) if t != keep]
+
+    def delete(self, key: Hashable) -> list:
+        """Forget ``key``. Copies in flight are freed when their move completes."""
+        entry = self.get(key)
+        if entry is None:
+            return []
+        entry.deleted = True
+        entry.pins = 0
+        return self._collect(entry)
+
+    def discard(self, key: Hashable, tier: Tier) -> list:
+        """Free a READY copy known to be bad (failed its checksum). Returns freed (tier, slot)."""
+        entry = self.get(key)
+        if entry is None:
+            return []
+        c = entry.copies.get(tier)
+        if c is None or c.state is not CopyState.READY or c.readers:
+            return []
+        freed = [(tier, self._free_copy(entry, tier))]
+        if not entry.copies:
+            del self._blocks[key]
+        return freed
+
+    def pin(self, key: Hashable) -> None:
+        entry = self.get(key)
+        if entry is None:
+            raise TableError(f"unknown block {key!r}")
+        entry.pins += 1
+
+    def unpin(self, key: Hashable) -> None:
+        entry = self.get(key)
+        if entry is None or entry.pins <= 0:
+            raise TableError(f"block {key!r} is not pinned")
+        entry.pins -= 1
+
+    # ---- internals -----------------------------------------------------------------
+    def _free_copy(self, entry: BlockEntry, tier: Tier) -> int:
+        c = entry.copies.pop(tier)
+        if c.readers:
+            raise TableError(f"copy of {entry.key!r} on {tier.label} is in flight")
+        self._slots[tier].release(c.slot)
+        self._on_tier[tier].discard(entry.key)
+        return c.slot
+
+    def _collect(self, entry: BlockEntry) -> list:
+        freed = []
+        if entry.deleted:
+            for tier, c in list(entry.copies.items()):
+                if c.state is CopyState.READY and not c.readers:
+                    freed.append((tier, self._free_copy(entry, tier)))
+        if not entry.copies and self._blocks.get(entry.key) is entry:
+            del self._blocks[entry.key]
+        return freed
+
+    def check(self) -> None:
+        """Assert internal consistency (used by tests)."""
+        for tier, slots in self._slots.items():
+            used = [c.slot for e in self._blocks.values() for t, c in e.copies.items() if t == tier]
+            assert len(used) == len(set(used)), f"slot used twice on {tier.label}"
+            assert not any(slots.is_free(s) for s in used), f"a used slot is free on {tier.label}"
+            assert len(used) + slots.num_free == slots.num_slots, f"slots leaked on {tier.label}"
+
+
+class BlockKey(tuple):
+    """Identity of one block of a live sequence: (seq_id, layer, index)."""
+
+    __slots__ = ()
+
+    def __new__(cls, seq_id: int, layer: int, index: int) -> "BlockKey":
+        return tuple.__new__(cls, (seq_id, layer, index))
+
+    @property
+    def seq_id(self) -> int:
+        return self[0]
+
+    @property
+    def layer(self) -> int:
+        return self[1]
+
+    @property
+    def index(self) -> int:
+        return self[2]
+
+    def __repr__(self) -> str:
+        return f"BlockKey(seq={self[0]}, layer={self[1]}, index={self[2]})"

@@ -1,0 +1,164 @@
+"""The bytes of the device and host tiers: pre-allocated pools with hard budgets.
+
+A block is K and V for ``block_tokens`` tokens of one layer: logically ``[2, B, H, T, D]``.
+The device pool keeps K and V as ``[B, H, num_slots, T, D]`` so that one ``index_select``
+over slots yields a contiguous ``[B, H, S, D]`` view for attention. The host pool keeps each
+block contiguous (page-aligned, so the disk tier can use direct I/O on it).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("tiercache")
+
+ALIGN = 4096
+
+
+def align_up(num_bytes: int, alignment: int = ALIGN) -> int:
+    return (num_bytes + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    """Shape of one block: K and V of ``block_tokens`` tokens, ``[2, batch, kv_heads, T, head_dim]``."""
+
+    batch: int
+    kv_heads: int
+    block_tokens: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return (2, self.batch, self.kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.batch * self.kv_heads * self.block_tokens * self.head_dim * self.itemsize
+
+    @property
+    def padded_bytes(self) -> int:
+        return align_up(self.block_bytes)
+
+    def with_batch(self, batch: int) -> "BlockGeometry":
+        return BlockGeometry(batch, self.kv_heads, self.block_tokens, self.head_dim, self.dtype)
+
+
+def aligned_buffer(num_bytes: int) -> tuple:
+    """A page-aligned, zeroed CPU byte tensor and the mmap that owns it (keep both alive)."""
+    mm = mmap.mmap(-1, max(num_bytes, ALIGN))
+    tensor = torch.frombuffer(mm, dtype=torch.uint8, count=num_bytes) if num_bytes else torch.empty(0, dtype=torch.uint8)
+    return tensor, mm
+
+
+class DevicePool:
+    """Device-tier slots on the model's device (CUDA, or CPU RAM)."""
+
+    def __init__(self, geometry: BlockGeometry, num_slots: int, device: torch.device) -> None:
+        g = geometry
+        self.geometry = g
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        # k, v: [B, H, num_slots, T, D]
+        self.k = torch.zeros(g.batch, g.kv_heads, num_slots, g.block_tokens, g.head_dim, dtype=g.dtype, device=self.device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def block_view(self, slot: int) -> tuple:
+        """K and V of one slot, each [B, H, T, D] (strided views)."""
+        return self.k[:, :, slot], self.v[:, :, slot]
+
+    def write_block(self, slot: int, block: torch.Tensor, non_blocking: bool = False) -> None:
+        # block: [2, B, H, T, D]
+        self.k[:, :, slot].copy_(block[0], non_blocking=non_blocking)
+        self.v[:, :, slot].copy_(block[1], non_blocking=non_blocking)
+
+    def read_block(self, slot: int, out: torch.Tensor, non_blocking: bool = False) -> None:
+        out[0].copy_(self.k[:, :, slot], non_blocking=non_blocking)
+        out[1].copy_(self.v[:, :, slot], non_blocking=non_blocking)
+
+    def write_tokens(self, slot: int, offset: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        # k_new, v_new: [B, H, n, D] -> tokens [offset, offset + n) of the slot
+        n = k_new.shape[-2]
+        self.k[:, :, slot, offset:offset + n].copy_(k_new)
+        self.v[:, :, slot, offset:offset + n].copy_(v_new)
+
+    def gather(self, slots: list, num_tokens: int, start_token: int = 0) -> tuple:
+        """K and V of ``slots`` in order, as [B, H, num_tokens, D] (tokens from ``start_token``)."""
+        g = self.geometry
+        n = len(slots)
+        first = slots[0]
+        if slots == list(range(first, first + n)):
+            k = self.k.narrow(2, first, n)  # consecutive slots: a view, no copy
+            v = self.v.narrow(2, first, n)
+        else:
+            index = torch.tensor(slots, dtype=torch.long, device=self.device)
+            k = self.k.index_select(2, index)
+            v = self.v.index_select(2, index)
+        k = k.reshape(g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
+        v = v.reshape(g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
+        return (k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens])
+
+    def reorder_rows(self, slots: list, rows: torch.Tensor) -> None:
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        rows = rows.to(self.device)
+        for pool in (self.k, self.v):
+            sub = pool.index_select(2, index).index_select(0, rows)
+            pool.index_copy_(2, index, sub)
+
+
+class HostPool:
+    """Host-tier slots: pinned memory when CUDA is present, page-aligned RAM otherwise."""
+
+    def __init__(self, geometry: BlockGeometry, num_slots: int, pin: bool, on_pin_fallback=None) -> None:
+        self.geometry = geometry
+        self.num_slots = num_slots
+        self.slot_bytes = geometry.padded_bytes
+        total = self.slot_bytes * num_slots
+        self.pinned = False
+        self._mm = None
+        if pin:
+            try:
+                self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+                self.pinned = True
+            except (RuntimeError, torch.OutOfMemoryError) as exc:
+                log.warning("tiercache: pinned host memory unavailable (%s); using pageable memory", exc)
+                if on_pin_fallback is not None:
+                    on_pin_fallback()
+        if not self.pinned:
+            self.buffer, self._mm = aligned_buffer(total)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def raw(self, slot: int) -> torch.Tensor:
+        """The slot's bytes, padded to the page size (uint8)."""
+        return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The slot as a [2, B, H, T, D] tensor."""
+        g = self.geometry
+        return self.raw(slot)[:g.block_bytes].view(g.dtype).view(g.shape)
+
+    def close(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the GC will reclaim it
+            self._mm = None

@@ -1,0 +1,77 @@
+"""Asynchronous block moves: a bounded priority queue served by worker threads.
+
+Demand reads go first, then prefetch reads, then write-backs. On CUDA the copies between
+host and device run on a dedicated copy stream (non-blocking from pinned memory) and a
+worker waits on the copy's event, so completion callbacks only run once bytes are there.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+
+class Priority(enum.IntEnum):
+    DEMAND = 0
+    PREFETCH = 1
+    WRITEBACK = 2
+
+
+class TransferEngine:
+    """Runs move jobs on ``num_workers`` threads; at most ``queue_depth`` jobs queued."""
+
+    def __init__(self, num_workers: int, queue_depth: int, name: str = "tiercache-io") -> None:
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._room = threading.BoundedSemaphore(queue_depth)
+        self._seq = itertools.count()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(num_workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: Callable[[], object], priority: Priority, blocking: bool = True) -> Optional[Future]:
+        """Queue ``job``; while the queue is full, wait (or return None when not ``blocking``)."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        future: Future = Future()
+        if not self._room.acquire(blocking=blocking):
+            return None
+        self._queue.put((int(priority), next(self._seq), job, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            _, _, job, future = self._queue.get()
+            if job is None:
+                return
+            self._room.release()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # delivered to whoever waits on the move
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put((99, next(self._seq), None, None))
+        for t in self._threads:
+            t.join()
+
+
+def wait_all(futures, timeout: Optional[float] = None) -> list:
+    """Wait for every future; return the exceptions raised (not re-raised)."""
+    errors = []
+    for f in futures:
+        try:
+            f.result(timeout)
+        except Exception as exc:  # noqa: BLE001 - collected for the caller
+            errors.append(exc)
+    return errors
