@@ -56,6 +56,15 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes} B"  # pragma: no cover
 
 
+def default_cache_home() -> str:
+    """Where tiercache keeps converted models: $TIERCACHE_HOME, else $XDG_CACHE_HOME/tiercache."""
+    home = os.environ.get("TIERCACHE_HOME")
+    if home:
+        return home
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tiercache")
+
+
 def _check_dir_usable(path: str) -> None:
     """Raise ValueError unless ``path`` is (or can become) a writable directory."""
     if os.path.exists(path) and not os.path.isdir(path):

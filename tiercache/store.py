@@ -59,15 +59,18 @@ class BlockStore:
             record_bytes = DiskTier.record_size(geometry)
             num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes)
         self.table = BlockTable(num_slots)
-        self.tiers = self.table.tiers()
-        self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
-        self.host_pool: Optional[HostPool] = None
-        if Tier.HOST in num_slots:
-            self.host_pool = HostPool(geometry, num_slots[Tier.HOST], pin=self._cuda,
-                                      on_pin_fallback=self.events.pinned_fallback)
-        if Tier.DISK in num_slots:
-            self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
-                                 model_digest=model_digest, persistent=persistent)
+        # Pools are ordinary tensors even when built under torch.inference_mode(): the I/O
+        # threads write them outside it.
+        with torch.inference_mode(False):
+            self.tiers = self.table.tiers()
+            self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
+            self.host_pool: Optional[HostPool] = None
+            if Tier.HOST in num_slots:
+                self.host_pool = HostPool(geometry, num_slots[Tier.HOST], pin=self._cuda,
+                                          on_pin_fallback=self.events.pinned_fallback)
+            if Tier.DISK in num_slots:
+                self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
+                                     model_digest=model_digest, persistent=persistent)
         self.policies = {tier: make_eviction(config.eviction) for tier in self.tiers}
         self._lock = threading.RLock()
         self._inflight: dict = {}  # Move -> Future (prepared moves, started or not)
@@ -75,7 +78,8 @@ class BlockStore:
         self._to_device: dict = {}  # key -> Future of the move filling its device copy
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
         self._prefetched: set = set()
-        self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2)
+        with torch.inference_mode(False):
+            self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2)
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._compute_event = None
         self.engine = TransferEngine(config.io_workers, config.queue_depth)

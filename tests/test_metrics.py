@@ -1,0 +1,276 @@
+"""Prometheus metrics: scraped over real HTTP during a real generation that uses every tier,
+parsed with prometheus_client's parser and checked against ``cache.stats()``."""
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import tiercache
+from tiercache import TierConfig, TieredCache
+from tiercache.metrics import CacheMetrics, metrics_for, serve_metrics, stop_metrics, write_textfile
+
+transformers = pytest.importorskip("transformers")
+
+HISTOGRAMS = ("tiercache_move_seconds", "tiercache_stall_seconds")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.2)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    m.generation_config.eos_token_id = None  # always generate max_new_tokens
+    return m
+
+
+@pytest.fixture
+def make_cache(model, tmp_path):
+    """Blocks are 1 KiB; device 16 blocks, host 6 slots (4 KiB each), disk the rest."""
+    caches = []
+
+    def make() -> TieredCache:
+        cfg = TierConfig(device_budget=16 * 1024, host_budget=6 * 4096, disk_dir=str(tmp_path / f"kv{len(caches)}"),
+                         disk_budget="1MiB", block_tokens=4)
+        caches.append(TieredCache(model, cfg))
+        return caches[-1]
+
+    yield make
+    for cache in caches:
+        stop_metrics(cache)
+        cache.close()
+
+
+def generate(model, cache, num_prompt_tokens: int = 16, max_new_tokens: int = 20) -> None:
+    ids = torch.randint(0, 128, (1, num_prompt_tokens), generator=torch.Generator().manual_seed(1))
+    model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, cache=cache)
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def samples(text: str) -> dict:
+    """{(sample name, sorted labels): value} of every counter and gauge sample."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in HISTOGRAMS:
+            continue
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def histogram(text: str, name: str) -> dict:
+    """{labels without le: {"count", "sum", "buckets": [(le, value)]}} of one histogram."""
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            h = out.setdefault(labels, {"buckets": []})
+            if s.name.endswith("_bucket"):
+                h["buckets"].append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count"):
+                h["count"] = s.value
+            elif s.name.endswith("_sum"):
+                h["sum"] = s.value
+    return out
+
+
+def expected(stats: dict, policy: str = "lru") -> dict:
+    """What the exporter must show for ``stats``: one sample per stats() number."""
+    out = {}
+
+    def put(name: str, value: float, **labels: str) -> None:
+        out[(name, tuple(sorted(labels.items())))] = float(value)
+
+    for tier, t in stats["tiers"].items():
+        put("tiercache_tier_budget_bytes", t["budget_bytes"], tier=tier)
+        put("tiercache_tier_used_bytes", t["used_bytes"], tier=tier)
+        put("tiercache_tier_blocks", t["blocks"], tier=tier)
+    for direction, m in stats["moves"].items():
+        src, dst = direction.split("->")
+        put("tiercache_moves_total", m["blocks"], src=src, dst=dst)
+        put("tiercache_move_bytes_total", m["bytes"], src=src, dst=dst)
+    for tier, n in stats["hits"].items():
+        put("tiercache_hits_total", n, tier=tier)
+    put("tiercache_misses_total", stats["misses"])
+    for tier, n in stats["evictions"].items():
+        put("tiercache_evictions_total", n, tier=tier, policy=policy)
+    for outcome, n in stats["prefetch"].items():
+        put("tiercache_prefetch_total", n, outcome=outcome)
+    put("tiercache_prefill_tokens_total", stats["prefill_tokens"])
+    put("tiercache_decode_tokens_total", stats["decode_tokens"])
+    for tier, n in stats["integrity_errors_by_tier"].items():
+        put("tiercache_integrity_errors_total", n, tier=tier)
+    put("tiercache_pinned_fallback_total", stats["pinned_fallbacks"])
+    put("tiercache_failed_moves_total", stats["failed_moves"])
+    return out
+
+
+def is_counter(key: tuple) -> bool:
+    return key[0].endswith("_total")
+
+
+def test_scrapes_during_and_after_a_generation_that_uses_every_tier_agree_with_stats(model, make_cache):
+    cache = make_cache()
+    port = serve_metrics(cache)
+    assert tiercache.serve_metrics is serve_metrics  # the lazy export
+
+    # 1. From the compute thread itself, in the middle of decoding: a real HTTP scrape bracketed
+    #    by stats() before and after. Async moves may land in between; tokens cannot.
+    mid: list = []
+
+    def scrape_mid_decode(kind: str, fields: dict) -> None:
+        if kind == "tokens" and fields["decode"] and not mid:
+            before = cache.stats()
+            text = scrape(port)
+            mid.append((before, samples(text), cache.stats()))
+
+    cache.events.add_listener(scrape_mid_decode)
+
+    # 2. From another thread, as often as it can, for the whole generation: every scrape parses
+    #    and no counter ever goes down.
+    done = threading.Event()
+    background: list = []
+    errors: list = []
+
+    def hammer() -> None:
+        try:
+            while not done.is_set():
+                background.append(samples(scrape(port)))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        generate(model, cache)
+    finally:
+        done.set()
+        thread.join()
+    assert not errors
+    assert len(background) >= 2
+    for older, newer in zip(background, background[1:]):
+        for key, value in older.items():
+            if is_counter(key):
+                assert newer.get(key, 0.0) >= value, key
+
+    (before, got, after) = mid
+    exp_before, exp_after = expected(before), expected(after)
+    assert 0 < got[("tiercache_decode_tokens_total", ())] == before["decode_tokens"] == after["decode_tokens"]
+    assert set(got) <= set(exp_after)
+    for key, value in got.items():
+        if is_counter(key):
+            assert exp_before.get(key, 0.0) <= value <= exp_after[key], key
+
+    # 3. After the generation, with the cache still open: every number equals stats() exactly.
+    stats = cache.stats()
+    assert all(stats["tiers"][t]["blocks"] > 0 for t in ("device", "host", "disk")), stats["tiers"]
+    assert {"device->host", "host->disk", "host->device", "disk->device"} <= set(stats["moves"])
+    assert stats["hits"]["host"] > 0 and stats["hits"]["disk"] > 0
+    text = scrape(port)
+    assert samples(text) == expected(stats)
+
+    # The histograms saw every move and stall since the exporter attached (here: all of them).
+    moves = histogram(text, "tiercache_move_seconds")
+    assert {f"{dict(k)['src']}->{dict(k)['dst']}" for k in moves} == set(stats["moves"])
+    for labels, h in moves.items():
+        m = stats["moves"][f"{dict(labels)['src']}->{dict(labels)['dst']}"]
+        assert h["count"] == m["blocks"] == h["buckets"][-1][1]
+        assert h["sum"] == pytest.approx(m["seconds"], rel=1e-9)
+        assert [v for _, v in h["buckets"]] == sorted(v for _, v in h["buckets"])
+    stall = histogram(text, "tiercache_stall_seconds")[()]
+    assert stall["count"] > 0 and stall["sum"] == pytest.approx(stats["stall_seconds"], rel=1e-9)
+
+    # 4. Closing the cache keeps its last numbers scrapeable; stopping the exporter frees the port.
+    cache.close()
+    assert samples(scrape(port)) == expected(cache.stats())
+    stop_metrics(cache)
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)
+
+
+def _outbound_ip() -> str:
+    """A non-loopback address of this machine (no packet is sent), or skip."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the route
+        except OSError:
+            pytest.skip("no non-loopback interface")
+        ip = s.getsockname()[0]
+    if ip.startswith("127.") or ip == "0.0.0.0":
+        pytest.skip("no non-loopback interface")
+    return ip
+
+
+def test_serves_on_loopback_only_unless_another_address_is_asked_for(make_cache):
+    cache = make_cache()
+    port = serve_metrics(cache)
+    assert metrics_for(cache).addresses == [("127.0.0.1", port)]
+    scrape(port)
+    ip = _outbound_ip()
+    with pytest.raises(OSError):  # refused: nothing listens there
+        socket.create_connection((ip, port), timeout=5).close()
+
+    wide = serve_metrics(cache, addr="0.0.0.0")
+    assert ("0.0.0.0", wide) in metrics_for(cache).addresses
+    with urllib.request.urlopen(f"http://{ip}:{wide}/metrics", timeout=10) as response:
+        assert "tiercache_tier_budget_bytes" in response.read().decode()
+
+
+def test_each_cache_has_its_own_registry_and_nothing_goes_to_the_default_one_unless_asked(model, make_cache):
+    first, second = make_cache(), make_cache()
+    generate(model, first, max_new_tokens=4)
+    m1, m2 = CacheMetrics(first), CacheMetrics(second)
+    assert m1.registry is not m2.registry
+    assert samples(generate_latest(m1.registry).decode()) == expected(first.stats())
+    assert samples(generate_latest(m2.registry).decode())[("tiercache_decode_tokens_total", ())] == 0
+    assert b"tiercache_" not in generate_latest(REGISTRY)
+
+    default = CacheMetrics(second, register_default=True)
+    try:
+        assert b"tiercache_tier_budget_bytes" in generate_latest(REGISTRY)
+    finally:
+        default.close()
+    assert b"tiercache_" not in generate_latest(REGISTRY)
+
+
+def test_before_the_first_update_gauges_show_the_budgets_and_counters_are_zero(make_cache):
+    cache = make_cache()
+    assert cache.store is None
+    got = samples(generate_latest(metrics_for(cache).registry).decode())
+    assert got == expected(cache.stats())
+    assert got[("tiercache_tier_budget_bytes", (("tier", "host"),))] == 6 * 4096
+    assert all(v == 0 for k, v in got.items() if is_counter(k))
+
+
+def test_textfile_written_after_generation_counts_what_happened_before_attaching(model, make_cache, tmp_path):
+    cache = make_cache()
+    generate(model, cache, max_new_tokens=8)  # no exporter yet
+    path = tmp_path / "tiercache.prom"
+    write_textfile(cache, str(path))
+    text = path.read_text()
+    assert samples(text) == expected(cache.stats())
+    assert cache.stats()["moves"] and histogram(text, "tiercache_move_seconds") == {}  # only since attaching
+
+
+def test_a_broken_event_never_reaches_the_store(make_cache):
+    cache = make_cache()
+    metrics = metrics_for(cache)
+    metrics._on_event("move", {"src": "device"})  # missing fields: logged, not raised
+    metrics.close()
+    metrics.close()  # idempotent
+    assert metrics_for(cache) is not metrics  # a closed exporter is replaced on next use

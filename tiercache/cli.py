@@ -1,0 +1,156 @@
+"""``tiercache`` command line: generate, demo, bench. Argument handling only; the work is
+done by the library modules."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from tiercache.config import TierConfig, format_bytes
+from tiercache.errors import TierCacheError
+
+
+class CLIError(Exception):
+    """A problem with the user's input: printed as one line, exit status 2."""
+
+
+def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str = "4GiB",
+                  disk: str = "16GiB") -> None:
+    g = p.add_argument_group("tiers")
+    g.add_argument("--device-budget", default=device, help="device tier budget, e.g. 64MiB (default %(default)s)")
+    g.add_argument("--host-budget", default=host, help="host tier budget; 0 disables it (default %(default)s)")
+    g.add_argument("--disk-budget", default=disk, help="disk tier budget; 0 disables it (default %(default)s)")
+    g.add_argument("--disk-dir", default=None, help="directory of the disk tier (disk disabled without it)")
+    g.add_argument("--block-tokens", type=int, default=TierConfig.block_tokens, help="tokens per block")
+    g.add_argument("--eviction", default="lru", help="eviction policy (lru, fifo, lfu, ...)")
+    g.add_argument("--prefetch", default="next-layer", help="prefetch policy (none, next-layer, lookahead)")
+    g.add_argument("--io-workers", type=int, default=4, help="disk I/O threads")
+    g.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"])
+
+
+def config_from_args(args: argparse.Namespace) -> TierConfig:
+    try:
+        return TierConfig(device_budget=args.device_budget, host_budget=args.host_budget,
+                          disk_budget=args.disk_budget, disk_dir=args.disk_dir, block_tokens=args.block_tokens,
+                          eviction=args.eviction, prefetch=args.prefetch, io_workers=args.io_workers,
+                          direct_io=args.direct_io)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise CLIError(f"--prompt-file: cannot read {args.prompt_file!r} ({exc.strerror})") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise CLIError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
+    return sys.stdin.read()
+
+
+def stats_table(stats: dict, seconds: dict) -> str:
+    """A plain-text summary: tier occupancy, bytes moved, hits, stall time, tokens/s."""
+    lines = ["tier     budget       used         blocks  hits"]
+    for tier in ("device", "host", "disk"):
+        t = stats["tiers"].get(tier, {})
+        lines.append(f"{tier:<8} {format_bytes(t.get('budget_bytes', 0)):>11}  {format_bytes(t.get('used_bytes', 0)):>11}"
+                     f"  {t.get('blocks', 0):>6}  {stats['hits'].get(tier, 0)}")
+    lines.append("moves:")
+    for name, m in sorted(stats["moves"].items()):
+        lines.append(f"  {name:<14} {m['blocks']:>7} blocks  {format_bytes(m['bytes']):>11}  {m['seconds']:.2f} s")
+    lines.append(f"evictions: {stats['evictions']}   stall: {stats['stall_seconds']:.2f} s   "
+                 f"prefetch: {stats['prefetch']}")
+    pre, dec = stats["prefill_tokens"], stats["decode_tokens"]
+    lines.append(f"prefill: {pre} tokens in {seconds['prefill']:.1f} s ({pre / max(seconds['prefill'], 1e-9):.1f} tok/s)"
+                 f"   decode: {dec} tokens in {seconds['decode']:.1f} s ({dec / max(seconds['decode'], 1e-9):.2f} tok/s)")
+    return "\n".join(lines)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tiercache.generation import generate_text
+
+    cfg = config_from_args(args)
+    prompt = read_prompt(args)
+    result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
+                           chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
+                           stream=sys.stdout, progress=not args.quiet, trace_out=getattr(args, "trace_out", None))
+    print(file=sys.stdout)
+    if not args.quiet:
+        print(stats_table(result["stats"], result["seconds"]), file=sys.stderr)
+    if args.stats_json:
+        with open(args.stats_json, "w", encoding="utf-8") as f:
+            json.dump({"stats": result["stats"], "seconds": result["seconds"], "text": result["text"]}, f, indent=2)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tiercache.demo import run_demo
+
+    return run_demo(records=args.records, disk_dir=args.disk_dir)
+
+
+def cmd_bench(args: argparse.Namespace, rest: list) -> int:
+    if args.what == "io":
+        from tiercache.bench.io import run
+    elif args.what == "decode":
+        from tiercache.bench.decode import run
+    else:  # pragma: no cover - argparse restricts choices
+        raise CLIError(f"unknown benchmark {args.what!r}")
+    return run(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV cache for long-context generation")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with the KV cache spread over the tiers")
+    gen.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None)
+    src.add_argument("--prompt-file", default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk size in tokens")
+    gen.add_argument("--no-chat-template", action="store_true")
+    gen.add_argument("--stats-json", default=None, help="write stats to this JSON file")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar or stats table")
+    add_tier_args(gen)
+
+    demo = sub.add_parser("demo", help="long-context needle-in-a-haystack job over all three tiers")
+    demo.add_argument("--records", type=int, default=120)
+    demo.add_argument("--disk-dir", default=None)
+
+    bench = sub.add_parser("bench", help="benchmarks (io, decode); --help after the name for options")
+    bench.add_argument("what", choices=["io", "decode"])
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
+        args, rest = parser.parse_args(argv[:2]), argv[2:]
+    else:
+        args, rest = parser.parse_args(argv), []
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+        return cmd_bench(args, rest)
+    except (CLIError, TierCacheError, ValueError) as exc:
+        print(f"tiercache: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tiercache: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Long-context generation with a TieredCache: the body of ``tiercache generate``."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any, Optional
+
+import torch
+
+from tiercache.config import TierConfig
+from tiercache.errors import TierCacheError
+
+
+class PromptTooLongError(TierCacheError, ValueError):
+    """The prompt plus the new tokens exceed the model's positions."""
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> dict:
+    """Token ids (and mask) for ``prompt``, through the chat template when the model has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+    else:
+        enc = tokenizer(prompt, return_tensors="pt")
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def check_length(model: Any, num_prompt_tokens: int, max_new_tokens: int) -> None:
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and num_prompt_tokens + max_new_tokens > limit:
+        raise PromptTooLongError(f"the prompt has {num_prompt_tokens} tokens and {max_new_tokens} new tokens were asked "
+                                 f"for, but the model has {limit} positions; shorten the prompt or --max-new-tokens")
+
+
+class _Progress:
+    """Prefill and decode progress on stderr, fed by the cache's token events."""
+
+    def __init__(self, prefill_total: int, decode_total: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.prefill_total, self.decode_total = prefill_total, decode_total
+        self.prefilled = self.decoded = 0
+        self.t_start = time.perf_counter()
+        self.t_first_decode: Optional[float] = None
+
+    def __call__(self, kind: str, fields: dict) -> None:
+        if kind != "tokens":
+            return
+        self.prefilled += fields["prefill"]
+        if fields["decode"] and self.t_first_decode is None:
+            self.t_first_decode = time.perf_counter()
+            if self.enabled:
+                sys.stderr.write("\n")
+        self.decoded += fields["decode"]
+        if self.enabled and fields["prefill"]:
+            done = self.prefilled / max(self.prefill_total, 1)
+            bar = "#" * int(30 * done)
+            sys.stderr.write(f"\rprefill [{bar:<30}] {self.prefilled}/{self.prefill_total} tokens")
+            sys.stderr.flush()
+
+
+def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] = None,
+                  max_new_tokens: int = 128, chat: bool = True, prefill_chunk: Optional[int] = 512,
+                  stream: Optional[IO[str]] = None, progress: bool = True, model: Any = None,
+                  tokenizer: Any = None, trace_out: Optional[str] = None) -> dict:
+    """Generate greedily from ``prompt`` with a TieredCache; returns text, stats and timings."""
+    from transformers import TextStreamer
+
+    from tiercache.hf import TieredCache
+    from tiercache.models import load_model
+
+    if model is None:
+        model, tokenizer = load_model(model_path)
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+    inputs = encode_prompt(tokenizer, prompt, chat)
+    num_prompt = inputs["input_ids"].shape[1]
+    check_length(model, num_prompt, max_new_tokens)
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    meter = _Progress(num_prompt, max_new_tokens, progress)
+    streamer = None
+    if stream is not None:
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer.on_finalized_text = lambda text, stream_end=False: (stream.write(text), stream.flush())
+    t0 = time.perf_counter()
+    with TieredCache(model, config) as cache:
+        cache.events.add_listener(meter)
+        kwargs = {"prefill_chunk_size": prefill_chunk} if prefill_chunk and num_prompt > prefill_chunk else {}
+        with torch.inference_mode():
+            out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                                 streamer=streamer, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                                 **kwargs)
+        t_end = time.perf_counter()
+        stats = cache.stats()
+    first = meter.t_first_decode or t_end
+    new_ids = out[0, num_prompt:]
+    return {"text": tokenizer.decode(new_ids, skip_special_tokens=True), "num_prompt_tokens": num_prompt,
+            "new_token_ids": new_ids.tolist(), "stats": stats,
+            "seconds": {"prefill": first - t0, "decode": t_end - first, "total": t_end - t0}}

@@ -1,0 +1,206 @@
+"""Prometheus metrics for one ``TieredCache``, in a registry of its own.
+
+Counters and gauges are read from ``cache.stats()`` at scrape time, so they agree with it
+exactly, include what happened before the exporter attached and are never stale. The two
+histograms (move and stall durations) need every single observation, so they are fed by an
+``Events`` listener and cover what happened after the exporter attached: attach it before
+generating. Nothing here is global: each cache gets its own ``CollectorRegistry``;
+``register_default=True`` also registers it into prometheus_client's default registry.
+
+Example::
+
+    with tiercache.TieredCache(model, cfg) as cache:
+        port = tiercache.serve_metrics(cache)  # http://127.0.0.1:<port>/metrics
+        model.generate(**inputs, cache=cache, max_new_tokens=256)
+        tiercache.metrics.stop_metrics(cache)
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable, Optional
+
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram, start_http_server, write_to_textfile
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("tiercache")
+
+# One block moves in microseconds (RAM) to tens of milliseconds (NVMe, large blocks).
+MOVE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
+                0.25, 0.5, 1.0)
+# A stall is one wait of the compute thread for blocks that are not on the device yet.
+STALL_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0)
+
+_ATTR = "_tiercache_metrics"  # where metrics_for() keeps a cache's exporter, on the cache itself
+
+
+class CacheMetrics(Collector):
+    """The Prometheus collector of one cache, registered in ``self.registry``.
+
+    Args:
+        cache: the ``TieredCache`` (anything with ``.events`` and ``.stats()``).
+        registry: where to register; a new ``CollectorRegistry`` when None.
+        register_default: also register into prometheus_client's default ``REGISTRY``
+            (one cache per process: a second one raises ``ValueError``, duplicated series).
+    """
+
+    def __init__(self, cache: Any, registry: Optional[CollectorRegistry] = None,
+                 register_default: bool = False) -> None:
+        self.cache = cache
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.closed = False
+        self._lock = threading.Lock()
+        self._servers: list = []  # (server, thread) pairs from start_http_server
+        self._registries: list = []
+        self._move_seconds = Histogram("tiercache_move_seconds", "Duration of one block move",
+                                       ["src", "dst"], buckets=MOVE_BUCKETS, registry=None)
+        self._stall_seconds = Histogram("tiercache_stall_seconds", "One wait of the compute thread "
+                                        "for blocks to reach the device", buckets=STALL_BUCKETS, registry=None)
+        cache.events.add_listener(self._on_event)
+        for reg in [self.registry] + ([REGISTRY] if register_default else []):
+            reg.register(self)
+            self._registries.append(reg)
+
+    def _on_event(self, kind: str, fields: dict) -> None:
+        # Called by Events, sometimes under the store's lock: never call back into the cache
+        # here, and never raise into the store's move path.
+        if self.closed:
+            return
+        try:
+            if kind == "move":
+                self._move_seconds.labels(fields["src"], fields["dst"]).observe(fields["seconds"])
+            elif kind == "stall":
+                self._stall_seconds.observe(fields["seconds"])
+        except Exception:  # noqa: BLE001 - a metrics bug must not break generation
+            log.exception("tiercache: metrics listener failed on %r event", kind)
+
+    def describe(self) -> list:
+        """The metric families without samples (lets registries check names without a scrape)."""
+        return self._families(None)
+
+    def collect(self) -> list:
+        """Every metric, read from ``cache.stats()`` now plus the two histograms."""
+        # No lock of ours is held here: listeners run under the store's lock and stats() takes it.
+        return self._families(self.cache.stats())
+
+    def _families(self, stats: Optional[dict]) -> list:
+        s = stats or {"tiers": {}, "moves": {}, "hits": {}, "evictions": {}, "prefetch": {},
+                      "integrity_errors_by_tier": {}}
+        policy = getattr(self.cache.events, "eviction_policy", "") or ""
+        tiers = s["tiers"].items()
+        moves = [(tuple(direction.split("->", 1)), m) for direction, m in s["moves"].items()]
+        out: list = [
+            _gauge("tiercache_tier_budget_bytes", "Byte budget of a tier (0: tier disabled)",
+                   [((t,), v["budget_bytes"]) for t, v in tiers]),
+            _gauge("tiercache_tier_used_bytes", "Bytes of a tier's slots that hold blocks",
+                   [((t,), v["used_bytes"]) for t, v in tiers]),
+            _gauge("tiercache_tier_blocks", "Blocks held by a tier", [((t,), v["blocks"]) for t, v in tiers]),
+            _counter("tiercache_moves_total", "Blocks moved between tiers", ["src", "dst"],
+                     [(d, m["blocks"]) for d, m in moves]),
+            _counter("tiercache_move_bytes_total", "Bytes moved between tiers", ["src", "dst"],
+                     [(d, m["bytes"]) for d, m in moves]),
+            _counter("tiercache_hits_total", "Blocks attention needed, by the tier they were found on",
+                     ["tier"], [((t,), n) for t, n in s["hits"].items()]),
+            _counter("tiercache_misses_total", "Blocks attention needed that no tier held", [],
+                     [((), s.get("misses", 0))]),
+            _counter("tiercache_evictions_total", "Blocks evicted from a tier", ["tier", "policy"],
+                     [((t, policy), n) for t, n in s["evictions"].items()]),
+            _counter("tiercache_prefetch_total", "Prefetched blocks by outcome (used, unused, late)",
+                     ["outcome"], [((o,), n) for o, n in s["prefetch"].items()]),
+            _counter("tiercache_prefill_tokens_total", "Prompt tokens written to the cache", [],
+                     [((), s.get("prefill_tokens", 0))]),
+            _counter("tiercache_decode_tokens_total", "Generated tokens written to the cache", [],
+                     [((), s.get("decode_tokens", 0))]),
+            _counter("tiercache_integrity_errors_total", "Records that failed their checksum", ["tier"],
+                     [((t,), n) for t, n in s["integrity_errors_by_tier"].items()]),
+            _counter("tiercache_pinned_fallback_total", "Host buffers that could not be pinned", [],
+                     [((), s.get("pinned_fallbacks", 0))]),
+            _counter("tiercache_failed_moves_total", "Block moves that failed and were rolled back", [],
+                     [((), s.get("failed_moves", 0))]),
+        ]
+        for hist in (self._move_seconds, self._stall_seconds):
+            families = hist.collect() if stats is not None else hist.describe()
+            for family in families:  # _created means little for a cache's lifetime: leave it out
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            out.extend(families)
+        return out
+
+    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` over HTTP from a daemon thread; returns the bound port.
+
+        Listens on loopback unless ``addr`` says otherwise ("0.0.0.0" for every interface).
+        ``port=0`` lets the OS pick a free port.
+        """
+        if self.closed:
+            raise RuntimeError("CacheMetrics is closed")
+        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        with self._lock:
+            self._servers.append((server, thread))
+        return int(server.server_address[1])
+
+    @property
+    def addresses(self) -> list:
+        """(host, port) of every server this exporter runs."""
+        with self._lock:
+            return [server.server_address[:2] for server, _ in self._servers]
+
+    def close(self) -> None:
+        """Stop the HTTP servers, unregister from every registry and stop observing events."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            servers, self._servers = self._servers, []
+        for server, thread in servers:
+            server.shutdown()
+            server.server_close()
+            thread.join()
+        for reg in self._registries:
+            reg.unregister(self)
+        self._registries = []
+
+
+def _gauge(name: str, doc: str, items: Iterable) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=["tier"])
+    for labels, value in items:
+        family.add_metric(list(labels), value)
+    return family
+
+
+def _counter(name: str, doc: str, labels: list, items: Iterable) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, value in items:
+        family.add_metric(list(values), value)
+    return family
+
+
+def metrics_for(cache: Any, register_default: bool = False) -> CacheMetrics:
+    """The cache's exporter, created (and attached to ``cache.events``) on first use."""
+    metrics = getattr(cache, _ATTR, None)
+    if metrics is None or metrics.closed:
+        metrics = CacheMetrics(cache, register_default=register_default)
+        setattr(cache, _ATTR, metrics)
+    return metrics
+
+
+def serve_metrics(cache: Any, port: int = 0, addr: str = "127.0.0.1") -> int:
+    """Serve the cache's metrics at ``http://addr:port/metrics``; returns the bound port.
+
+    Loopback only by default; pass ``addr="0.0.0.0"`` (or an interface address) to expose
+    them to other machines. Stop with ``stop_metrics(cache)``.
+    """
+    return metrics_for(cache).serve(port, addr)
+
+
+def stop_metrics(cache: Any) -> None:
+    """Stop every metrics server of ``cache`` and detach its exporter (no-op if none)."""
+    metrics = getattr(cache, _ATTR, None)
+    if metrics is not None:
+        metrics.close()
+
+
+def write_textfile(cache: Any, path: str) -> None:
+    """Write the cache's metrics atomically to ``path`` (a ``.prom`` file for node_exporter)."""
+    write_to_textfile(path, metrics_for(cache).registry)
