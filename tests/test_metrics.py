@@ -168,7 +168,7 @@ def test_scrapes_during_and_after_a_generation_that_uses_every_tier_agree_with_s
             if is_counter(key):
                 assert newer.get(key, 0.0) >= value, key
 
-    (before, got, after) = mid
+    [(before, got, after)] = mid
     exp_before, exp_after = expected(before), expected(after)
     assert 0 < got[("tiercache_decode_tokens_total", ())] == before["decode_tokens"] == after["decode_tokens"]
     assert set(got) <= set(exp_after)
@@ -274,3 +274,22 @@ def test_a_broken_event_never_reaches_the_store(make_cache):
     metrics.close()
     metrics.close()  # idempotent
     assert metrics_for(cache) is not metrics  # a closed exporter is replaced on next use
+
+
+def test_the_dashboard_and_the_docs_only_use_metrics_that_exist(make_cache):
+    import json
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    dashboard = json.loads((root / "examples" / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    families = {f.name: f.type for f in text_string_to_metric_families(
+        generate_latest(metrics_for(make_cache()).registry).decode())}
+    exported = {f"{n}_total" if t == "counter" else n for n, t in families.items()}
+    exported |= {f"{n}{s}" for n, t in families.items() if t == "histogram" for s in ("_bucket", "_sum", "_count")}
+    for text in (exprs, (root / "docs" / "metrics.md").read_text()):
+        used = set(re.findall(r"tiercache_[a-z_]+", text))
+        assert used and used <= exported, used - exported
+    assert {"tiercache_tier_used_bytes", "tiercache_move_bytes_total", "tiercache_hits_total",
+            "tiercache_stall_seconds_sum", "tiercache_evictions_total"} <= set(re.findall(r"tiercache_[a-z_]+", exprs))

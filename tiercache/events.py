@@ -6,10 +6,12 @@ the same events, so their counters agree with ``stats()`` exactly.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from typing import Callable, Optional
 
 TIER_LABELS = ("device", "host", "disk")
+log = logging.getLogger("tiercache")
 
 
 class Events:
@@ -25,18 +27,31 @@ class Events:
         self._counters = {
             "misses": 0, "stall_seconds": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
             "integrity_errors": 0, "pinned_fallbacks": 0, "prefetch_used": 0,
-            "prefetch_unused": 0, "prefetch_late": 0, "failed_moves": 0,
+            "prefetch_unused": 0, "prefetch_late": 0, "failed_moves": 0, "stall_events": 0,
         }
         self._integrity = {t: 0 for t in TIER_LABELS}
 
     def add_listener(self, fn: Callable[[str, dict], None]) -> None:
-        """``fn(kind, fields)`` is called for every event, after the counters change."""
+        """``fn(kind, fields)`` is called for every event, after the counters change.
+
+        Listeners run on the thread that caused the event, sometimes while the store's lock
+        is held: they must be quick and must not call back into the cache. An exception in a
+        listener is logged and swallowed.
+        """
         with self._lock:
             self._listeners.append(fn)
 
+    def remove_listener(self, fn: Callable[[str, dict], None]) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
     def _emit(self, kind: str, **fields) -> None:
         for fn in list(self._listeners):
-            fn(kind, fields)
+            try:
+                fn(kind, fields)
+            except Exception:  # noqa: BLE001 - a broken exporter must not break generation
+                log.exception("tiercache: event listener failed on %s", kind)
 
     def move(self, src: str, dst: str, num_bytes: int, seconds: float) -> None:
         with self._lock:
@@ -65,8 +80,10 @@ class Events:
             self._emit("eviction", tier=tier, n=n, policy=self.eviction_policy)
 
     def stall(self, seconds: float) -> None:
+        """Time attention waited for blocks (one event per layer update, zeros included)."""
         with self._lock:
             self._counters["stall_seconds"] += seconds
+            self._counters["stall_events"] += 1
         self._emit("stall", seconds=seconds)
 
     def tokens(self, prefill: int = 0, decode: int = 0) -> None:
@@ -107,6 +124,7 @@ class Events:
                 "misses": c["misses"],
                 "evictions": dict(self._evictions),
                 "stall_seconds": c["stall_seconds"],
+                "stall_events": c["stall_events"],
                 "prefill_tokens": c["prefill_tokens"],
                 "decode_tokens": c["decode_tokens"],
                 "integrity_errors": c["integrity_errors"],

@@ -159,7 +159,9 @@ class TieredCache(Cache):
             disk_dir = os.path.join(sessions, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
             self._session_dir = disk_dir
         device = cfg.device or key_states.device
-        return BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
+        store = BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
+        store.defer_stall = True
+        return store
 
     def _key(self, layer_idx: int, index: int) -> BlockKey:
         return BlockKey(self.seq_id, layer_idx, index)
@@ -259,6 +261,7 @@ class TieredCache(Cache):
             store.prefetch(plan, protect=needed)
         if layer.is_sliding and not layer.record_past:
             self._free_before(layer, max(end - layer.sliding_window + 1, 0) // bt)
+        self.events.stall(store.take_stall())
         return keys, values
 
     def _free_before(self, layer: TieredLayer, first_block: int) -> None:
@@ -310,7 +313,7 @@ class TieredCache(Cache):
         if self.store is not None and not self.store.closed:
             return self.store.stats()
         cfg = self.tier_config
-        tiers = {name: {"budget_bytes": budget, "used_bytes": 0, "blocks": 0} for name, budget in (
+        tiers = {name: {"budget_bytes": budget, "used_bytes": 0, "blocks": 0, "capacity_blocks": 0} for name, budget in (
             ("device", cfg.device_budget), ("host", cfg.host_budget),
             ("disk", cfg.disk_budget if cfg.disk_enabled else 0))}
         snap = self.events.snapshot(getattr(self, "_last_tiers", tiers))

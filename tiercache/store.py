@@ -82,6 +82,8 @@ class BlockStore:
             self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2)
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._compute_event = None
+        self.defer_stall = False  # the HF layer records one stall event per layer update
+        self._stall_acc = 0.0
         self.engine = TransferEngine(config.io_workers, config.queue_depth)
         self.closed = False
         if self.disk is not None and persistent:
@@ -184,11 +186,14 @@ class BlockStore:
                 if tier is None:  # only copies in flight: wait for them, then look again
                     waits = self._inflight_for(key)
                 else:
-                    copy = self.table.copy(key, tier)
-                    copy.readers += 1
+                    entry = self.table.get(key)
+                    copy = entry.copies[tier]
+                    copy.readers += 1  # a reader: this slot is not freed while we copy
                     slot, waits = copy.slot, None
             if waits is not None:
+                t0 = time.perf_counter()
                 wait_all(waits)
+                self._stalled(time.perf_counter() - t0)
                 continue
             out = torch.empty(self.geometry.shape, dtype=self.geometry.dtype)
             corrupted = False
@@ -207,10 +212,12 @@ class BlockStore:
                 reason = str(exc)
             finally:
                 with self._lock:
-                    self.table.copy(key, tier).readers -= 1
-                    if corrupted:
+                    copy.readers -= 1
+                    if entry.deleted:
+                        for t, freed_slot in self.table._collect(entry):
+                            self._released(key, t, freed_slot)
+                    elif corrupted:
                         self._discard(key, tier)
-                    self._collect_deleted(key)
                     lost = corrupted and self.table.best_source(key) is None and not self._inflight_for(key)
                     if lost:
                         self._forget(key)
@@ -278,6 +285,8 @@ class BlockStore:
         while True:
             with self._lock:
                 moves = self._room(Tier.DEVICE, len(keys), protect, allow_writeback=True)
+                if self.table.num_free(Tier.DEVICE) < len(keys) and not moves:
+                    raise CapacityError(self._full_message(len(keys)))
                 if self.table.num_free(Tier.DEVICE) >= len(keys) and not moves:
                     slots = []
                     for key in keys:
@@ -286,8 +295,7 @@ class BlockStore:
                         self.table.pin(key)
                         self.policies[Tier.DEVICE].insert(key)
                         self._tokens[key] = 0
-                    if stall:
-                        self.events.stall(stall)
+                    self._stalled(stall)
                     return slots
             stall += self._wait_moves(moves)
 
@@ -337,7 +345,8 @@ class BlockStore:
                             missing.append((key, src))
                     if missing:
                         submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
-                        for key, src in missing[:self.table.num_free(Tier.DEVICE)]:
+                        for key, _ in missing[:self.table.num_free(Tier.DEVICE)]:
+                            src = self.table.best_source(key)  # eviction may have dropped a copy
                             submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
                     if not missing and not waits:
                         break
@@ -364,8 +373,7 @@ class BlockStore:
             raise
         if not pin:
             self.unpin(pinned)
-        if stall:
-            self.events.stall(stall)
+        self._stalled(stall)
         return stall
 
     def prefetch(self, keys: list, protect: Iterable[Hashable] = ()) -> int:
@@ -384,7 +392,10 @@ class BlockStore:
             if not wanted:
                 return 0
             self._room(Tier.DEVICE, len(wanted), protect, allow_writeback=False)
-            for key, src in wanted[:self.table.num_free(Tier.DEVICE)]:
+            for key, _ in wanted[:self.table.num_free(Tier.DEVICE)]:
+                src = self.table.best_source(key)
+                if src is None:
+                    continue
                 submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
                 self._prefetched.add(key)
         for move in submit:
@@ -409,6 +420,17 @@ class BlockStore:
                     return entry.copies[Tier.DEVICE].slot
                 waits = self._inflight_for(key)
             wait_all(waits)
+
+    def _stalled(self, seconds: float) -> None:
+        if self.defer_stall:
+            self._stall_acc += seconds
+        elif seconds:
+            self.events.stall(seconds)
+
+    def take_stall(self) -> float:
+        """Stall time accumulated since the last call (with ``defer_stall``)."""
+        seconds, self._stall_acc = self._stall_acc, 0.0
+        return seconds
 
     def note_tokens(self, key: Hashable, num_tokens: int) -> None:
         self._tokens[key] = num_tokens
@@ -547,13 +569,16 @@ class BlockStore:
                 self._drop(key, tier, evicted=True)
                 continue
             if self.table.num_free(lower) < 1:
-                moves.extend(self._room(lower, 1, protect, allow_writeback))
+                # `protect` guards copies on this tier only: below, dropping a clean copy
+                # of a protected block loses nothing.
+                moves.extend(self._room(lower, 1, set(), allow_writeback))
             if self.table.num_free(lower) >= 1:
                 moves.append(self._prepare(key, tier, lower, drop_source=True))
                 self.events.eviction(tier.label)
-        if not moves:
-            # Nothing to demote now: waiting on moves that free slots here may still help.
-            moves = [m for m in self._inflight if m.drop_source and m.src is tier]
+        if not moves and self.table.num_free(tier) < n:
+            # Nothing to evict now. Moves in flight may still help: a demotion frees its
+            # source slot, and a copy landing here becomes a clean, droppable copy.
+            moves = [m for m in self._inflight if (m.drop_source and m.src is tier) or m.dst is tier]
         return moves
 
     def _drop(self, key: Hashable, tier: Tier, evicted: bool) -> None:
@@ -568,23 +593,18 @@ class BlockStore:
 
     def _released(self, key: Hashable, tier: Tier, slot: int) -> None:
         """Under the lock, right after a slot was freed (before anyone can reuse it)."""
+        if tier is Tier.DISK:
+            self.disk.tombstone(slot)
+        if self.table.copy(key, tier) is not None:
+            return  # a zombie's copy went; a newer block with the same key lives on this tier
         self.policies[tier].remove(key)
         if tier is Tier.DEVICE and key in self._prefetched:
             self._prefetched.discard(key)
             self.events.prefetch("unused")
-        if tier is Tier.DISK:
-            self.disk.tombstone(slot)
-
     def _forget(self, key: Hashable) -> None:
         for tier, slot in self.table.delete(key):
             self._released(key, tier, slot)
         self._tokens.pop(key, None)
-
-    def _collect_deleted(self, key: Hashable) -> None:
-        entry = self.table._blocks.get(key)
-        if entry is not None and entry.deleted:
-            for tier, slot in self.table._collect(entry):
-                self._released(key, tier, slot)
 
     def _inflight_for(self, key: Hashable) -> list:
         return [f for m, f in self._inflight.items() if m.key == key]
@@ -596,6 +616,17 @@ class BlockStore:
                 f"per block) but this step needs {num_needed} blocks resident at once and the rest are "
                 f"pinned or in flight; minimum device_budget = {num_needed * g.block_bytes} bytes "
                 f"({format_bytes(num_needed * g.block_bytes)})")
+
+    def _full_message(self, num_new: int) -> str:
+        cfg = self.config
+        parts = [f"device_budget={format_bytes(cfg.device_budget)}"]
+        if Tier.HOST in self.tiers:
+            parts.append(f"host_budget={format_bytes(cfg.host_budget)}")
+        if Tier.DISK in self.tiers:
+            parts.append(f"disk_budget={format_bytes(cfg.disk_budget)}")
+        needed = (len(self.table) + num_new) * self.geometry.block_bytes
+        return (f"live KV data exceed every tier: {len(self.table)} blocks stored and {num_new} more needed "
+                f"({format_bytes(needed)} in all) with {', '.join(parts)}; nothing was overwritten")
 
     def _wait_moves(self, moves: list) -> float:
         """Start the prepared ``moves`` that are not running yet and wait for all of them."""

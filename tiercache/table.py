@@ -62,6 +62,7 @@ class Move:
     dst: Tier
     dst_slot: int
     drop_source: bool
+    entry: "BlockEntry" = field(compare=False, hash=False, repr=False, default=None)
 
 
 class TableError(RuntimeError):
@@ -107,6 +108,9 @@ class BlockTable:
     def __init__(self, num_slots: dict) -> None:
         self._slots = {tier: _Slots(n) for tier, n in num_slots.items()}
         self._blocks: dict = {}
+        # Deleted blocks whose copies are still in flight; their key may already be reused
+        # by a new block, so they are kept apart (by identity) until their moves complete.
+        self._zombies: dict = {}
         self._on_tier: dict = {tier: set() for tier in num_slots}
 
     # ---- queries -------------------------------------------------------------------
@@ -184,8 +188,6 @@ class BlockTable:
     def allocate(self, key: Hashable, tier: Tier) -> int:
         """Reserve a slot on ``tier`` for a new copy of ``key`` (FILLING)."""
         entry = self._blocks.get(key)
-        if entry is not None and entry.deleted:
-            raise TableError(f"block {key!r} is being deleted")
         if entry is not None and tier in entry.copies:
             raise TableError(f"block {key!r} already has a copy on {tier.label}")
         slot = self._slots[tier].alloc()
@@ -231,16 +233,16 @@ class BlockTable:
             raise TableError(f"block {key!r} on {src.label} is pinned or busy")
         dst_slot = self.allocate(key, dst)
         c.readers += 1
-        return Move(key, src, c.slot, dst, dst_slot, drop_source)
+        return Move(key, src, c.slot, dst, dst_slot, drop_source, entry)
 
     def complete_move(self, move: Move, ok: bool) -> list:
         """Commit or roll back ``move``. Returns the (tier, slot) pairs it freed."""
-        entry = self._blocks[move.key]
+        entry = move.entry
         src = entry.copies[move.src]
         src.readers -= 1
         freed = []
         if ok:
-            self.commit(move.key, move.dst)
+            entry.copies[move.dst].state = CopyState.READY
             if move.drop_source and not src.readers and not (move.src is Tier.DEVICE and entry.pins):
                 freed.append((move.src, self._free_copy(entry, move.src)))
         else:
@@ -271,7 +273,13 @@ class BlockTable:
             return []
         entry.deleted = True
         entry.pins = 0
-        return self._collect(entry)
+        freed = self._collect(entry)
+        if entry.copies:  # still in flight: park it so the key can be reused at once
+            del self._blocks[key]
+            self._zombies[id(entry)] = entry
+            for tier in entry.copies:
+                self._on_tier[tier].discard(key)
+        return freed
 
     def discard(self, key: Hashable, tier: Tier) -> list:
         """Free a READY copy known to be bad (failed its checksum). Returns freed (tier, slot)."""
@@ -304,7 +312,8 @@ class BlockTable:
         if c.readers:
             raise TableError(f"copy of {entry.key!r} on {tier.label} is in flight")
         self._slots[tier].release(c.slot)
-        self._on_tier[tier].discard(entry.key)
+        if self._blocks.get(entry.key) is entry:
+            self._on_tier[tier].discard(entry.key)
         return c.slot
 
     def _collect(self, entry: BlockEntry) -> list:
@@ -313,14 +322,17 @@ class BlockTable:
             for tier, c in list(entry.copies.items()):
                 if c.state is CopyState.READY and not c.readers:
                     freed.append((tier, self._free_copy(entry, tier)))
-        if not entry.copies and self._blocks.get(entry.key) is entry:
-            del self._blocks[entry.key]
+        if not entry.copies:
+            if self._blocks.get(entry.key) is entry:
+                del self._blocks[entry.key]
+            self._zombies.pop(id(entry), None)
         return freed
 
     def check(self) -> None:
         """Assert internal consistency (used by tests)."""
+        entries = list(self._blocks.values()) + list(self._zombies.values())
         for tier, slots in self._slots.items():
-            used = [c.slot for e in self._blocks.values() for t, c in e.copies.items() if t == tier]
+            used = [c.slot for e in entries for t, c in e.copies.items() if t == tier]
             assert len(used) == len(set(used)), f"slot used twice on {tier.label}"
             assert not any(slots.is_free(s) for s in used), f"a used slot is free on {tier.label}"
             assert len(used) + slots.num_free == slots.num_slots, f"slots leaked on {tier.label}"

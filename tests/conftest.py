@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny block geometries and stores with every tier in use."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tiercache import TierConfig
+from tiercache.disk import DiskTier
+from tiercache.store import BlockStore
+from tiercache.tiers import BlockGeometry
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def geometry() -> BlockGeometry:
+    # 2 * 1 * 2 * 4 * 8 * 4 bytes = 512 bytes per block
+    return BlockGeometry(batch=1, kv_heads=2, block_tokens=4, head_dim=8, dtype=torch.float32)
+
+
+def tiny_config(tmp_path, geometry: BlockGeometry, device_blocks=3, host_blocks=3, disk_blocks=20, **kw) -> TierConfig:
+    """Budgets expressed in blocks of each tier's own unit size."""
+    return TierConfig(device_budget=device_blocks * geometry.block_bytes,
+                      host_budget=host_blocks * geometry.padded_bytes,
+                      disk_budget=disk_blocks * DiskTier.record_size(geometry),
+                      disk_dir=str(tmp_path / "kv"), block_tokens=geometry.block_tokens, **kw)
+
+
+@pytest.fixture
+def make_store(tmp_path, geometry):
+    stores = []
+
+    def make(**kw) -> BlockStore:
+        persistent = kw.pop("persistent", True)
+        store = BlockStore(tiny_config(tmp_path, geometry, **kw), geometry, persistent=persistent)
+        stores.append(store)
+        return store
+
+    yield make
+    for s in stores:
+        s.close()

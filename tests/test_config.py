@@ -1,0 +1,85 @@
+"""TierConfig: one frozen config, validated in one place; every bad value is named."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from tiercache import TierConfig, parse_bytes
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("64MiB", 64 << 20), ("1.5GiB", 3 << 29), ("512KiB", 512 << 10), ("4096", 4096), (4096, 4096),
+    ("1 GiB", 1 << 30), ("2kb", 2000), ("0", 0),
+])
+def test_parse_bytes_accepts_iec_and_plain(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["-1", -5, "lots", "12 parsecs", "1.5.2GiB", None, True, 1.5])
+def test_parse_bytes_rejects_with_the_field_named(bad):
+    with pytest.raises(ValueError, match="host_budget"):
+        parse_bytes(bad, "host_budget")
+
+
+def test_budgets_are_stored_as_int_bytes_and_config_is_frozen(tmp_path):
+    cfg = TierConfig(device_budget="32MiB", host_budget="128MiB", disk_dir=str(tmp_path / "kv"), disk_budget="4GiB")
+    assert (cfg.device_budget, cfg.host_budget, cfg.disk_budget) == (32 << 20, 128 << 20, 4 << 30)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.device_budget = 1  # type: ignore[misc]
+    assert cfg.disk_enabled and cfg.host_enabled
+    assert not TierConfig(host_budget=0).host_enabled
+    assert not TierConfig(disk_dir=str(tmp_path), disk_budget=0).disk_enabled
+    assert not TierConfig().disk_enabled  # no disk_dir: no disk tier
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("device_budget", "-3MiB", "device_budget"),
+    ("device_budget", 0, "device_budget"),
+    ("host_budget", "many", "host_budget"),
+    ("disk_budget", "-1", "disk_budget"),
+    ("block_tokens", 0, "block_tokens"),
+    ("block_tokens", "16", "block_tokens"),
+    ("io_workers", 0, "io_workers"),
+    ("direct_io", "maybe", "direct_io"),
+])
+def test_invalid_values_name_the_field_and_value(field, value, message):
+    with pytest.raises(ValueError, match=message) as info:
+        TierConfig(**{field: value})
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"eviction: unknown policy 'mru'; known: .*fifo.*lfu.*lru"):
+        TierConfig(eviction="mru")
+    with pytest.raises(ValueError, match=r"prefetch: .*known: .*lookahead.*next-layer.*none"):
+        TierConfig(prefetch="psychic")
+
+
+def test_disk_dir_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="disk_dir: .* not a directory"):
+        TierConfig(disk_dir=str(f))
+
+
+def test_disk_dir_that_cannot_be_written_is_refused():
+    # /proc refuses new files even to root, unlike a chmod'ed directory.
+    with pytest.raises(ValueError, match="disk_dir: .*not writable|cannot be created"):
+        TierConfig(disk_dir="/proc/tiercache-kv")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses directory permissions")
+def test_disk_dir_without_write_permission_is_refused(tmp_path):  # pragma: no cover - non-root only
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="not writable"):
+        TierConfig(disk_dir=str(d))
+
+
+def test_replace_validates_again(tmp_path):
+    cfg = TierConfig()
+    assert cfg.replace(block_tokens=64).block_tokens == 64
+    with pytest.raises(ValueError, match="block_tokens"):
+        cfg.replace(block_tokens=-1)

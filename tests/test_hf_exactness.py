@@ -1,0 +1,695 @@
+"""Exactness of ``TieredCache`` against transformers' ``DynamicCache``.
+
+The invariant under test (from the issue): with a lossless configuration -- any budgets,
+any eviction and prefetch policy -- the logits of ``model.generate`` with a TieredCache
+equal those with the default ``DynamicCache`` (max abs difference <= 1e-5 in fp32), and the
+generated tokens are identical. Budgets are chosen so small that every tier is used: the
+device tier holds one layer's working set and a little more, the host tier a few blocks,
+and the disk tier (under pytest's ``tmp_path``) the rest.
+
+Tiny random models of seven families are used (2-3 layers, hidden 64, vocab 128,
+``initializer_range=0.2`` so that a wrong mask, a stale block or a misplaced row changes
+the logits visibly). Gemma2, Mistral and Qwen2 carry sliding-window layers whose window (6)
+is exceeded by the prompt alone.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: E402
+
+import tiercache  # noqa: E402
+from tiercache import CapacityError, TierConfig, UnsupportedModelError  # noqa: E402
+
+BT = 4  # block_tokens
+PROMPT = 10  # prompt tokens (> sliding window 6)
+NEW = 12  # new tokens per generate() call
+WINDOW = 6  # sliding window of the families that have one
+ATOL = 1e-5
+VOCAB = 128
+PAD, BOS = 0, 1
+HOST_BLOCKS = 3  # host slots: fewer than one layer's blocks
+EXTRA = 7  # tokens appended to the first output before the second generate() call
+ASSISTANT_TOKENS = 3  # initial num_assistant_tokens (the heuristic schedule changes it)
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"]
+# Not "reuse+assisted": transformers 5.24's assisted decoding re-feeds the whole prompt on a
+# non-empty cache (DynamicCache too: 15 cached tokens + a 24-token forward), so there is no
+# meaningful reference to match.
+MODES = ["prefill", "chunked", "batch2", "beam", "reuse", "assisted", "beam+batch2+chunked", "reuse+chunked"]
+
+
+# Known tiercache bugs (see the strict xfail tests that reproduce them deterministically).
+# When a device slot's block is being copied down by a write-behind move (the copy has a
+# reader), BlockStore._room neither evicts it nor waits for it, so ensure_device/new_blocks
+# raise CapacityError although waiting would free the slot. It bites by timing: the tests
+# marked with this fail now and then (host tier of 1-2 slots, 1-2 token blocks, slow copies).
+BUSY_SLOTS_BUG = pytest.mark.xfail(
+    raises=CapacityError, strict=False,
+    reason="tiercache bug: BlockStore._room ignores in-flight write-behind moves that read from the tier "
+           "(spurious CapacityError, timing-dependent)")
+WRAP_NONE_BUG = pytest.mark.xfail(
+    strict=True, reason="tiercache bug: wrap() forwards cache=None/past_key_values=None next to its own cache=")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny matmuls run ~10x faster on one thread when the 2 cores are shared with the
+    cache's I/O workers (and other processes); restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny configs and models
+# ---------------------------------------------------------------------------------------------
+def make_config(family: str, assistant: bool = False):
+    """A tiny config of ``family``; ``assistant=True`` gives a smaller model of the same vocab.
+
+    No EOS token, so every generation runs its full length; PAD is token 0.
+    """
+    layers = 2 if assistant else 3
+    hidden, heads, kv_heads = (32, 2, 1) if assistant else (64, 4, 2)
+    common = dict(vocab_size=VOCAB, initializer_range=0.2, pad_token_id=PAD, bos_token_id=BOS,
+                  eos_token_id=None, tie_word_embeddings=False)
+    dec = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+               **common)
+    if family == "llama":
+        return transformers.LlamaConfig(**dec)
+    if family == "mistral":  # every layer slides
+        return transformers.MistralConfig(sliding_window=WINDOW, **dec)
+    if family == "qwen2":  # layer 0 full, the others sliding
+        return transformers.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **dec)
+    if family == "qwen3":  # explicit head_dim, q/k norms
+        return transformers.Qwen3Config(head_dim=16, **dec)
+    if family == "gemma2":  # sliding and full layers alternate; soft-capping; eager attention
+        types = ["sliding_attention", "full_attention", "sliding_attention"][:layers]
+        return transformers.Gemma2Config(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                         layer_types=types, **dec)
+    if family == "phi3":  # fused qkv
+        return transformers.Phi3Config(**dec)
+    if family == "gpt2":  # learned positions, no GQA
+        return transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=256, **common)
+    raise ValueError(family)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(family: str, assistant: bool = False):
+    """The seeded tiny model of ``family`` (built once per session; inference only)."""
+    torch.manual_seed(1234 + (7 if assistant else 0))
+    config = make_config(family, assistant)
+    kwargs = {"attn_implementation": "eager"} if family == "gemma2" else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs).eval()
+    model.requires_grad_(False)
+    gc = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = None, PAD, BOS
+    gc.do_sample = False
+    if assistant:  # varied draft lengths, reset at every call (no state leaks between runs)
+        gc.num_assistant_tokens = ASSISTANT_TOKENS
+        gc.num_assistant_tokens_schedule = "heuristic_transient"
+    return model
+
+
+def prompt_ids(batch: int = 1, length: int = PROMPT, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (batch, length), generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets
+# ---------------------------------------------------------------------------------------------
+def kv_shape(model) -> tuple:
+    """(kv_heads, head_dim) of the model's attention layers."""
+    text = model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return kv_heads, head_dim
+
+
+def block_bytes(model, batch: int, block_tokens: int = BT) -> int:
+    kv_heads, head_dim = kv_shape(model)
+    return 2 * batch * kv_heads * block_tokens * head_dim * model.dtype.itemsize
+
+
+def layer_windows(model) -> list:
+    """Per layer: the sliding window, or None for a full-attention layer."""
+    types, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return [kw.get("sliding_window") if t != "full_attention" else None for t, kw in zip(types, kwargs)]
+
+
+def working_set_blocks(windows: list, schedule: list, block_tokens: int = BT) -> int:
+    """Blocks that one layer's attention reads at once, maxed over layers and forwards.
+
+    ``schedule`` lists the query length of each forward. A sliding layer reads the last
+    ``window - 1`` cached tokens plus the new ones; a full layer reads everything.
+    """
+    widest = 0
+    for window in windows:
+        seen = 0
+        for q in schedule:
+            start = max(seen - window + 1, 0) if window else 0
+            end = seen + q
+            widest = max(widest, math.ceil(end / block_tokens) - start // block_tokens)
+            seen = end
+    return widest
+
+
+def tight_config(model, tmp_path, *, batch: int, device_blocks: int, host_blocks: int = None,
+                 block_tokens: int = BT, **policies) -> TierConfig:
+    """Device: ``device_blocks`` blocks; host: a few slots; disk: plenty, under tmp_path."""
+    bb = block_bytes(model, batch, block_tokens)
+    host_slot = math.ceil(bb / 4096) * 4096
+    disk_record = 4096 + host_slot
+    if host_blocks is None:
+        host_blocks = HOST_BLOCKS
+    return TierConfig(device_budget=device_blocks * bb, host_budget=host_blocks * host_slot,
+                      disk_budget=256 * disk_record, disk_dir=str(tmp_path / "kv"),
+                      block_tokens=block_tokens, io_workers=2, **policies)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and comparing
+# ---------------------------------------------------------------------------------------------
+GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def generate(model, ids, cache=None, mask=None, **kwargs):
+    if mask is None:
+        mask = torch.ones_like(ids)
+    if cache is not None:
+        kwargs["cache"] = cache
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, **GEN, **kwargs)
+
+
+def assert_same(ref, out, what: str = "") -> float:
+    """Same tokens; logits within ATOL at every step. Returns the max abs difference."""
+    assert torch.equal(ref.sequences, out.sequences), f"{what}: tokens differ\n{ref.sequences}\n{out.sequences}"
+    assert len(ref.logits) == len(out.logits), what
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
+    assert diff <= ATOL, f"{what}: max abs logit difference {diff:.3g} > {ATOL}"
+    return diff
+
+
+def moved(stats: dict, src: str = None, dst: str = None) -> int:
+    return sum(m["blocks"] for name, m in stats["moves"].items()
+               if (src is None or name.split("->")[0] == src) and (dst is None or name.split("->")[1] == dst))
+
+
+def assert_all_tiers_used(stats: dict) -> None:
+    """Blocks went down to host and to disk, and came back up to the device from below."""
+    assert stats["tiers"]["disk"]["budget_bytes"] > 0 and stats["tiers"]["host"]["budget_bytes"] > 0
+    assert moved(stats, dst="host") > 0, stats["moves"]
+    assert moved(stats, dst="disk") > 0, stats["moves"]
+    assert stats["evictions"]["device"] > 0, stats["evictions"]
+    assert moved(stats, dst="device") > 0, stats["moves"]
+    assert stats["hits"]["host"] + stats["hits"]["disk"] > 0, stats["hits"]
+
+
+CHUNK = 3  # prefill_chunk_size: not a multiple of block_tokens, so chunks append to tail blocks
+
+
+def run_mode(family: str, mode: str, tmp_path, *, block_tokens: int = BT, device_extra: int = 1,
+             host_blocks: int = None, chunk: int = CHUNK, **policies) -> dict:
+    """Run ``mode`` with DynamicCache and with a tight TieredCache; compare; return stats.
+
+    ``mode`` is "prefill" or "+"-joined features: "chunked" (prefill in chunks of ``chunk``
+    tokens), "batch2" (two rows, one left-padded), "beam" (3 beams), "reuse" (two generate()
+    calls on one cache), "assisted" (a draft model; the cache is cropped on rejections).
+    The device tier gets the working set of one step plus ``device_extra`` blocks.
+    """
+    model = tiny_model(family)
+    windows = layer_windows(model)
+    features = set(mode.split("+"))
+    batch = 1
+    ids = prompt_ids()
+    mask = None
+    kwargs = dict(max_new_tokens=NEW)
+    prefill = [PROMPT]
+    decode = [1] * (NEW - 1)
+    if "chunked" in features:
+        kwargs["prefill_chunk_size"] = chunk
+        prefill = [chunk] * (PROMPT // chunk) + ([PROMPT % chunk] if PROMPT % chunk else [])
+    if "batch2" in features:
+        batch = 2
+        ids = prompt_ids(batch=2, seed=1)
+        mask = torch.ones_like(ids)
+        ids[1, :3] = PAD  # left padding of row 1
+        mask[1, :3] = 0
+    if "beam" in features:
+        batch *= 3
+        kwargs.update(num_beams=3, num_return_sequences=1, length_penalty=0.0)
+    if "reuse" in features:
+        half = NEW // 2
+        decode = [1] * (half - 1) + [EXTRA + 1] + [1] * (half - 1)
+    if "assisted" in features:
+        kwargs["assistant_model"] = tiny_model(family, assistant=True)
+        # Past recording keeps every block of sliding layers until crop; bound it as full.
+        windows = [None] * len(windows)
+        prefill, decode = [PROMPT + NEW + ASSISTANT_TOKENS + 8], []
+
+    device_blocks = working_set_blocks(windows, prefill + decode, block_tokens) + device_extra
+    cfg = tight_config(model, tmp_path, batch=batch, device_blocks=device_blocks, host_blocks=host_blocks,
+                       block_tokens=block_tokens, **policies)
+
+    if "reuse" in features:
+        kwargs.pop("max_new_tokens")
+        return _run_reuse(model, ids, cfg, **kwargs)
+
+    ref = generate(model, ids, mask=mask, **kwargs)
+    with tiercache.TieredCache(model, cfg) as cache:
+        calls = _spy(cache)
+        out = generate(model, ids, cache=cache, mask=mask, **kwargs)
+        stats = cache.stats()
+        rows = cache.store.geometry.batch
+    assert out.sequences.shape[-1] == PROMPT + NEW, "generation stopped early"
+    assert_same(ref, out, f"{family}/{mode}")
+    # The scenario really happened on the tiered cache:
+    assert rows == batch
+    if "chunked" in features:
+        assert calls["update"][:len(prefill)] == prefill, calls["update"]
+    if "beam" in features:
+        assert calls["reorder_cache"], "beam search never reordered the cache"
+    if "assisted" in features:
+        assert calls["crop"], "assisted generation never rolled the cache back (crop)"
+        assert any(q > 1 for q in calls["update"][1:]), "no multi-token verification step"
+    return stats
+
+
+def _spy(cache) -> dict:
+    """Record query lengths of layer-0 updates, negative crops and beam reorders."""
+    calls = {"update": [], "crop": [], "reorder_cache": []}
+    update, crop, reorder = cache.update, cache.crop, cache.reorder_cache
+
+    def spy_update(key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0:
+            calls["update"].append(key_states.shape[-2])
+        return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def spy_crop(n):
+        if n < 0:
+            calls["crop"].append(n)
+        return crop(n)
+
+    def spy_reorder(beam_idx):
+        calls["reorder_cache"].append(beam_idx.tolist())
+        return reorder(beam_idx)
+
+    cache.update, cache.crop, cache.reorder_cache = spy_update, spy_crop, spy_reorder
+    return calls
+
+
+def _run_reuse(model, ids, cfg, **kwargs) -> dict:
+    """Two generate() calls on one cache; the second prompt extends the first output by
+    EXTRA tokens (more than a sliding window). DynamicCache does the same for reference."""
+    extra = prompt_ids(length=EXTRA, seed=5)
+    half = NEW // 2
+    ref_cache = transformers.DynamicCache(config=model.config)
+    ref1 = generate(model, ids, cache=ref_cache, max_new_tokens=half, **kwargs)
+    ref_len1 = ref_cache.get_seq_length()
+    ref2 = generate(model, torch.cat([ref1.sequences, extra], -1), cache=ref_cache, max_new_tokens=half, **kwargs)
+    with tiercache.TieredCache(model, cfg) as cache:
+        out1 = generate(model, ids, cache=cache, max_new_tokens=half, **kwargs)
+        assert_same(ref1, out1, "reuse, first call")
+        assert cache.get_seq_length() == ref_len1
+        out2 = generate(model, torch.cat([out1.sequences, extra], -1), cache=cache, max_new_tokens=half, **kwargs)
+        assert cache.get_seq_length() == ref_cache.get_seq_length()
+        stats = cache.stats()
+    assert_same(ref2, out2, "reuse, second call")
+    assert out2.sequences.shape[-1] == PROMPT + NEW + EXTRA
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# The matrix: families x modes
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def dynamic_cache_supports(family: str, mode: str):
+    """None when DynamicCache runs ``mode`` for ``family``, else the reason it cannot."""
+    features = set(mode.split("+"))
+    kwargs = {}
+    if "assisted" in features:
+        kwargs["assistant_model"] = tiny_model(family, assistant=True)
+    if "chunked" in features:
+        kwargs["prefill_chunk_size"] = CHUNK
+    if "beam" in features:
+        kwargs["num_beams"] = 3
+    try:
+        generate(tiny_model(family), prompt_ids(), max_new_tokens=2, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure means the family cannot do it
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_dynamic_cache(family, mode, tmp_path):
+    """Each family x generation mode, on budgets that force every tier: tokens identical and
+    logits within 1e-5 of DynamicCache's at every step; blocks visibly moved through host and
+    disk and were read back from below."""
+    reason = dynamic_cache_supports(family, mode)
+    if reason:
+        pytest.skip(f"{family} cannot run {mode} even with DynamicCache: {reason}")
+    stats = run_mode(family, mode, tmp_path)
+    assert_all_tiers_used(stats)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch", ["none", "next-layer", "lookahead"])
+@pytest.mark.parametrize("eviction", ["lru", "fifo", "lfu"])
+def test_policies_are_lossless(eviction, prefetch, mode, tmp_path):
+    """Every eviction x prefetch policy is lossless in every mode: Gemma2 (sliding + full
+    layers, soft-capping) matches DynamicCache exactly while blocks cycle through all tiers."""
+    stats = run_mode("gemma2", mode, tmp_path, eviction=eviction, prefetch=prefetch)
+    assert_all_tiers_used(stats)
+
+
+def test_lookahead_deeper_than_model(tmp_path):
+    """A lookahead depth larger than the number of layers stays exact (it wraps around)."""
+    stats = run_mode("llama", "prefill", tmp_path, prefetch="lookahead", prefetch_depth=8)
+    assert_all_tiers_used(stats)
+
+
+def _random_cases(n: int, seed: int = 2024) -> list:
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        cases.append(pytest.param(
+            rng.choice(FAMILIES), rng.choice(MODES), rng.choice([1, 2, 3, 5, 8]), rng.randint(0, 3),
+            rng.randint(1, 12), rng.choice(["lru", "fifo", "lfu"]),
+            rng.choice(["none", "next-layer", "lookahead"]), rng.randint(1, 3), rng.choice([2, 3, 5, 8]),
+            id=f"case{i}"))
+    return cases
+
+
+@BUSY_SLOTS_BUG
+@pytest.mark.parametrize("family,mode,block_tokens,device_extra,host_blocks,eviction,prefetch,depth,chunk",
+                         _random_cases(32))
+def test_random_budgets_and_block_sizes(family, mode, block_tokens, device_extra, host_blocks, eviction,
+                                        prefetch, depth, chunk, tmp_path):
+    """Seeded random family, mode, block size (1..8 tokens, so blocks straddle chunk and
+    window edges differently), prefill chunk (2..8, up to more than the window), device
+    slack (0..3 blocks above the minimum), host size (1..12 slots) and policies: still exact."""
+    reason = dynamic_cache_supports(family, mode)
+    if reason:
+        pytest.skip(f"{family} cannot run {mode} even with DynamicCache: {reason}")
+    run_mode(family, mode, tmp_path, block_tokens=block_tokens, device_extra=device_extra, host_blocks=host_blocks,
+             chunk=chunk, eviction=eviction, prefetch=prefetch, prefetch_depth=depth)
+
+
+def test_bfloat16_is_lossless_too(tmp_path):
+    """A bf16 model (blocks of 2-byte elements) on all tiers: same tokens, same logits."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("gemma2")).to(torch.bfloat16)
+    ids = prompt_ids()
+    need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=need + 1)
+    ref = generate(model, ids, max_new_tokens=NEW)
+    with tiercache.TieredCache(model, cfg) as cache:
+        out = generate(model, ids, cache=cache, max_new_tokens=NEW)
+        stats = cache.stats()
+        assert cache.store.geometry.dtype == torch.bfloat16
+    assert_same(ref, out, "bf16")
+    assert_all_tiers_used(stats)
+
+
+def test_reset_then_reuse_with_another_batch(tmp_path):
+    """reset() empties the cache; the same cache then serves a batch of two (left-padded)
+    exactly like a fresh DynamicCache."""
+    model = tiny_model("qwen2")
+    need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+    cfg = tight_config(model, tmp_path, batch=2, device_blocks=need + 1)
+    ids2 = prompt_ids(batch=2, seed=3)
+    mask2 = torch.ones_like(ids2)
+    ids2[0, :4], mask2[0, :4] = PAD, 0
+    ref1 = generate(model, prompt_ids(), max_new_tokens=NEW)
+    ref2 = generate(model, ids2, mask=mask2, max_new_tokens=NEW)
+    with tiercache.TieredCache(model, cfg) as cache:
+        out1 = generate(model, prompt_ids(), cache=cache, max_new_tokens=NEW)
+        cache.reset()
+        assert cache.get_seq_length() == 0
+        out2 = generate(model, ids2, cache=cache, mask=mask2, max_new_tokens=NEW)
+        stats = cache.stats()
+    assert_same(ref1, out1, "before reset")
+    assert_same(ref2, out2, "after reset, batch 2")
+    assert_all_tiers_used(stats)
+
+
+def test_wrap_matches_dynamic_cache(tmp_path):
+    """tiercache.wrap(model, cfg): plain model.generate() calls (no cache argument) run on a
+    fresh TieredCache each and match DynamicCache; the last cache's stats show every tier."""
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(make_config("llama")).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+    ids = prompt_ids()
+    refs = [generate(model, ids, max_new_tokens=NEW), generate(model, ids[:, :7], max_new_tokens=NEW)]
+    need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+    tiercache.wrap(model, tight_config(model, tmp_path, batch=1, device_blocks=need + 1))
+    for ref, prompt in zip(refs, [ids, ids[:, :7]]):
+        out = generate(model, prompt, max_new_tokens=NEW)
+        assert_same(ref, out, "wrapped generate")
+        assert isinstance(model.tiercache_last, tiercache.TieredCache)
+        assert model.tiercache_last.closed
+    assert_all_tiers_used(model.tiercache_last.stats())
+
+
+@WRAP_NONE_BUG
+@pytest.mark.parametrize("none_kwarg", ["cache", "past_key_values"])
+def test_wrap_accepts_explicit_none_cache(none_kwarg):
+    """``generate(ids, cache=None)`` on a wrapped model means "no cache given": it gets a
+    TieredCache like a call without the argument (same for ``past_key_values=None``), and
+    transformers is not handed both a cache and a None alias (no FutureWarning)."""
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(make_config("llama")).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=4)
+    tiercache.wrap(model, TierConfig(device_budget="1MiB", host_budget=0, block_tokens=BT))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                             **{none_kwarg: None}, **GEN)
+    assert_same(ref, out, f"wrapped generate({none_kwarg}=None)")
+    assert model.tiercache_last.stats()["decode_tokens"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The smallest device budget
+# ---------------------------------------------------------------------------------------------
+_MIN_RE = re.compile(r"minimum device_budget = (\d+) bytes")
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_capacity_error_states_minimum(family, when, tmp_path):
+    """One block below the working set of one step raises CapacityError at the first forward
+    that needs more, before that forward writes anything; the message states the minimum
+    device budget, which is exactly that step's working set (one layer's blocks)."""
+    model = tiny_model(family)
+    windows = layer_windows(model)
+    if when == "prefill":  # the prompt alone does not fit
+        need = working_set_blocks(windows, [PROMPT])
+        tokens_before = 0
+    else:  # the prompt fits; decoding grows the layer past the device tier
+        need = working_set_blocks(windows, [PROMPT] + [1] * (NEW - 1))
+        tokens_before = (need - 1) * BT  # the forward that opens block `need` fails
+    assert need > 1
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=need - 1)
+    with tiercache.TieredCache(model, cfg) as cache:
+        with pytest.raises(CapacityError, match="minimum") as info:
+            generate(model, prompt_ids(), cache=cache, max_new_tokens=NEW)
+        lengths = {layer.get_seq_length() for layer in cache.layers}
+    match = _MIN_RE.search(str(info.value))
+    assert match, str(info.value)
+    assert int(match.group(1)) == need * block_bytes(model, 1), str(info.value)
+    assert lengths == {tokens_before}, "a layer was written by the forward that failed"
+
+
+@pytest.mark.parametrize("prefetch", ["none", "next-layer", "lookahead"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_minimum_device_budget_is_enough(family, prefetch, tmp_path):
+    """The device budget of exactly one step's working set works for every prefetch policy
+    (prefetch is best-effort and never makes the minimum fail) and stays exact."""
+    model = tiny_model(family)
+    need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=need, prefetch=prefetch)
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=NEW)
+    with tiercache.TieredCache(model, cfg) as cache:
+        out = generate(model, ids, cache=cache, max_new_tokens=NEW)
+        stats = cache.stats()
+    assert_same(ref, out, f"{family} at the minimum device budget, prefetch={prefetch}")
+    assert_all_tiers_used(stats)
+
+
+@BUSY_SLOTS_BUG
+@pytest.mark.parametrize("family,block_tokens,slack", [("llama", BT, 0), ("mistral", BT, 0), ("llama", 1, None)])
+def test_slow_transfers_only_stall(family, block_tokens, slack, monkeypatch, tmp_path):
+    """Slow device reads (a busy copy engine; here 50 ms per block) only add stall time.
+    A device slot whose block is still being copied down (write-behind of a sealed block)
+    must be waited for, not reported as a CapacityError -- neither at the minimum device
+    budget (slack 0: the error would contradict its own stated minimum) nor at twice the
+    minimum with 1-token blocks (slack None), where a prefill seals many blocks at once."""
+    from tiercache.tiers import DevicePool
+
+    read_block = DevicePool.read_block
+
+    def slow_read_block(self, slot, out, non_blocking=False):
+        time.sleep(0.05)
+        return read_block(self, slot, out, non_blocking=non_blocking)
+
+    monkeypatch.setattr(DevicePool, "read_block", slow_read_block)
+    if slack is None:
+        slack = working_set_blocks(layer_windows(tiny_model(family)), [PROMPT] + [1] * (NEW - 1), block_tokens)
+    # A roomy host tier: every sealed block gets a write-behind copy, so device slots are busy.
+    stats = run_mode(family, "prefill", tmp_path, block_tokens=block_tokens, device_extra=slack, host_blocks=64,
+                     prefetch="none")
+    assert_all_tiers_used(stats)
+    assert stats["stall_seconds"] > 0
+
+
+@pytest.mark.xfail(strict=True, raises=CapacityError,
+                   reason="tiercache bug: BlockStore._room ignores in-flight write-behind moves that read from "
+                          "the tier; ensure_device/new_blocks raise CapacityError instead of waiting")
+@pytest.mark.parametrize("path", ["new_blocks", "ensure_device"])
+def test_device_slots_being_written_behind_are_waited_for(path, monkeypatch, tmp_path):
+    """Minimal form of the failure above, on the block store: both device slots hold sealed
+    blocks whose write-behind copy to host is in flight (their device copies have a reader).
+    Making room must wait for those copies (then drop the now-clean device copy), not raise
+    CapacityError with host and disk nearly empty. Covers allocating a new block (what
+    ``update`` does for new tokens) and fetching a host block (what attention needs)."""
+    from tiercache import BlockKey
+    from tiercache.store import BlockStore
+    from tiercache.tiers import BlockGeometry, DevicePool
+
+    geometry = BlockGeometry(batch=1, kv_heads=2, block_tokens=4, head_dim=8, dtype=torch.float32)
+    cfg = TierConfig(device_budget=2 * geometry.block_bytes, host_budget=8 * geometry.padded_bytes,
+                     disk_budget="1MiB", disk_dir=str(tmp_path / "kv"), block_tokens=4)
+    with BlockStore(cfg, geometry, persistent=False) as store:
+        on_host = BlockKey(1, 0, 9)
+        data = torch.randn(geometry.shape)
+        store.put(on_host, data)
+        store.demote(on_host).result()
+        assert store.tiers_of(on_host)[0] is tiercache.Tier.HOST
+
+        read_block = DevicePool.read_block
+
+        def slow_read_block(self, slot, out, non_blocking=False):
+            time.sleep(0.3)
+            return read_block(self, slot, out, non_blocking=non_blocking)
+
+        monkeypatch.setattr(DevicePool, "read_block", slow_read_block)
+        for index in range(2):
+            store.put(BlockKey(1, 0, index), torch.randn(geometry.shape))
+            store.write_behind(BlockKey(1, 0, index))  # sealed: a clean host copy is on its way
+        if path == "new_blocks":
+            store.put(BlockKey(1, 0, 2), torch.randn(geometry.shape))
+        else:
+            store.ensure_device([on_host], pin=False)
+            assert torch.equal(store.get(on_host), data)
+        store.wait_idle()
+        store.check()
+
+
+@BUSY_SLOTS_BUG
+@pytest.mark.parametrize("host_blocks", [1, 2])
+def test_host_tier_smaller_than_working_set(host_blocks, tmp_path):
+    """A host tier of one or two slots (fewer than the blocks one layer reads, all of which
+    the next step fetches from host or disk) is a valid lossless configuration: blocks that
+    do not fit on host go on to disk, and logits stay exact."""
+    model = tiny_model("llama")
+    need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=need + 1, host_blocks=host_blocks)
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=NEW)
+    with tiercache.TieredCache(model, cfg) as cache:
+        out = generate(model, ids, cache=cache, max_new_tokens=NEW)
+        stats = cache.stats()
+    assert_same(ref, out, f"host tier of {host_blocks} slots")
+    assert_all_tiers_used(stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unsupported families
+# ---------------------------------------------------------------------------------------------
+def _encoder_decoder_t5():
+    return transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                 num_decoder_layers=1, num_heads=4, decoder_start_token_id=0)
+
+
+def _encoder_decoder_bart():
+    return transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=4, decoder_attention_heads=4,
+                                   encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+
+
+def _mla_deepseek_v3():
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1)
+
+
+def _linear_hybrid_qwen3_next():
+    return transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+UNSUPPORTED = {
+    "t5": (_encoder_decoder_t5, "encoder-decoder"),
+    "bart": (_encoder_decoder_bart, "encoder-decoder"),
+    "deepseek_v3": (_mla_deepseek_v3, "multi-latent attention"),
+    "qwen3_next": (_linear_hybrid_qwen3_next, "linear_attention"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_families_are_refused(name, tmp_path):
+    """Encoder-decoder, multi-latent attention and linear-attention hybrids are refused with
+    UnsupportedModelError naming the model and the reason, by TieredCache and by wrap(),
+    before any file is written."""
+    build, reason = UNSUPPORTED[name]
+    config = build()
+    cfg = TierConfig(device_budget="1MiB", host_budget="1MiB", disk_budget="1MiB", disk_dir=str(tmp_path / "kv"))
+    with pytest.raises(UnsupportedModelError, match=re.escape(reason)) as info:
+        tiercache.TieredCache(config, cfg)
+    assert config.model_type in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+    class _Model:  # wrap() only reads .config before refusing
+        pass
+
+    fake = _Model()
+    fake.config = config
+    fake.generate = lambda *a, **k: None
+    with pytest.raises(UnsupportedModelError, match=re.escape(reason)):
+        tiercache.wrap(fake, cfg)
+    assert not (tmp_path / "kv").exists()
+
+
+def test_unsupported_real_model_object(tmp_path):
+    """A real (tiny) encoder-decoder model object is refused too, not only its config."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(_encoder_decoder_t5()).eval()
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        tiercache.TieredCache(model, TierConfig(device_budget="1MiB"))

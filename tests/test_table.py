@@ -1,0 +1,117 @@
+"""The block table on tiny capacities, narrated. No tensors: bookkeeping only."""
+from __future__ import annotations
+
+import pytest
+
+from tiercache.table import BlockTable, CopyState, TableError, Tier
+
+D, H, K = Tier.DEVICE, Tier.HOST, Tier.DISK
+
+
+def table(device=4, host=2, disk=4) -> BlockTable:
+    return BlockTable({D: device, H: host, K: disk})
+
+
+def ready(t: BlockTable, key, tier=D) -> int:
+    slot = t.allocate(key, tier)
+    t.commit(key, tier)
+    return slot
+
+
+def test_allocate_fill_commit_then_full_tier_refuses():
+    """4 device slots: blocks 1..4 fill them; a fifth allocation is refused, not overwritten."""
+    t = table()
+    slots = [ready(t, k) for k in (1, 2, 3, 4)]
+    assert sorted(slots) == [0, 1, 2, 3] and t.num_free(D) == 0
+    with pytest.raises(TableError, match="no free slot"):
+        t.allocate(5, D)
+    t.check()
+
+
+def test_two_phase_demotion_commits_and_frees_the_source():
+    """demote 1: device->host. While moving, both slots are held; after commit only host."""
+    t = table()
+    ready(t, 1)
+    move = t.prepare_move(1, D, H, drop_source=True)
+    assert t.copy(1, H).state is CopyState.FILLING and t.copy(1, D).readers == 1
+    assert t.num_free(D) == 3 and t.num_free(H) == 1  # nothing freed while in flight
+    freed = t.complete_move(move, ok=True)
+    assert freed == [(D, move.src_slot)]
+    assert t.best_source(1) is H and t.num_free(D) == 4
+    t.check()
+
+
+def test_failed_move_rolls_back_and_keeps_the_source():
+    """A failed write to disk gives back the disk slot; the host copy is untouched."""
+    t = table()
+    ready(t, 1, H)
+    move = t.prepare_move(1, H, K, drop_source=True)
+    assert t.complete_move(move, ok=False) == [(K, move.dst_slot)]
+    assert t.is_ready(1, H) and t.copy(1, K) is None and t.num_free(K) == 4
+    t.check()
+
+
+def test_nothing_in_flight_is_freed_or_reused():
+    """delete 1 while it is being copied: its slots stay held until the move completes,
+    and no allocation can get them in between."""
+    t = table(device=1, host=1)
+    ready(t, 1)
+    move = t.prepare_move(1, D, H, drop_source=False)
+    t.delete(1)
+    assert 1 not in t
+    with pytest.raises(TableError, match="no free slot"):
+        t.allocate(2, D)  # the source is still being read
+    with pytest.raises(TableError, match="no free slot"):
+        t.allocate(2, H)  # the destination is still being written
+    freed = t.complete_move(move, ok=True)
+    assert sorted(freed) == [(D, 0), (H, 0)]
+    assert t.allocate(2, D) == 0
+    t.check()
+
+
+def test_drop_needs_another_ready_copy():
+    """A copy may be dropped only when another READY copy exists: no data loss by eviction."""
+    t = table()
+    ready(t, 1)
+    assert not t.can_drop(1, D)
+    move = t.prepare_move(1, D, H, drop_source=False)
+    assert not t.can_drop(1, D)  # the host copy is not READY yet, and D is being read
+    t.complete_move(move, ok=True)
+    assert t.can_drop(1, D) and t.can_drop(1, H)
+    t.drop(1, D)
+    assert not t.can_drop(1, H)  # now the only copy
+    with pytest.raises(TableError):
+        t.drop(1, H)
+    t.check()
+
+
+def test_pinned_device_copy_stays():
+    """A pinned block keeps its device copy: not droppable, not movable."""
+    t = table()
+    ready(t, 1)
+    t.prepare_move(1, D, H, drop_source=False)
+    t.pin(1)
+    assert not t.is_movable(1, D)
+    t.unpin(1)
+    with pytest.raises(TableError, match="not pinned"):
+        t.unpin(1)
+
+
+def test_write_drops_stale_copies_only_when_idle():
+    """Appending to a block makes its lower copies stale: they go, but never while in flight."""
+    t = table()
+    ready(t, 1)
+    move = t.prepare_move(1, D, H, drop_source=False)
+    with pytest.raises(TableError, match="in flight"):
+        t.drop_others(1, D)
+    t.complete_move(move, ok=True)
+    assert t.drop_others(1, D) == [(H, move.dst_slot)]
+    assert t.get(1).ready_tiers() == [D]
+
+
+def test_adopt_registers_records_found_on_disk():
+    t = table()
+    t.adopt("a", K, 2)
+    assert t.best_source("a") is K and t.num_free(K) == 3
+    with pytest.raises(TableError):
+        t.adopt("b", K, 2)
