@@ -14,6 +14,7 @@ is exceeded by the prompt alone.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -45,19 +46,6 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"]
 # non-empty cache (DynamicCache too: 15 cached tokens + a 24-token forward), so there is no
 # meaningful reference to match.
 MODES = ["prefill", "chunked", "batch2", "beam", "reuse", "assisted", "beam+batch2+chunked", "reuse+chunked"]
-
-
-# Known tiercache bugs (see the strict xfail tests that reproduce them deterministically).
-# When a device slot's block is being copied down by a write-behind move (the copy has a
-# reader), BlockStore._room neither evicts it nor waits for it, so ensure_device/new_blocks
-# raise CapacityError although waiting would free the slot. It bites by timing: the tests
-# marked with this fail now and then (host tier of 1-2 slots, 1-2 token blocks, slow copies).
-BUSY_SLOTS_BUG = pytest.mark.xfail(
-    raises=CapacityError, strict=False,
-    reason="tiercache bug: BlockStore._room ignores in-flight write-behind moves that read from the tier "
-           "(spurious CapacityError, timing-dependent)")
-WRAP_NONE_BUG = pytest.mark.xfail(
-    strict=True, reason="tiercache bug: wrap() forwards cache=None/past_key_values=None next to its own cache=")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -396,7 +384,6 @@ def _random_cases(n: int, seed: int = 2024) -> list:
     return cases
 
 
-@BUSY_SLOTS_BUG
 @pytest.mark.parametrize("family,mode,block_tokens,device_extra,host_blocks,eviction,prefetch,depth,chunk",
                          _random_cases(32))
 def test_random_budgets_and_block_sizes(family, mode, block_tokens, device_extra, host_blocks, eviction,
@@ -407,8 +394,8 @@ def test_random_budgets_and_block_sizes(family, mode, block_tokens, device_extra
     reason = dynamic_cache_supports(family, mode)
     if reason:
         pytest.skip(f"{family} cannot run {mode} even with DynamicCache: {reason}")
-    run_mode(family, mode, tmp_path, block_tokens=block_tokens, device_extra=device_extra, host_blocks=host_blocks,
-             chunk=chunk, eviction=eviction, prefetch=prefetch, prefetch_depth=depth)
+    run_mode(family, mode, tmp_path, block_tokens=block_tokens, device_extra=device_extra,
+             host_blocks=host_blocks, chunk=chunk, eviction=eviction, prefetch=prefetch, prefetch_depth=depth)
 
 
 def test_bfloat16_is_lossless_too(tmp_path):
@@ -468,7 +455,6 @@ def test_wrap_matches_dynamic_cache(tmp_path):
     assert_all_tiers_used(model.tiercache_last.stats())
 
 
-@WRAP_NONE_BUG
 @pytest.mark.parametrize("none_kwarg", ["cache", "past_key_values"])
 def test_wrap_accepts_explicit_none_cache(none_kwarg):
     """``generate(ids, cache=None)`` on a wrapped model means "no cache given": it gets a
@@ -537,7 +523,6 @@ def test_minimum_device_budget_is_enough(family, prefetch, tmp_path):
     assert_all_tiers_used(stats)
 
 
-@BUSY_SLOTS_BUG
 @pytest.mark.parametrize("family,block_tokens,slack", [("llama", BT, 0), ("mistral", BT, 0), ("llama", 1, None)])
 def test_slow_transfers_only_stall(family, block_tokens, slack, monkeypatch, tmp_path):
     """Slow device reads (a busy copy engine; here 50 ms per block) only add stall time.
@@ -557,15 +542,12 @@ def test_slow_transfers_only_stall(family, block_tokens, slack, monkeypatch, tmp
     if slack is None:
         slack = working_set_blocks(layer_windows(tiny_model(family)), [PROMPT] + [1] * (NEW - 1), block_tokens)
     # A roomy host tier: every sealed block gets a write-behind copy, so device slots are busy.
-    stats = run_mode(family, "prefill", tmp_path, block_tokens=block_tokens, device_extra=slack, host_blocks=64,
-                     prefetch="none")
+    stats = run_mode(family, "prefill", tmp_path, block_tokens=block_tokens, device_extra=slack,
+                     host_blocks=64, prefetch="none")
     assert_all_tiers_used(stats)
     assert stats["stall_seconds"] > 0
 
 
-@pytest.mark.xfail(strict=True, raises=CapacityError,
-                   reason="tiercache bug: BlockStore._room ignores in-flight write-behind moves that read from "
-                          "the tier; ensure_device/new_blocks raise CapacityError instead of waiting")
 @pytest.mark.parametrize("path", ["new_blocks", "ensure_device"])
 def test_device_slots_being_written_behind_are_waited_for(path, monkeypatch, tmp_path):
     """Minimal form of the failure above, on the block store: both device slots hold sealed
@@ -606,7 +588,6 @@ def test_device_slots_being_written_behind_are_waited_for(path, monkeypatch, tmp
         store.check()
 
 
-@BUSY_SLOTS_BUG
 @pytest.mark.parametrize("host_blocks", [1, 2])
 def test_host_tier_smaller_than_working_set(host_blocks, tmp_path):
     """A host tier of one or two slots (fewer than the blocks one layer reads, all of which

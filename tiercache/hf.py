@@ -360,6 +360,8 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     def generate(*args, **kwargs):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             return original(*args, **kwargs)
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
         cache = TieredCache(model, model._tiercache_config)
         model.tiercache_last = cache
         try:

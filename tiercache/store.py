@@ -578,7 +578,8 @@ class BlockStore:
         if not moves and self.table.num_free(tier) < n:
             # Nothing to evict now. Moves in flight may still help: a demotion frees its
             # source slot, and a copy landing here becomes a clean, droppable copy.
-            moves = [m for m in self._inflight if (m.drop_source and m.src is tier) or m.dst is tier]
+            # A write-behind reading a copy here makes that copy evictable once it completes.
+            moves = [m for m in self._inflight if m.src is tier or m.dst is tier]
         return moves
 
     def _drop(self, key: Hashable, tier: Tier, evicted: bool) -> None:

@@ -60,39 +60,47 @@ def aligned_buffer(num_bytes: int) -> tuple:
 
 
 class DevicePool:
-    """Device-tier slots on the model's device (CUDA, or CPU RAM)."""
+    """Device-tier slots on the model's device (CUDA, or CPU RAM).
+
+    All copies go through 3-D views ``[B*H, num_slots, T*D]``: torch's copy and index_select
+    kernels are two orders of magnitude faster on them than on the 5-D layout.
+    """
 
     def __init__(self, geometry: BlockGeometry, num_slots: int, device: torch.device) -> None:
         g = geometry
         self.geometry = g
         self.num_slots = num_slots
         self.device = torch.device(device)
-        # k, v: [B, H, num_slots, T, D]
-        self.k = torch.zeros(g.batch, g.kv_heads, num_slots, g.block_tokens, g.head_dim, dtype=g.dtype, device=self.device)
+        rows, width = g.batch * g.kv_heads, g.block_tokens * g.head_dim
+        # k, v: [B*H, num_slots, T*D]  (block s of row r holds tokens s*T .. s*T+T-1)
+        self.k = torch.zeros(rows, num_slots, width, dtype=g.dtype, device=self.device)
         self.v = torch.zeros_like(self.k)
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def block_view(self, slot: int) -> tuple:
-        """K and V of one slot, each [B, H, T, D] (strided views)."""
-        return self.k[:, :, slot], self.v[:, :, slot]
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        # [B, H, T, D] -> [B*H, T*D]
+        g = self.geometry
+        return t.reshape(g.batch * g.kv_heads, -1)
 
     def write_block(self, slot: int, block: torch.Tensor, non_blocking: bool = False) -> None:
         # block: [2, B, H, T, D]
-        self.k[:, :, slot].copy_(block[0], non_blocking=non_blocking)
-        self.v[:, :, slot].copy_(block[1], non_blocking=non_blocking)
+        self.k[:, slot].copy_(self._rows(block[0]), non_blocking=non_blocking)
+        self.v[:, slot].copy_(self._rows(block[1]), non_blocking=non_blocking)
 
     def read_block(self, slot: int, out: torch.Tensor, non_blocking: bool = False) -> None:
-        out[0].copy_(self.k[:, :, slot], non_blocking=non_blocking)
-        out[1].copy_(self.v[:, :, slot], non_blocking=non_blocking)
+        # out: [2, B, H, T, D], contiguous
+        out[0].view(self.k.shape[0], -1).copy_(self.k[:, slot], non_blocking=non_blocking)
+        out[1].view(self.v.shape[0], -1).copy_(self.v[:, slot], non_blocking=non_blocking)
 
     def write_tokens(self, slot: int, offset: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         # k_new, v_new: [B, H, n, D] -> tokens [offset, offset + n) of the slot
+        d = self.geometry.head_dim
         n = k_new.shape[-2]
-        self.k[:, :, slot, offset:offset + n].copy_(k_new)
-        self.v[:, :, slot, offset:offset + n].copy_(v_new)
+        self.k[:, slot, offset * d:(offset + n) * d].copy_(self._rows(k_new))
+        self.v[:, slot, offset * d:(offset + n) * d].copy_(self._rows(v_new))
 
     def gather(self, slots: list, num_tokens: int, start_token: int = 0) -> tuple:
         """K and V of ``slots`` in order, as [B, H, num_tokens, D] (tokens from ``start_token``)."""
@@ -100,24 +108,26 @@ class DevicePool:
         n = len(slots)
         first = slots[0]
         if slots == list(range(first, first + n)):
-            k = self.k.narrow(2, first, n)  # consecutive slots: a view, no copy
-            v = self.v.narrow(2, first, n)
+            k = self.k.narrow(1, first, n)  # consecutive slots: a view, no copy
+            v = self.v.narrow(1, first, n)
         else:
             index = torch.tensor(slots, dtype=torch.long, device=self.device)
-            k = self.k.index_select(2, index)
-            v = self.v.index_select(2, index)
-        k = k.reshape(g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
-        v = v.reshape(g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
+            k = self.k.index_select(1, index)
+            v = self.v.index_select(1, index)
+        shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
+        k, v = k.reshape(shape), v.reshape(shape)
         return (k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens])
 
     def reorder_rows(self, slots: list, rows: torch.Tensor) -> None:
+        """Permute the batch rows of ``slots`` (beam search)."""
         if not slots:
             return
+        g = self.geometry
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         rows = rows.to(self.device)
         for pool in (self.k, self.v):
-            sub = pool.index_select(2, index).index_select(0, rows)
-            pool.index_copy_(2, index, sub)
+            sub = pool.index_select(1, index).view(g.batch, g.kv_heads, len(slots), -1).index_select(0, rows)
+            pool.index_copy_(1, index, sub.reshape(g.batch * g.kv_heads, len(slots), -1))
 
 
 class HostPool:
