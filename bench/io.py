@@ -14,8 +14,9 @@ One measurement (``measure_io``) does, in one fresh directory and one run:
    (RAM on CPU; pinned host memory and the GPU with ``non_blocking`` copies on CUDA), the
    best of three.
 
-The disk file is fresh in every measurement, for the store and for the raw tool alike: a
-long run's cache grows into new slots, so that is the write the store does most.
+The files are fresh in every measurement, for the store and for the raw tool alike (a long
+run's cache grows into new slots, so that is the write the store does most); the raw file
+is laid out with fallocate before it is written, as fio does by default.
 
 Store rates count payload bytes (what the cache gets back); raw rates count every byte the
 disk moves, so the 4 KiB record header is part of the store's overhead. GB/s = 1e9 B/s.
@@ -237,6 +238,14 @@ class _RawDisk:
 
     def _dd(self, rw: str) -> float:
         n = self.requests_per_worker
+        if rw == "write":  # lay the file out first, as fio does (--fallocate=native)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.total_bytes)
+            except OSError:
+                pass  # a filesystem without fallocate: dd then grows the file as it writes
+            finally:
+                os.close(fd)
         procs = []
         t0 = time.perf_counter()
         for k in range(self.workers):
@@ -351,8 +360,12 @@ def run(argv: Optional[list] = None) -> int:
     sizes = sorted(set(SWEEP_BLOCK_TOKENS) | {args.block_tokens}) if args.sweep else [args.block_tokens]
     rows = []
     for tokens in sizes:
-        runs = [measure_io(args.dir, tokens, total_bytes, args.workers, raw_tool=args.raw_tool)
-                for _ in range(args.repeat)]
+        try:
+            runs = [measure_io(args.dir, tokens, total_bytes, args.workers, raw_tool=args.raw_tool)
+                    for _ in range(args.repeat)]
+        except (ValueError, RuntimeError, OSError) as exc:  # no room, fio/dd failed, ...
+            print(f"tiercache bench io: {exc}", file=sys.stderr)
+            return 1
         rows.append(_median_of(runs))
         if args.sweep and not args.json:
             print(f"  measured block_tokens={tokens}", file=sys.stderr, flush=True)

@@ -54,3 +54,5 @@ def test_run_sweep_table_and_bad_arguments(tmp_path, capsys, monkeypatch):
     assert [line.split()[0] for line in lines[3:]] == ["16", "32*"]
     assert run(["--size", "lots", "--dir", str(tmp_path)]) == 2
     assert "--size" in capsys.readouterr().err
+    assert run(["--size", "100TiB", "--dir", str(tmp_path)]) == 1  # more than the disk has
+    assert "free" in capsys.readouterr().err

@@ -19,7 +19,7 @@ _LAZY = {
     "BlockGeometry": ("tiercache.tiers", "BlockGeometry"),
     "TieredCache": ("tiercache.hf", "TieredCache"),
     "wrap": ("tiercache.hf", "wrap"),
-    "AsyncDiskIO": ("tiercache.aio", "AsyncDiskIO"),
+    "AsyncStore": ("tiercache.aio", "AsyncStore"),
     "serve_metrics": ("tiercache.metrics", "serve_metrics"),
 }
 
