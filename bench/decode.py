@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiercache bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=8192, help="prompt tokens (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed (default %(default)s)")
-    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--block-tokens", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--setups", default=",".join(SETUPS), help="comma list of %s" % ", ".join(SETUPS))
     p.add_argument("--dir", default=None, help="work directory for the disk tier (default: a temp dir under .)")

@@ -78,9 +78,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     prompt = read_prompt(args)
+
+    def on_open(cache) -> None:
+        if args.metrics_port is not None:
+            from tiercache.metrics import serve_metrics
+
+            port = serve_metrics(cache, port=args.metrics_port, addr=args.metrics_addr)
+            print(f"metrics: http://{args.metrics_addr}:{port}/metrics", file=sys.stderr)
+
+    def on_done(cache) -> None:
+        from tiercache.metrics import stop_metrics, write_textfile
+
+        if args.metrics_textfile:
+            write_textfile(cache, args.metrics_textfile)
+        if args.metrics_port is not None:
+            if args.metrics_linger > 0:
+                print(f"metrics: serving {args.metrics_linger:g} s more", file=sys.stderr)
+                time.sleep(args.metrics_linger)
+            stop_metrics(cache)
+
     result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
                            chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
-                           stream=sys.stdout, progress=not args.quiet, trace_out=getattr(args, "trace_out", None))
+                           stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done)
     print(file=sys.stdout)
     if not args.quiet:
         print(stats_table(result["stats"], result["seconds"]), file=sys.stderr)
@@ -120,10 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true")
     gen.add_argument("--stats-json", default=None, help="write stats to this JSON file")
     gen.add_argument("--quiet", action="store_true", help="no progress bar or stats table")
+    gen.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
+    gen.add_argument("--metrics-addr", default="127.0.0.1", help="metrics address (default loopback only)")
+    gen.add_argument("--metrics-linger", type=float, default=0.0, help="keep serving S seconds after the run")
+    gen.add_argument("--metrics-textfile", default=None, help="write the metrics text format here at the end")
     add_tier_args(gen)
 
     demo = sub.add_parser("demo", help="long-context needle-in-a-haystack job over all three tiers")
-    demo.add_argument("--records", type=int, default=120)
+    demo.add_argument("--records", type=int, default=40)
     demo.add_argument("--disk-dir", default=None)
 
     bench = sub.add_parser("bench", help="benchmarks (io, decode); --help after the name for options")

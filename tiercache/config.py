@@ -102,7 +102,7 @@ class TierConfig:
     host_budget: Budget = "4GiB"
     disk_budget: Budget = "16GiB"
     disk_dir: Optional[str] = None
-    block_tokens: int = 256
+    block_tokens: int = 1024
     eviction: str = "lru"
     prefetch: str = "next-layer"
     prefetch_depth: int = 2

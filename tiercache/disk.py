@@ -117,6 +117,8 @@ class DiskTier:
         self._fd = os.open(self.path, flags, 0o600)
         self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
         self._local = threading.local()
+        self._grow_lock = threading.Lock()
+        self._allocated = os.fstat(self._fd).st_size
         self.closed = False
 
     @staticmethod
@@ -211,9 +213,30 @@ class DiskTier:
         else:
             parts = [hmv, pmv[:self.payload_bytes]]
         total = sum(len(p) for p in parts)
+        self._reserve((slot + 1) * self.record_bytes)
         written = os.pwritev(fd, parts, slot * self.record_bytes)
         if written != total:
             raise OSError(errno.EIO, f"short write ({written} of {total} bytes)")
+
+    _GROW_BYTES = 64 << 20
+
+    def _reserve(self, end: int) -> None:
+        """Allocate the data file ahead of the highest slot written, in 64 MiB steps:
+        appending writes under O_DIRECT are serialised by the filesystem, and a full disk
+        shows up here (ENOSPC) instead of in the middle of a record."""
+        if end <= self._allocated:
+            return
+        with self._grow_lock:
+            if end <= self._allocated:
+                return
+            target = min(max(end, self._allocated + self._GROW_BYTES), self.num_slots * self.record_bytes)
+            target = max(target, end)
+            try:
+                os.posix_fallocate(self._fd, self._allocated, target - self._allocated)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", 95)):
+                    raise
+            self._allocated = target
 
     def read(self, slot: int, key: BlockKey, out: torch.Tensor) -> int:
         """Read and verify the record in ``slot`` into ``out``; returns its token count."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any, Optional
+from typing import IO, Any, Callable, Optional
 
 import torch
 
@@ -61,7 +61,9 @@ class _Progress:
 def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] = None,
                   max_new_tokens: int = 128, chat: bool = True, prefill_chunk: Optional[int] = 512,
                   stream: Optional[IO[str]] = None, progress: bool = True, model: Any = None,
-                  tokenizer: Any = None, trace_out: Optional[str] = None) -> dict:
+                  tokenizer: Any = None, trace_out: Optional[str] = None,
+                  on_open: Optional[Callable[[Any], None]] = None,
+                  on_done: Optional[Callable[[Any], None]] = None) -> dict:
     """Generate greedily from ``prompt`` with a TieredCache; returns text, stats and timings."""
     from transformers import TextStreamer
 
@@ -85,6 +87,8 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
     t0 = time.perf_counter()
     with TieredCache(model, config) as cache:
         cache.events.add_listener(meter)
+        if on_open is not None:
+            on_open(cache)
         kwargs = {"prefill_chunk_size": prefill_chunk} if prefill_chunk and num_prompt > prefill_chunk else {}
         with torch.inference_mode():
             out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
@@ -92,6 +96,8 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
                                  **kwargs)
         t_end = time.perf_counter()
         stats = cache.stats()
+        if on_done is not None:
+            on_done(cache)
     first = meter.t_first_decode or t_end
     new_ids = out[0, num_prompt:]
     return {"text": tokenizer.decode(new_ids, skip_special_tokens=True), "num_prompt_tokens": num_prompt,

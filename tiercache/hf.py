@@ -251,14 +251,11 @@ class TieredCache(Cache):
         layer.num_tokens = end
 
         needed = [self._key(layer_idx, i) for i in range(read_from // bt, (end + bt - 1) // bt)]
-        store.ensure_device(needed)
-        self._pinned.extend(needed)
-        slots = store.device_slots(needed)
         offset = read_from - (read_from // bt) * bt
-        keys, values = store.device_pool.gather(slots, end - read_from, offset)
+        keys, values = store.read_layer(needed, end - read_from, offset)
         plan = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
         if plan:
-            store.prefetch(plan, protect=needed)
+            store.prefetch(plan, protect=needed, dst=store.attention_tier)
         if layer.is_sliding and not layer.record_past:
             self._free_before(layer, max(end - layer.sliding_window + 1, 0) // bt)
         self.events.stall(store.take_stall())

@@ -90,6 +90,15 @@ def load_model(path: Optional[str] = None, device: Optional[str] = None, dtype: 
     elif not os.path.isdir(path):
         raise ModelNotFoundError(f"--model: {path!r} is not a local model folder (nothing is downloaded)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from transformers import AutoConfig
+
+    from tiercache.hf import check_supported
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot read a model config from {path!r}: {exc}") from None
+    check_supported(config)  # UnsupportedModelError names the family before any weights load
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

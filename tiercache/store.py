@@ -77,7 +77,7 @@ class BlockStore:
         self._started: set = set()
         self._to_device: dict = {}  # key -> Future of the move filling its device copy
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
-        self._prefetched: set = set()
+        self._prefetched: dict = {}  # key -> tier a prefetch brought it to
         with torch.inference_mode(False):
             self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2)
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -248,34 +248,44 @@ class BlockStore:
         """Copy ``key`` up to ``dst`` asynchronously (the lower copy stays)."""
         if dst is Tier.DEVICE:
             return _done_future(lambda: self.ensure_device([key], pin=False))
-        with self._lock:
-            src = self.table.best_source(key, below=dst)
-            if src is None or self.table.copy(key, dst) is not None:
-                return _done_future(lambda: None)
-            moves = self._room(dst, 1, {key}, allow_writeback=True)
-            if self.table.num_free(dst) < 1:
-                return _done_future(lambda: (self._wait_moves(moves), self.promote(key, dst).result()))
-            move = self._prepare(key, src, dst, drop_source=False)
-        self._submit_all(moves, Priority.WRITEBACK)
-        return self._submit(move, Priority.PREFETCH)
+        while True:
+            with self._lock:
+                src = self.table.best_source(key, below=dst)
+                if src is None or self.table.copy(key, dst) is not None:
+                    return _done_future(lambda: None)
+                moves = self._room(dst, 1, {key}, allow_writeback=True)
+                move = None
+                if self.table.num_free(dst) >= 1:
+                    move = self._prepare(key, src, dst, drop_source=False)
+                elif not moves:
+                    return _done_future(lambda: None)  # nowhere to put it: stays where it is
+            if move is not None:
+                self._submit_all(moves, Priority.WRITEBACK)
+                return self._submit(move, Priority.PREFETCH)
+            self._wait_moves(moves)  # outside the lock: completions need it
 
     def demote(self, key: Hashable) -> Future:
         """Move the fastest copy of ``key`` one tier down asynchronously."""
-        with self._lock:
-            src = self.table.best_source(key)
-            lower = self._lower(src) if src is not None else None
-            if lower is None or not self.table.is_movable(key, src):
-                return _done_future(lambda: None)
-            if self.table.copy(key, lower) is not None:
-                if self.table.can_drop(key, src):
-                    self._drop(key, src, evicted=False)
-                return _done_future(lambda: None)
-            moves = self._room(lower, 1, {key}, allow_writeback=True)
-            if self.table.num_free(lower) < 1:
-                return _done_future(lambda: (self._wait_moves(moves), self.demote(key).result()))
-            move = self._prepare(key, src, lower, drop_source=True)
-        self._submit_all(moves, Priority.WRITEBACK)
-        return self._submit(move, Priority.WRITEBACK)
+        while True:
+            with self._lock:
+                src = self.table.best_source(key)
+                lower = self._lower(src) if src is not None else None
+                if lower is None or not self.table.is_movable(key, src):
+                    return _done_future(lambda: None)
+                if self.table.copy(key, lower) is not None:
+                    if self.table.can_drop(key, src):
+                        self._drop(key, src, evicted=False)
+                    return _done_future(lambda: None)
+                moves = self._room(lower, 1, {key}, allow_writeback=True)
+                move = None
+                if self.table.num_free(lower) >= 1:
+                    move = self._prepare(key, src, lower, drop_source=True)
+                elif not moves:
+                    return _done_future(lambda: None)
+            if move is not None:
+                self._submit_all(moves, Priority.WRITEBACK)
+                return self._submit(move, Priority.WRITEBACK)
+            self._wait_moves(moves)
 
     # ---- the decode path -----------------------------------------------------------------
     def new_blocks(self, keys: list, protect: Iterable[Hashable] = ()) -> list:
@@ -326,13 +336,11 @@ class BlockStore:
                                 self.policies[Tier.DEVICE].touch(key)
                             if first:
                                 self.events.hit("device")
-                                if key in self._prefetched:
-                                    self._prefetched.discard(key)
+                                if self._prefetched.pop(key, None) is not None:
                                     self.events.prefetch("used")
                         elif c is not None:  # FILLING: a prefetch is on its way
                             waits.append(self._to_device[key])
-                            if first and key in self._prefetched:
-                                self._prefetched.discard(key)
+                            if first and self._prefetched.pop(key, None) is not None:
                                 self.events.prefetch("late")
                                 self.events.hit("device")
                         else:
@@ -344,10 +352,14 @@ class BlockStore:
                                 self.events.hit(src.label)
                             missing.append((key, src))
                     if missing:
-                        submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
-                        for key, _ in missing[:self.table.num_free(Tier.DEVICE)]:
-                            src = self.table.best_source(key)  # eviction may have dropped a copy
-                            submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
+                        try:
+                            submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
+                            for key, _ in missing[:self.table.num_free(Tier.DEVICE)]:
+                                src = self.table.best_source(key)  # eviction may have dropped a copy
+                                submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
+                        except BaseException:
+                            self._abandon(submit)
+                            raise
                     if not missing and not waits:
                         break
                     if not submit and not waits and missing:
@@ -376,31 +388,155 @@ class BlockStore:
         self._stalled(stall)
         return stall
 
-    def prefetch(self, keys: list, protect: Iterable[Hashable] = ()) -> int:
-        """Start bringing ``keys`` to the device without waiting; only clean copies are evicted."""
+    def prefetch(self, keys: list, protect: Iterable[Hashable] = (), dst: Tier = Tier.DEVICE) -> int:
+        """Start bringing ``keys`` up to ``dst`` without waiting; only clean copies are evicted."""
         protect = set(protect) | set(keys)
         submit = []
         with self._lock:
             wanted = []
             for key in keys:
                 entry = self.table.get(key)
-                if entry is None or Tier.DEVICE in entry.copies:
+                if entry is None or any(t <= dst for t in entry.copies):
                     continue
-                src = self.table.best_source(key)
-                if src is not None:
-                    wanted.append((key, src))
+                if self.table.best_source(key, below=dst) is not None:
+                    wanted.append(key)
             if not wanted:
                 return 0
-            self._room(Tier.DEVICE, len(wanted), protect, allow_writeback=False)
-            for key, _ in wanted[:self.table.num_free(Tier.DEVICE)]:
-                src = self.table.best_source(key)
+            self._room(dst, len(wanted), protect, allow_writeback=False)
+            for key in wanted[:self.table.num_free(dst)]:
+                src = self.table.best_source(key, below=dst)
                 if src is None:
                     continue
-                submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
-                self._prefetched.add(key)
+                submit.append(self._prepare(key, src, dst, drop_source=False))
+                self._prefetched[key] = dst
         for move in submit:
             self._submit(move, Priority.PREFETCH)
         return len(submit)
+
+    @property
+    def attention_tier(self) -> Tier:
+        """Where attention reads blocks from: the device, or on CPU the device or the host."""
+        return Tier.HOST if self.device.type == "cpu" and Tier.HOST in self.tiers else Tier.DEVICE
+
+    def read_layer(self, keys: list, num_tokens: int, start_token: int = 0) -> tuple:
+        """K and V of ``keys`` in order as [B, H, num_tokens, D], for attention.
+
+        On CUDA every block is made resident on the device and gathered there. On CPU the
+        device and host tiers are the same memory, so blocks are gathered from whichever of
+        the two holds them (disk blocks are first read up to the host): a promotion copy
+        would only repeat the gather's own copy.
+        """
+        if self.device.type != "cpu" or Tier.HOST not in self.tiers:
+            self.ensure_device(keys)
+            try:
+                out = self.device_pool.gather(self.device_slots(keys), num_tokens, start_token)
+                self.note_compute()  # later copies into these slots wait for the gather
+                return out
+            finally:
+                self.unpin(keys)
+        held = self._hold_in_memory(keys)
+        try:
+            return self._gather_mixed(held, num_tokens, start_token)
+        finally:
+            with self._lock:
+                for entry, copy in held:
+                    copy.readers -= 1
+                    if entry.deleted:
+                        for t, slot in self.table._collect(entry):
+                            self._released(entry.key, t, slot)
+
+    def _hold_in_memory(self, keys: list) -> list:
+        """CPU path: wait until every key has a READY device or host copy; hold each such
+        copy with a reader so nothing frees it. Returns [(entry, copy)] in key order."""
+        counted: set = set()
+        stall = 0.0
+        while True:
+            submit, waits, missing = [], [], []
+            with self._lock:
+                for key in keys:
+                    entry = self.table.get(key)
+                    if entry is None:
+                        raise BlockCorruptedError(f"block {key!r} is not in the cache (lost or deleted)")
+                    tier = next((t for t in (Tier.DEVICE, Tier.HOST) if self.table.is_ready(key, t)), None)
+                    first = key not in counted
+                    counted.add(key)
+                    if tier is not None:
+                        if first:
+                            self.events.hit(tier.label)
+                            if self._prefetched.pop(key, None) is not None:
+                                self.events.prefetch("used")
+                        continue
+                    filling = [t for t in (Tier.DEVICE, Tier.HOST) if t in entry.copies]
+                    if filling:
+                        waits.extend(self._inflight_for(key))
+                        if first:
+                            self.events.hit("host")
+                            if self._prefetched.pop(key, None) is not None:
+                                self.events.prefetch("late")
+                        continue
+                    if first:
+                        self.events.hit(Tier.DISK.label)
+                    missing.append(key)
+                if missing:
+                    # Disk blocks come up to the host; what the host cannot take goes to the device.
+                    try:
+                        protect = set(keys)
+                        submit.extend(self._room(Tier.HOST, len(missing), protect, allow_writeback=False))
+                        to_host = min(len(missing), self.table.num_free(Tier.HOST))
+                        for key in missing[:to_host]:
+                            submit.append(self._prepare(key, self.table.best_source(key), Tier.HOST, False))
+                        rest = missing[to_host:]
+                        if rest:
+                            submit.extend(self._room(Tier.DEVICE, len(rest), protect, allow_writeback=True))
+                            for key in rest[:self.table.num_free(Tier.DEVICE)]:
+                                submit.append(self._prepare(key, self.table.best_source(key), Tier.DEVICE, False))
+                    except BaseException:
+                        self._abandon(submit)
+                        raise
+                if not missing and not waits:
+                    held = []
+                    for key in keys:
+                        entry = self.table.get(key)
+                        tier = Tier.DEVICE if self.table.is_ready(key, Tier.DEVICE) else Tier.HOST
+                        copy = entry.copies[tier]
+                        copy.readers += 1
+                        held.append((entry, copy))
+                    self._stalled(stall)
+                    return held
+                if not submit and not waits:
+                    raise CapacityError(f"the host tier holds {self.table.num_slots(Tier.HOST)} blocks but this "
+                                        f"step reads {len(keys)} and the rest are busy; raise host_budget")
+            futures = [self._submit(m, Priority.DEMAND) for m in submit] + waits
+            t0 = time.perf_counter()
+            errors = wait_all(futures)
+            stall += time.perf_counter() - t0
+            for exc in errors:
+                if isinstance(exc, BlockCorruptedError):
+                    raise exc
+                if not isinstance(exc, (OSError, RecordError)):
+                    raise exc
+
+    def _gather_mixed(self, held: list, num_tokens: int, start_token: int) -> tuple:
+        g = self.geometry
+        rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
+        out_k = torch.empty(rows, n, width, dtype=g.dtype, device=self.device)
+        out_v = torch.empty_like(out_k)
+        dev = [(i, c.slot) for i, (e, c) in enumerate(held) if c is e.copies.get(Tier.DEVICE)]
+        host = [(i, c.slot) for i, (e, c) in enumerate(held) if c is not e.copies.get(Tier.DEVICE)]
+        for part, pools in ((dev, (self.device_pool.k, self.device_pool.v)), (host, self.host_pool.kv_rows())):
+            if not part:
+                continue
+            pos = torch.tensor([i for i, _ in part], dtype=torch.long)
+            slots = torch.tensor([s for _, s in part], dtype=torch.long)
+            for out, pool in zip((out_k, out_v), pools):
+                picked = pool.index_select(1, slots)  # [rows, m, width]
+                if len(part) == n:
+                    out.copy_(picked)
+                else:
+                    out.index_copy_(1, pos, picked)
+        shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
+        k, v = out_k.view(shape), out_v.view(shape)
+        return k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens]
 
     def device_slots(self, keys: list) -> list:
         with self._lock:
@@ -599,8 +735,8 @@ class BlockStore:
         if self.table.copy(key, tier) is not None:
             return  # a zombie's copy went; a newer block with the same key lives on this tier
         self.policies[tier].remove(key)
-        if tier is Tier.DEVICE and key in self._prefetched:
-            self._prefetched.discard(key)
+        if self._prefetched.get(key) is tier:
+            del self._prefetched[key]
             self.events.prefetch("unused")
     def _forget(self, key: Hashable) -> None:
         for tier, slot in self.table.delete(key):
@@ -648,6 +784,17 @@ class BlockStore:
         if dst is Tier.DEVICE:
             self._to_device[key] = future
         return move
+
+    def _abandon(self, moves: list) -> None:
+        """Under the lock: roll back prepared moves that were never started (planning failed)."""
+        for move in moves:
+            if move in self._inflight and move not in self._started:
+                for tier, slot in self.table.complete_move(move, ok=False):
+                    self._released(move.key, tier, slot)
+                future = self._inflight.pop(move)
+                if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
+                    self._to_device.pop(move.key, None)
+                future.set_result(None)
 
     def _submit_all(self, moves: list, priority: Priority) -> list:
         return [self._submit(m, priority) for m in moves]

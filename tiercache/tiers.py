@@ -7,6 +7,7 @@ block contiguous (page-aligned, so the disk tier can use direct I/O on it).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 from dataclasses import dataclass
@@ -36,15 +37,15 @@ class BlockGeometry:
     def shape(self) -> tuple:
         return (2, self.batch, self.kv_heads, self.block_tokens, self.head_dim)
 
-    @property
+    @functools.cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
         return 2 * self.batch * self.kv_heads * self.block_tokens * self.head_dim * self.itemsize
 
-    @property
+    @functools.cached_property
     def padded_bytes(self) -> int:
         return align_up(self.block_bytes)
 
@@ -106,14 +107,10 @@ class DevicePool:
         """K and V of ``slots`` in order, as [B, H, num_tokens, D] (tokens from ``start_token``)."""
         g = self.geometry
         n = len(slots)
-        first = slots[0]
-        if slots == list(range(first, first + n)):
-            k = self.k.narrow(1, first, n)  # consecutive slots: a view, no copy
-            v = self.v.narrow(1, first, n)
-        else:
-            index = torch.tensor(slots, dtype=torch.long, device=self.device)
-            k = self.k.index_select(1, index)
-            v = self.v.index_select(1, index)
+        # Always a copy: the result must not alias slots that may be reused once unpinned.
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        k = self.k.index_select(1, index)
+        v = self.v.index_select(1, index)
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = k.reshape(shape), v.reshape(shape)
         return (k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens])
@@ -163,6 +160,16 @@ class HostPool:
         """The slot as a [2, B, H, T, D] tensor."""
         g = self.geometry
         return self.raw(slot)[:g.block_bytes].view(g.dtype).view(g.shape)
+
+    def kv_rows(self) -> tuple:
+        """K and V of every slot as [B*H, num_slots, T*D] strided views (for gathers)."""
+        g = self.geometry
+        rows, width = g.batch * g.kv_heads, g.block_tokens * g.head_dim
+        per_slot = self.slot_bytes // g.itemsize
+        flat = self.buffer.view(g.dtype)  # [num_slots * per_slot]
+        k = flat.as_strided((rows, self.num_slots, width), (width, per_slot, 1))
+        v = flat.as_strided((rows, self.num_slots, width), (width, per_slot, 1), rows * width)
+        return k, v
 
     def close(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)

@@ -44,6 +44,11 @@ class TransferEngine:
         return future
 
     def _run(self) -> None:
+        # Copies run on these threads: one intra-op thread each (torch's pool started from a
+        # worker thread made block copies ~3x slower) leaves the cores to the model.
+        import torch
+
+        torch.set_num_threads(1)
         while True:
             _, _, job, future = self._queue.get()
             if job is None:
