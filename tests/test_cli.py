@@ -15,7 +15,7 @@ def cli(*args, input_text=None, timeout=600):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--device-budget", "-5MiB"], "device_budget: must not be negative"),
+    (["--device-budget=-5MiB"], "device_budget: must not be negative"),
     (["--host-budget", "lots"], "host_budget: cannot parse 'lots'"),
     (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: fifo, lfu, lru"),
     (["--prefetch", "psychic"], "prefetch: unknown policy"),
@@ -55,7 +55,7 @@ def test_no_prompt_says_how_to_give_one():
 def test_real_generation_over_all_tiers_with_stats_and_metrics(tmp_path):
     stats_file, prom = tmp_path / "stats.json", tmp_path / "kv.prom"
     proc = cli("generate", "--prompt", "Name three colours.", "--max-new-tokens", "8", "--block-tokens", "4",
-               "--device-budget", "64KiB", "--host-budget", "128KiB", "--disk-dir", str(tmp_path / "kv"),
+               "--device-budget", "256KiB", "--host-budget", "512KiB", "--disk-dir", str(tmp_path / "kv"),
                "--disk-budget", "64MiB", "--stats-json", str(stats_file), "--metrics-port", "0",
                "--metrics-textfile", str(prom))
     assert proc.returncode == 0, proc.stderr

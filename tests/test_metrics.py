@@ -179,7 +179,8 @@ def test_scrapes_during_and_after_a_generation_that_uses_every_tier_agree_with_s
     # 3. After the generation, with the cache still open: every number equals stats() exactly.
     stats = cache.stats()
     assert all(stats["tiers"][t]["blocks"] > 0 for t in ("device", "host", "disk")), stats["tiers"]
-    assert {"device->host", "host->disk", "host->device", "disk->device"} <= set(stats["moves"])
+    assert {"device->host", "host->disk"} <= set(stats["moves"])
+    assert {"disk->host", "disk->device"} & set(stats["moves"])  # read back up from disk
     assert stats["hits"]["host"] > 0 and stats["hits"]["disk"] > 0
     text = scrape(port)
     assert samples(text) == expected(stats)
