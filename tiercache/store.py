@@ -523,17 +523,19 @@ class BlockStore:
         out_v = torch.empty_like(out_k)
         dev = [(i, c.slot) for i, (e, c) in enumerate(held) if c is e.copies.get(Tier.DEVICE)]
         host = [(i, c.slot) for i, (e, c) in enumerate(held) if c is not e.copies.get(Tier.DEVICE)]
-        for part, pools in ((dev, (self.device_pool.k, self.device_pool.v)), (host, self.host_pool.kv_rows())):
-            if not part:
-                continue
-            pos = torch.tensor([i for i, _ in part], dtype=torch.long)
-            slots = torch.tensor([s for _, s in part], dtype=torch.long)
-            for out, pool in zip((out_k, out_v), pools):
+        if dev:
+            pos = torch.tensor([i for i, _ in dev], dtype=torch.long)
+            slots = torch.tensor([s for _, s in dev], dtype=torch.long)
+            for out, pool in ((out_k, self.device_pool.k), (out_v, self.device_pool.v)):
                 picked = pool.index_select(1, slots)  # [rows, m, width]
-                if len(part) == n:
+                if len(dev) == n:
                     out.copy_(picked)
                 else:
                     out.index_copy_(1, pos, picked)
+        for i, slot in host:  # each host slot is one contiguous [2, B, H, T, D] block
+            block = self.host_pool.view(slot)
+            out_k[:, i].copy_(block[0].reshape(rows, width))
+            out_v[:, i].copy_(block[1].reshape(rows, width))
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
         return k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens]
