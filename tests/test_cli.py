@@ -57,7 +57,7 @@ def test_real_generation_over_all_tiers_with_stats_and_metrics(tmp_path):
     proc = cli("generate", "--prompt", "Name three colours.", "--max-new-tokens", "8", "--block-tokens", "4",
                "--device-budget", "256KiB", "--host-budget", "512KiB", "--disk-dir", str(tmp_path / "kv"),
                "--disk-budget", "64MiB", "--stats-json", str(stats_file), "--metrics-port", "0",
-               "--metrics-textfile", str(prom))
+               "--metrics-textfile", str(prom), "--metrics-linger", "1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     data = json.loads(stats_file.read_text())
@@ -65,4 +65,4 @@ def test_real_generation_over_all_tiers_with_stats_and_metrics(tmp_path):
     assert tiers["host"]["blocks"] > 0 and tiers["disk"]["blocks"] > 0
     assert data["stats"]["decode_tokens"] >= 1 and "decode:" in proc.stderr
     assert "tiercache_decode_tokens_total" in prom.read_text()
-    assert "metrics: http://127.0.0.1:" in proc.stderr
+    assert "metrics: http://127.0.0.1:" in proc.stderr and "metrics: serving 1 s more" in proc.stderr

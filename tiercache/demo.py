@@ -39,7 +39,7 @@ def make_haystack(num_records: int, seed: int = 1, filler_lines: int = 0) -> tup
     return prompt, str(codes[target]), f"{target[0]} {target[1]}"
 
 
-def run_demo(records: int = 40, disk_dir: Optional[str] = None, max_new_tokens: int = 12) -> int:
+def run_demo(records: int = 40, disk_dir: Optional[str] = None, max_new_tokens: int = 24) -> int:
     from tiercache.generation import encode_prompt, generate_text
     from tiercache.models import load_model
 

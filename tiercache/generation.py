@@ -48,13 +48,13 @@ class _Progress:
         self.prefilled += fields["prefill"]
         if fields["decode"] and self.t_first_decode is None:
             self.t_first_decode = time.perf_counter()
-            if self.enabled:
-                sys.stderr.write("\n")
         self.decoded += fields["decode"]
         if self.enabled and fields["prefill"]:
             done = self.prefilled / max(self.prefill_total, 1)
             bar = "#" * int(30 * done)
             sys.stderr.write(f"\rprefill [{bar:<30}] {self.prefilled}/{self.prefill_total} tokens")
+            if self.prefilled >= self.prefill_total:
+                sys.stderr.write("\n")
             sys.stderr.flush()
 
 
