@@ -893,28 +893,24 @@ class BlockStore:
             raise RuntimeError(f"unsupported move {src.label}->{dst.label}")
 
     def _to_device_slot(self, slot: int, block: torch.Tensor, compute_event) -> None:
-        if self._cuda:
-            with torch.cuda.stream(self._copy_stream):
-                if compute_event is not None:
-                    self._copy_stream.wait_event(compute_event)
-                self.device_pool.write_block(slot, block, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._copy_stream)
-            done.synchronize()
-        else:
-            self.device_pool.write_block(slot, block)
+        self._device_copy(lambda nb: self.device_pool.write_block(slot, block, non_blocking=nb), compute_event)
 
     def _from_device_slot(self, slot: int, out: torch.Tensor, compute_event) -> None:
-        if self._cuda:
-            with torch.cuda.stream(self._copy_stream):
-                if compute_event is not None:
-                    self._copy_stream.wait_event(compute_event)
-                self.device_pool.read_block(slot, out, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._copy_stream)
-            done.synchronize()
-        else:
-            self.device_pool.read_block(slot, out)
+        self._device_copy(lambda nb: self.device_pool.read_block(slot, out, non_blocking=nb), compute_event)
+
+    def _device_copy(self, copy, compute_event) -> None:
+        """Run ``copy(non_blocking)``; on CUDA on the copy stream, after the compute work that
+        was queued when the move was submitted (it may still read the slot), and wait for it."""
+        if not self._cuda:
+            copy(False)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            if compute_event is not None:
+                self._copy_stream.wait_event(compute_event)
+            copy(True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        done.synchronize()
 
     def _read_disk(self, key: Hashable, slot: int, buf: torch.Tensor, raw: bool = True) -> None:
         try:
