@@ -61,7 +61,7 @@ class _Progress:
 def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] = None,
                   max_new_tokens: int = 128, chat: bool = True, prefill_chunk: Optional[int] = 512,
                   stream: Optional[IO[str]] = None, progress: bool = True, model: Any = None,
-                  tokenizer: Any = None, trace_out: Optional[str] = None,
+                  tokenizer: Any = None,
                   on_open: Optional[Callable[[Any], None]] = None,
                   on_done: Optional[Callable[[Any], None]] = None) -> dict:
     """Generate greedily from ``prompt`` with a TieredCache; returns text, stats and timings."""
