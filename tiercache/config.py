@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES
@@ -110,8 +110,6 @@ class TierConfig:
     direct_io: str = "auto"
     queue_depth: int = 64
     device: Optional[str] = None
-    checksum_host: bool = False
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "disk_budget"):

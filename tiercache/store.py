@@ -248,43 +248,47 @@ class BlockStore:
         """Copy ``key`` up to ``dst`` asynchronously (the lower copy stays)."""
         if dst is Tier.DEVICE:
             return _done_future(lambda: self.ensure_device([key], pin=False))
-        while True:
-            with self._lock:
-                src = self.table.best_source(key, below=dst)
-                if src is None or self.table.copy(key, dst) is not None:
-                    return _done_future(lambda: None)
-                moves = self._room(dst, 1, {key}, allow_writeback=True)
-                move = None
-                if self.table.num_free(dst) >= 1:
-                    move = self._prepare(key, src, dst, drop_source=False)
-                elif not moves:
-                    return _done_future(lambda: None)  # nowhere to put it: stays where it is
-            if move is not None:
-                self._submit_all(moves, Priority.WRITEBACK)
-                return self._submit(move, Priority.PREFETCH)
-            self._wait_moves(moves)  # outside the lock: completions need it
+
+        def plan():
+            src = self.table.best_source(key, below=dst)
+            if src is None or self.table.copy(key, dst) is not None:
+                return None
+            return src, dst, False, Priority.PREFETCH
+        return self._move_when_room(key, plan)
 
     def demote(self, key: Hashable) -> Future:
         """Move the fastest copy of ``key`` one tier down asynchronously."""
+        def plan():
+            src = self.table.best_source(key)
+            lower = self._lower(src) if src is not None else None
+            if lower is None or not self.table.is_movable(key, src):
+                return None
+            if self.table.copy(key, lower) is not None:  # already below: just drop this copy
+                if self.table.can_drop(key, src):
+                    self._drop(key, src, evicted=False)
+                return None
+            return src, lower, True, Priority.WRITEBACK
+        return self._move_when_room(key, plan)
+
+    def _move_when_room(self, key: Hashable, plan) -> Future:
+        """Under the lock ``plan()`` returns (src, dst, drop_source, priority) or None; make
+        room on dst (waiting for evictions outside the lock, where completions can run) and
+        start the move. A move with nowhere to go is a no-op."""
         while True:
             with self._lock:
-                src = self.table.best_source(key)
-                lower = self._lower(src) if src is not None else None
-                if lower is None or not self.table.is_movable(key, src):
+                decided = plan()
+                if decided is None:
                     return _done_future(lambda: None)
-                if self.table.copy(key, lower) is not None:
-                    if self.table.can_drop(key, src):
-                        self._drop(key, src, evicted=False)
-                    return _done_future(lambda: None)
-                moves = self._room(lower, 1, {key}, allow_writeback=True)
+                src, dst, drop_source, priority = decided
+                moves = self._room(dst, 1, {key}, allow_writeback=True)
                 move = None
-                if self.table.num_free(lower) >= 1:
-                    move = self._prepare(key, src, lower, drop_source=True)
+                if self.table.num_free(dst) >= 1:
+                    move = self._prepare(key, src, dst, drop_source=drop_source)
                 elif not moves:
                     return _done_future(lambda: None)
             if move is not None:
                 self._submit_all(moves, Priority.WRITEBACK)
-                return self._submit(move, Priority.WRITEBACK)
+                return self._submit(move, priority)
             self._wait_moves(moves)
 
     # ---- the decode path -----------------------------------------------------------------
@@ -362,12 +366,8 @@ class BlockStore:
                             raise
                     if not missing and not waits:
                         break
-                    if not submit and not waits and missing:
-                        submit_none = True
-                    else:
-                        submit_none = False
-                if submit_none:
-                    raise CapacityError(self._capacity_message(len(keys)))
+                    if not submit and not waits:  # nothing to fetch into, nothing to wait for
+                        raise CapacityError(self._capacity_message(len(keys)))
                 futures = [self._submit(m, Priority.DEMAND) for m in submit] + waits
                 t0 = time.perf_counter()
                 errors = wait_all(futures)
@@ -624,7 +624,7 @@ class BlockStore:
                     else:  # only on disk: rewrite it in place
                         slot = entry.copies[tier].slot
                         with self._staging.take() as buf:
-                            self._read_disk(key, slot, buf, raw=False)
+                            self._read_disk(key, slot, buf)
                             block = self._as_block(buf)
                             block.copy_(block.index_select(1, rows))
                             self.disk.write(slot, key, buf, self._tokens.get(key, 0))
@@ -873,10 +873,10 @@ class BlockStore:
         src, dst = move.src, move.dst
         if src is Tier.DISK:
             if dst is Tier.HOST:
-                self._read_disk(move.key, move.src_slot, self.host_pool.raw(move.dst_slot), raw=True)
+                self.disk.read(move.src_slot, move.key, self.host_pool.raw(move.dst_slot))
             else:
                 with self._staging.take() as buf:
-                    self._read_disk(move.key, move.src_slot, buf, raw=True)
+                    self.disk.read(move.src_slot, move.key, buf)
                     self._to_device_slot(move.dst_slot, self._as_block(buf), compute_event)
         elif dst is Tier.DISK:
             if src is Tier.HOST:
@@ -912,12 +912,11 @@ class BlockStore:
             done.record(self._copy_stream)
         done.synchronize()
 
-    def _read_disk(self, key: Hashable, slot: int, buf: torch.Tensor, raw: bool = True) -> None:
+    def _read_disk(self, key: Hashable, slot: int, buf: torch.Tensor) -> None:
+        """Read and verify a disk record outside a move; a bad one is counted and named."""
         try:
             self.disk.read(slot, key, buf)
         except RecordError as exc:
-            if raw:
-                raise
             self.events.integrity_error("disk")
             raise BlockCorruptedError(f"block {key!r}: disk record failed its integrity check ({exc})") from None
 
