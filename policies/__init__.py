@@ -8,19 +8,26 @@ from __future__ import annotations
 from typing import Callable
 
 from .base import EvictionPolicy, PrefetchPolicy
+from .adaptive import ARCPolicy, S3FIFOPolicy
 from .eviction import FIFOPolicy, LFUPolicy, LRUPolicy
-from .prefetch import LookaheadPrefetch, NextLayerPrefetch, NoPrefetch
+from .kv import AttentionScorePolicy, SinksRecentPolicy
+from .prefetch import HistoryPrefetch, LookaheadPrefetch, NextLayerPrefetch, NoPrefetch
 
-EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+EVICTION_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LRUPolicy,
     "fifo": FIFOPolicy,
     "lfu": LFUPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "sinks-recent": SinksRecentPolicy,
+    "attention-score": AttentionScorePolicy,
 }
 
-PREFETCH_POLICIES: dict[str, Callable[[], PrefetchPolicy]] = {
+PREFETCH_POLICIES: dict[str, Callable[..., PrefetchPolicy]] = {
     "none": NoPrefetch,
     "next-layer": NextLayerPrefetch,
     "lookahead": LookaheadPrefetch,
+    "history": HistoryPrefetch,
 }
 
 
@@ -32,9 +39,9 @@ def _lookup(registry: dict, kind: str, name: str):
         raise ValueError(f"unknown {kind} policy {name!r}; known: {known}") from None
 
 
-def make_eviction(name: str) -> EvictionPolicy:
-    """Build the eviction policy registered under ``name``."""
-    return _lookup(EVICTION_POLICIES, "eviction", name)()
+def make_eviction(name: str, **kwargs) -> EvictionPolicy:
+    """Build the eviction policy registered under ``name`` (e.g. ``sinks=4`` for sinks-recent)."""
+    return _lookup(EVICTION_POLICIES, "eviction", name)(**kwargs)
 
 
 def make_prefetch(name: str, **kwargs) -> PrefetchPolicy:
@@ -43,7 +50,8 @@ def make_prefetch(name: str, **kwargs) -> PrefetchPolicy:
 
 
 __all__ = [
-    "EvictionPolicy", "PrefetchPolicy", "LRUPolicy", "FIFOPolicy", "LFUPolicy",
-    "NoPrefetch", "NextLayerPrefetch", "LookaheadPrefetch",
+    "EvictionPolicy", "PrefetchPolicy", "LRUPolicy", "FIFOPolicy", "LFUPolicy", "ARCPolicy",
+    "S3FIFOPolicy", "SinksRecentPolicy", "AttentionScorePolicy",
+    "NoPrefetch", "NextLayerPrefetch", "LookaheadPrefetch", "HistoryPrefetch",
     "EVICTION_POLICIES", "PREFETCH_POLICIES", "make_eviction", "make_prefetch",
 ]

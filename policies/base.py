@@ -19,6 +19,9 @@ class EvictionPolicy(ABC, Generic[K]):
     """
 
     name: str = ""
+    # True when the policy ranks blocks by attention: the runtime then passes each decode
+    # step's per-block attention mass to ``observe_scores(scores: Mapping[key, float])``.
+    wants_scores: bool = False
 
     @abstractmethod
     def insert(self, key: K) -> None:

@@ -1,4 +1,8 @@
-"""Eviction (placement) policies: lru, fifo, lfu."""
+"""Eviction (placement) policies: lru, fifo, lfu, and the helper the others share.
+
+Adaptive policies (arc, s3fifo) are in ``adaptive.py``; the ones that know what a KV block
+is (sinks-recent, attention-score) in ``kv.py``.
+"""
 from __future__ import annotations
 
 import heapq
@@ -9,6 +13,7 @@ from typing import Callable, Hashable, Optional
 from .base import EvictionPolicy
 
 K = Hashable
+_END = object()  # end of a candidate stream (None is a valid key)
 
 
 def _first_n(order, n: int, is_evictable: Callable[[K], bool]) -> Optional[list]:
@@ -84,8 +89,9 @@ class LFUPolicy(EvictionPolicy):
     def evict(self, n: int, is_evictable: Callable[[K], bool]) -> Optional[list]:
         if n <= 0:
             return []
-        ranked = heapq.nsmallest(len(self._freq), self._freq, key=lambda k: (self._freq[k], self._last[k]))
-        return _first_n(ranked, n, is_evictable)
+        freq, last = self._freq, self._last
+        victims = heapq.nsmallest(n, (k for k in freq if is_evictable(k)), key=lambda k: (freq[k], last[k]))
+        return victims if len(victims) == n else None
 
     def __len__(self) -> int:
         return len(self._freq)

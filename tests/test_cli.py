@@ -17,7 +17,7 @@ def cli(*args, input_text=None, timeout=600):
 @pytest.mark.parametrize("args,message", [
     (["--device-budget=-5MiB"], "device_budget: must not be negative"),
     (["--host-budget", "lots"], "host_budget: cannot parse 'lots'"),
-    (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: fifo, lfu, lru"),
+    (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: arc, attention-score, fifo, lfu, lru, s3fifo, sinks-recent"),
     (["--prefetch", "psychic"], "prefetch: unknown policy"),
     (["--block-tokens", "0"], "block_tokens"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: cannot read"),
@@ -57,7 +57,7 @@ def test_real_generation_over_all_tiers_with_stats_and_metrics(tmp_path):
     proc = cli("generate", "--prompt", "Name three colours.", "--max-new-tokens", "8", "--block-tokens", "4",
                "--device-budget", "256KiB", "--host-budget", "512KiB", "--disk-dir", str(tmp_path / "kv"),
                "--disk-budget", "64MiB", "--stats-json", str(stats_file), "--metrics-port", "0",
-               "--metrics-textfile", str(prom), "--metrics-linger", "1")
+               "--metrics-textfile", str(prom), "--metrics-linger", "1", "--trace-out", str(tmp_path / "t.csv"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     data = json.loads(stats_file.read_text())
@@ -66,3 +66,32 @@ def test_real_generation_over_all_tiers_with_stats_and_metrics(tmp_path):
     assert data["stats"]["decode_tokens"] >= 1 and "decode:" in proc.stderr
     assert "tiercache_decode_tokens_total" in prom.read_text()
     assert "metrics: http://127.0.0.1:" in proc.stderr and "metrics: serving 1 s more" in proc.stderr
+    from tiercache.lab.trace import load_trace
+    trace = load_trace(str(tmp_path / "t.csv"))  # every block access of the run, 30 layers
+    assert trace.num_layers == 30 and trace.has_scores
+    assert trace.total_tokens == data["stats"]["prefill_tokens"] + data["stats"]["decode_tokens"]
+
+
+@pytest.mark.model
+def test_compare_records_a_trace_and_runs_policies_live(tmp_path):
+    """`tiercache compare --prompt ... --live`: records a trace with the default model, replays it
+    through runtime policies and libCacheSim (Belady included), runs each policy for real, and
+    plots hit ratio against budget."""
+    io = tmp_path / "io.json"
+    io.write_text(json.dumps({"h2d_gbps": 9.0, "d2h_gbps": 9.0, "read_gbps": 1.0, "write_gbps": 1.5}))
+    plot = tmp_path / "hit.png"
+    proc = cli("compare", "--prompt", "Count from one to twenty: one, two, three,", "--max-new-tokens", "4",
+               "--block-tokens", "4", "--policies", "lru,attention-score", "--prefetch-policies", "none",
+               "--budgets", "640KiB,1MiB", "--host-budget", "64MiB", "--io-json", str(io), "--live", "--json",
+               "--plot", str(plot), "--trace-out", str(tmp_path / "t.csv"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    policies = {r["policy"] for r in report["results"]}
+    assert {"lru", "attention-score", "libcachesim:lru", "libcachesim:belady"} <= policies
+    belady = {r["budget_bytes"]: r["hit_ratio"] for r in report["results"] if r["policy"] == "libcachesim:belady"}
+    for r in report["results"]:
+        assert r["hit_ratio"] <= belady[r["budget_bytes"]] + 1e-9, r
+    live = {(r["policy"], r["budget_bytes"]) for r in report["live"] if "error" not in r}
+    assert live == {(p, b) for p in ("lru", "attention-score") for b in (640 << 10, 1 << 20)}
+    assert all(r["decode_tps"] > 0 for r in report["live"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

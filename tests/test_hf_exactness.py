@@ -28,7 +28,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: E402
 
 import tiercache  # noqa: E402
-from tiercache import CapacityError, TierConfig, UnsupportedModelError  # noqa: E402
+from tiercache import CapacityError, Tier, TierConfig, TieredCache, UnsupportedModelError  # noqa: E402
+from tiercache.policies import EVICTION_POLICIES  # noqa: E402
 
 BT = 4  # block_tokens
 PROMPT = 10  # prompt tokens (> sliding window 6)
@@ -363,6 +364,30 @@ def test_policies_are_lossless(eviction, prefetch, mode, tmp_path):
     layers, soft-capping) matches DynamicCache exactly while blocks cycle through all tiers."""
     stats = run_mode("gemma2", mode, tmp_path, eviction=eviction, prefetch=prefetch)
     assert_all_tiers_used(stats)
+
+
+NEW_EVICTIONS = sorted(set(EVICTION_POLICIES) - {"lru", "fifo", "lfu"})
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("eviction,prefetch", [(e, "next-layer") for e in NEW_EVICTIONS] + [("lru", "history")])
+def test_lab_policies_are_lossless(eviction, prefetch, mode, tmp_path):
+    """The policy lab's policies (arc, s3fifo, sinks-recent, attention-score with the attention
+    hook feeding it scores, and history prefetch) are placement only: exact in every mode."""
+    stats = run_mode("gemma2", mode, tmp_path, eviction=eviction, prefetch=prefetch)
+    assert_all_tiers_used(stats)
+
+
+def test_attention_score_policy_gets_scores_from_the_hook(tmp_path):
+    """With eviction="attention-score", TieredCache routes attention through tiercache's hook,
+    which feeds each decode step's per-block attention mass to the device tier's policy."""
+    model = tiny_model("llama")
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, eviction="attention-score")
+    with TieredCache(model, cfg) as cache:
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=4)
+        assert model.config._attn_implementation == "tiercache"
+        policy = cache.store.policies[Tier.DEVICE]
+        assert policy._score and all(v >= 0 for v in policy._score.values())
 
 
 def test_lookahead_deeper_than_model(tmp_path):

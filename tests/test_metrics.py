@@ -89,7 +89,7 @@ def histogram(text: str, name: str) -> dict:
     return out
 
 
-def expected(stats: dict, policy: str = "lru") -> dict:
+def expected(stats: dict, policy: str = TierConfig.eviction) -> dict:
     """What the exporter must show for ``stats``: one sample per stats() number."""
     out = {}
 

@@ -266,3 +266,49 @@ def test_four_threads_hammer_one_store(make_store, geometry):
     assert errors == []
     store.wait_idle()
     store.check()
+
+
+def test_a_shared_prefix_is_never_evicted_before_its_extensions(make_store, geometry):
+    """A prefix block P shared by two sequences (P <- A1 <- A2 and P <- B1) is put first, so
+    LRU alone would evict it first. With the links declared, every tier evicts extensions
+    before the prefix they extend: whenever an extension is on a tier, its prefix is too
+    (the prefix went there first and may only leave after it), and the data stay exact."""
+    store = make_store(device_blocks=3, host_blocks=3)
+    data = blocks(geometry, 12)
+    p, a1, a2, b1, *others = list(data)
+    links = {a1: p, a2: a1, b1: p}
+    for key in (p, a1, a2, b1):
+        store.put(key, data[key])
+        if key in links:
+            store.link(key, links[key])
+
+    def where() -> dict:
+        with store._lock:
+            return {key: {t for t in store.tiers if store.table.copy(key, t) is not None} for key in (p, a1, a2, b1)}
+
+    def check_leaf_first(before: dict, after: dict) -> None:
+        for child, parent in links.items():
+            # all four were put on the device parent-first and nothing brings them back up,
+            # so an extension on the device means its prefix is still there
+            if Tier.DEVICE in after[child]:
+                assert Tier.DEVICE in after[parent], (child, parent)
+            for tier in before[parent] - after[parent]:  # the prefix left `tier` in this step
+                assert tier not in after[child], (parent, "left", tier, "before", child)
+
+    state = where()
+    assert Tier.DEVICE in state[p], "LRU would have evicted the oldest block, the prefix"
+    for key in others:  # pressure: unrelated blocks push the chains down the tiers
+        store.put(key, data[key])
+        now = where()
+        check_leaf_first(state, now)
+        state = now
+        store.check()
+    store.wait_idle()
+    check_leaf_first(state, where())
+    assert Tier.DEVICE not in where()[p], "the pressure did push the prefix out in the end"
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+    with pytest.raises(ValueError, match="cycle"):
+        store.link(p, a2)
+    store.delete(a1)  # a deleted extension no longer holds its prefix (nor is held by a2)
+    assert a1 not in store._children.get(p, set()) and a2 not in store._parent

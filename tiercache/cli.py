@@ -1,4 +1,4 @@
-"""``tiercache`` command line: generate, demo, bench. Argument handling only; the work is
+"""``tiercache`` command line: generate, compare, demo, bench. Argument handling only; the work is
 done by the library modules."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -25,8 +26,10 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
     g.add_argument("--disk-budget", default=disk, help="disk tier budget; 0 disables it (default %(default)s)")
     g.add_argument("--disk-dir", default=None, help="directory of the disk tier (disk disabled without it)")
     g.add_argument("--block-tokens", type=int, default=TierConfig.block_tokens, help="tokens per block")
-    g.add_argument("--eviction", default="lru", help="eviction policy (lru, fifo, lfu, ...)")
-    g.add_argument("--prefetch", default="next-layer", help="prefetch policy (none, next-layer, lookahead)")
+    g.add_argument("--eviction", default=TierConfig.eviction, help="eviction policy: lfu (default, measured best), "
+                   "lru, fifo, arc, s3fifo, sinks-recent, attention-score")
+    g.add_argument("--prefetch", default=TierConfig.prefetch, help="prefetch policy: next-layer (default), none, "
+                   "lookahead, history")
     g.add_argument("--io-workers", type=int, default=4, help="disk I/O threads")
     g.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"])
 
@@ -97,9 +100,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 time.sleep(args.metrics_linger)
             stop_metrics(cache)
 
+    if args.trace_out:
+        check_writable("--trace-out", args.trace_out)
     result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
                            chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
-                           stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done)
+                           stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done,
+                           trace_out=args.trace_out)
     print(file=sys.stdout)
     if not args.quiet:
         print(stats_table(result["stats"], result["seconds"]), file=sys.stderr)
@@ -107,6 +113,94 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with open(args.stats_json, "w", encoding="utf-8") as f:
             json.dump({"stats": result["stats"], "seconds": result["seconds"], "text": result["text"]}, f, indent=2)
     return 0
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Fail before any slow work when an output file cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CLIError(f"{flag}: {path!r} is a directory")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise CLIError(f"{flag}: cannot write {path!r} (folder {folder!r} missing or not writable)")
+
+
+def split_list(flag: str, text: str) -> list:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise CLIError(f"{flag}: give a comma-separated list, got {text!r}")
+    return items
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tiercache.config import parse_bytes
+    from tiercache.lab import compare as lab
+    from tiercache.lab.trace import load_trace
+    from tiercache.policies import EVICTION_POLICIES
+
+    policies = split_list("--policies", args.policies) if args.policies else sorted(EVICTION_POLICIES)
+    prefetches = split_list("--prefetch-policies", args.prefetch_policies)
+    libcsim = [] if args.libcachesim == "none" else split_list("--libcachesim", args.libcachesim)
+    lab.check_names(policies, prefetches, libcsim)
+    try:
+        budgets = [parse_bytes(b, "--budgets") for b in split_list("--budgets", args.budgets)] if args.budgets else None
+        host_budget = None if args.lab_host_budget is None else parse_bytes(args.lab_host_budget, "--lab-host-budget")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    for flag, path in (("--plot", args.plot), ("--trace-out", args.trace_out)):
+        if path:
+            check_writable(flag, path)
+    model = tokenizer = prompt = None
+    trace_path = args.trace
+    if trace_path is None:
+        if args.prompt is None and args.prompt_file is None:
+            raise CLIError("compare needs --trace FILE, or --prompt-file FILE (or --prompt TEXT) to record one")
+        from tiercache.models import load_model
+
+        prompt = read_prompt(args)
+        cfg = config_from_args(args)
+        model, tokenizer = load_model(args.model)
+        trace_path = args.trace_out or os.path.join(tempfile.mkdtemp(prefix="tiercache-trace-"), "trace.csv")
+        print(f"recording a trace of {args.max_new_tokens} new tokens to {trace_path}", file=sys.stderr)
+        lab.record_trace(prompt, cfg, trace_path, max_new_tokens=args.max_new_tokens,
+                         chat=not args.no_chat_template, model=model, tokenizer=tokenizer, progress=not args.json)
+    elif args.live:
+        raise CLIError("--live runs the model: give --prompt-file (or --prompt) instead of --trace")
+    trace = load_trace(trace_path)
+    if budgets is None:
+        budgets = default_budgets(trace)
+    bandwidths = lab.load_bandwidths(args.io_json, args.disk_dir)
+    report = lab.compare_trace(trace, policies, budgets, prefetches=tuple(prefetches), host_budget=host_budget,
+                               bandwidths=bandwidths, libcachesim=tuple(libcsim))
+    if args.live:
+        base = config_from_args(args)
+        report["live"] = lab.live_runs(prompt, base, policies, budgets, tuple(prefetches), model=model,
+                                       tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
+                                       chat=not args.no_chat_template,
+                                       log=None if args.json else lambda m: print(m, file=sys.stderr))
+    if args.plot:
+        from tiercache.lab.plot import plot_hit_ratio
+
+        plot_hit_ratio(report["results"], args.plot, title=f"device hit ratio, {report['label']}")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(lab.table(report))
+        for row in report.get("live", []):
+            print(f"live {row['policy']}+{row['prefetch']} @ {format_bytes(row['budget_bytes'])}: " + (
+                row["error"] if "error" in row else
+                f"{row['decode_tps']:.2f} tok/s, stall {row['stall_seconds']:.2f} s, "
+                f"{format_bytes(row['bytes_moved'])} moved"))
+    return 0
+
+
+def default_budgets(trace) -> list:
+    """Six device budgets from one layer's blocks up to the whole trace's blocks."""
+    import numpy as np
+
+    distinct = len(np.unique(trace.obj_id))
+    per_layer = -(-distinct // max(trace.num_layers, 1))
+    steps = sorted({max(per_layer + 1, round(distinct * f)) for f in (0.1, 0.25, 0.4, 0.55, 0.75, 1.0)})
+    return [n * trace.block_bytes for n in steps]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -120,6 +214,8 @@ def cmd_bench(args: argparse.Namespace, rest: list) -> int:
         from tiercache.bench.io import run
     elif args.what == "decode":
         from tiercache.bench.decode import run
+    elif args.what == "policies":
+        from tiercache.bench.policies import run
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown benchmark {args.what!r}")
     return run(rest)
@@ -143,14 +239,41 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--metrics-addr", default="127.0.0.1", help="metrics address (default loopback only)")
     gen.add_argument("--metrics-linger", type=float, default=0.0, help="keep serving S seconds after the run")
     gen.add_argument("--metrics-textfile", default=None, help="write the metrics text format here at the end")
+    gen.add_argument("--trace-out", default=None, help="record every block access to this CSV file "
+                     "(header time,obj_id,obj_size,...: libCacheSim's CSV reader replays it)")
     add_tier_args(gen)
+
+    cmp_ = sub.add_parser("compare", help="compare eviction/prefetch policies on a block-access trace")
+    cmp_.add_argument("--trace", default=None, help="a trace from `tiercache generate --trace-out`")
+    cmp_.add_argument("--model", default=None, help="record a trace with this model (default SmolLM2-135M)")
+    src = cmp_.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None)
+    src.add_argument("--prompt-file", default=None)
+    cmp_.add_argument("--max-new-tokens", type=int, default=32)
+    cmp_.add_argument("--no-chat-template", action="store_true")
+    cmp_.add_argument("--trace-out", default=None, help="keep the recorded trace here")
+    cmp_.add_argument("--policies", default=None, help="runtime eviction policies (default: all registered)")
+    cmp_.add_argument("--prefetch-policies", default="none,next-layer",
+                      help="prefetch policies to replay with (default %(default)s)")
+    cmp_.add_argument("--budgets", default=None, help="device budgets, e.g. 8MiB,16MiB (default: six "
+                      "from one layer's blocks to all of them)")
+    cmp_.add_argument("--lab-host-budget", default=None, help="host tier in the replay (default: holds "
+                      "everything below the device; 0: no host tier)")
+    cmp_.add_argument("--libcachesim", default=",".join(("lru", "fifo", "lfu", "arc", "s3fifo", "belady")),
+                      help="libCacheSim algorithms to replay too, or 'none' (default %(default)s)")
+    cmp_.add_argument("--io-json", default=None, help="link rates from `tiercache bench io --json` "
+                      "(default: measure them now, ~10 s)")
+    cmp_.add_argument("--json", action="store_true", help="print one JSON object")
+    cmp_.add_argument("--plot", default=None, help="write a hit-ratio-vs-budget PNG here")
+    cmp_.add_argument("--live", action="store_true", help="also run each policy for real (tokens/s, stall)")
+    add_tier_args(cmp_)
 
     demo = sub.add_parser("demo", help="long-context needle-in-a-haystack job over all three tiers")
     demo.add_argument("--records", type=int, default=40)
     demo.add_argument("--disk-dir", default=None)
 
-    bench = sub.add_parser("bench", help="benchmarks (io, decode); --help after the name for options")
-    bench.add_argument("what", choices=["io", "decode"])
+    bench = sub.add_parser("bench", help="benchmarks (io, decode, policies); --help after the name for options")
+    bench.add_argument("what", choices=["io", "decode", "policies"])
     return parser
 
 
@@ -166,6 +289,8 @@ def main(argv: Optional[list] = None) -> int:
             return cmd_generate(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         return cmd_bench(args, rest)
     except (CLIError, TierCacheError, ValueError) as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)

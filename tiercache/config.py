@@ -103,7 +103,7 @@ class TierConfig:
     disk_budget: Budget = "16GiB"
     disk_dir: Optional[str] = None
     block_tokens: int = 1024
-    eviction: str = "lru"
+    eviction: str = "lfu"  # measured best: `tiercache bench policies` (README, "Policy lab")
     prefetch: str = "next-layer"
     prefetch_depth: int = 2
     io_workers: int = 4

@@ -17,7 +17,7 @@ import os
 import stat
 import struct
 import threading
-from typing import Iterator, Optional
+from typing import Iterator
 
 import crc32c
 import torch

@@ -61,10 +61,13 @@ class _Progress:
 def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] = None,
                   max_new_tokens: int = 128, chat: bool = True, prefill_chunk: Optional[int] = 512,
                   stream: Optional[IO[str]] = None, progress: bool = True, model: Any = None,
-                  tokenizer: Any = None,
+                  tokenizer: Any = None, trace_out: Optional[str] = None,
                   on_open: Optional[Callable[[Any], None]] = None,
                   on_done: Optional[Callable[[Any], None]] = None) -> dict:
-    """Generate greedily from ``prompt`` with a TieredCache; returns text, stats and timings."""
+    """Generate greedily from ``prompt`` with a TieredCache; returns text, stats and timings.
+
+    ``trace_out``: write every block access of the run to this CSV file (see
+    ``tiercache.lab.trace``)."""
     from transformers import TextStreamer
 
     from tiercache.hf import TieredCache
@@ -85,7 +88,7 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         streamer.on_finalized_text = lambda text, stream_end=False: (stream.write(text), stream.flush())
     t0 = time.perf_counter()
-    with TieredCache(model, config) as cache:
+    with TieredCache(model, config, trace=trace_out) as cache:
         cache.events.add_listener(meter)
         if on_open is not None:
             on_open(cache)

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import uuid
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -22,10 +22,14 @@ from tiercache.config import TierConfig, format_bytes
 from tiercache.disk import ensure_private_dir
 from tiercache.errors import CapacityError, UnsupportedModelError
 from tiercache.events import Events
-from tiercache.policies import make_prefetch
+from tiercache.policies import make_eviction, make_prefetch
+from tiercache.attention import SCORES_ATTR
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey
 from tiercache.tiers import BlockGeometry
+
+if TYPE_CHECKING:
+    from tiercache.lab.trace import TraceWriter
 
 log = logging.getLogger("tiercache")
 
@@ -128,7 +132,8 @@ class TieredCache(Cache):
             print(cache.stats()["moves"])
     """
 
-    def __init__(self, model: Any, config: Optional[TierConfig] = None) -> None:
+    def __init__(self, model: Any, config: Optional[TierConfig] = None, *,
+                 trace: Union[str, "TraceWriter", None] = None) -> None:
         self.tier_config = config if config is not None else TierConfig()
         model_config = getattr(model, "config", model)
         text = check_supported(model_config)
@@ -141,6 +146,15 @@ class TieredCache(Cache):
         self.prefetch_policy = make_prefetch(self.tier_config.prefetch, **(
             {"depth": self.tier_config.prefetch_depth} if self.tier_config.prefetch == "lookahead" else {}))
         self.seq_id = next(_SEQ_IDS)
+        self.wants_scores = getattr(make_eviction(self.tier_config.eviction), "wants_scores", False)
+        self.trace = self._open_trace(trace)
+        self._step = -1
+        self._step_tokens = 0
+        self._pending_read: Optional[tuple] = None  # (keys, t_us) awaiting the attention hook's scores
+        self._pending_scores: Optional[dict] = None
+        if (self.wants_scores or self.trace is not None) and hasattr(model, "config") and hasattr(model, "forward"):
+            from tiercache.attention import install
+            install(model)  # same outputs; adds per-block attention mass
         self.store: Optional[BlockStore] = None
         self._pinned: list = []
         self._session_dir: Optional[str] = None
@@ -162,6 +176,35 @@ class TieredCache(Cache):
         store = BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
         store.defer_stall = True
         return store
+
+    # ---- traces and attention scores -----------------------------------------------------
+    @staticmethod
+    def _open_trace(trace: Union[str, "TraceWriter", None]) -> Optional["TraceWriter"]:
+        if trace is None or not isinstance(trace, (str, os.PathLike)):
+            return trace
+        from tiercache.lab.trace import TraceWriter
+        return TraceWriter(os.fspath(trace))
+
+    def _flush_trace(self) -> None:
+        if self.trace is None or self._pending_read is None:
+            return
+        keys, t_us = self._pending_read
+        self.trace.record("read", keys, self.store.geometry.block_bytes, self._step, self._step_tokens,
+                          scores=self._pending_scores, t_us=t_us)
+        self._pending_read = self._pending_scores = None
+
+    def _scores_hook(self, keys: list, offset: int):
+        bt = self.tier_config.block_tokens
+
+        def on_scores(mass: torch.Tensor) -> None:
+            padded = torch.nn.functional.pad(mass.float().cpu(), (offset, len(keys) * bt - offset - mass.shape[0]))
+            per_block = padded.view(len(keys), bt).sum(dim=1).tolist()
+            scores = dict(zip(keys, per_block))
+            if self.wants_scores and self.store is not None:
+                self.store.observe_scores(scores)
+            if self.trace is not None:
+                self._pending_scores = scores
+        return on_scores
 
     def _key(self, layer_idx: int, index: int) -> BlockKey:
         return BlockKey(self.seq_id, layer_idx, index)
@@ -219,9 +262,12 @@ class TieredCache(Cache):
         layer = self.layers[layer_idx]
         layer.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
+        self._flush_trace()
         if layer_idx == 0:
             self._check_capacity(q)
             self.events.tokens(prefill=q if q > 1 else 0, decode=1 if q == 1 else 0)
+            self._step += 1
+            self._step_tokens = q
         store.note_compute()
         store.unpin(self._pinned)  # attention of the previous layer is done
         self._pinned = []
@@ -252,13 +298,23 @@ class TieredCache(Cache):
 
         needed = [self._key(layer_idx, i) for i in range(read_from // bt, (end + bt - 1) // bt)]
         offset = read_from - (read_from // bt) * bt
+        if self.trace is not None:
+            t_us = self.trace.now_us()
+            self.trace.record("write", write_keys, store.geometry.block_bytes, self._step, q, t_us=t_us)
+            self._pending_read = (needed, t_us)
         keys, values = store.read_layer(needed, end - read_from, offset)
+        if self.wants_scores or self.trace is not None:
+            setattr(keys, SCORES_ATTR, self._scores_hook(needed, offset))
+        self.prefetch_policy.observe(layer_idx, needed)
         plan = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
         if plan:
             store.prefetch(plan, protect=needed, dst=store.attention_tier)
         if layer.is_sliding and not layer.record_past:
             self._free_before(layer, max(end - layer.sliding_window + 1, 0) // bt)
-        self.events.stall(store.take_stall())
+        stall = store.take_stall()
+        self.events.stall(stall)
+        if self.trace is not None:
+            self.trace.waited(stall)
         return keys, values
 
     def _free_before(self, layer: TieredLayer, first_block: int) -> None:
@@ -321,6 +377,10 @@ class TieredCache(Cache):
         if self.closed:
             return
         self.closed = True
+        if self.trace is not None:
+            if self.store is not None:
+                self._flush_trace()
+            self.trace.close()
         if self.store is not None:
             self._last_tiers = self.store.tier_stats()
             self.store.close()

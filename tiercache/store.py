@@ -8,7 +8,6 @@ lock held, and the time they wait is recorded as stall time.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -21,7 +20,7 @@ from tiercache.disk import DiskTier, RecordError
 from tiercache.errors import BlockCorruptedError, CapacityError
 from tiercache.events import Events
 from tiercache.policies import make_eviction
-from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier
+from tiercache.table import BlockTable, CopyState, Move, Tier
 from tiercache.tiers import BlockGeometry, DevicePool, HostPool, aligned_buffer
 from tiercache.transfer import Priority, TransferEngine, wait_all
 
@@ -78,6 +77,8 @@ class BlockStore:
         self._to_device: dict = {}  # key -> Future of the move filling its device copy
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
         self._prefetched: dict = {}  # key -> tier a prefetch brought it to
+        self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
+        self._parent: dict = {}
         with torch.inference_mode(False):
             self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2)
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -232,6 +233,35 @@ class BlockStore:
         """Forget ``key``; copies in flight are freed when their move completes."""
         with self._lock:
             self._forget(key)
+
+    def link(self, key: Hashable, parent: Hashable) -> None:
+        """Declare that block ``key`` extends the prefix block ``parent``.
+
+        A prefix block is never evicted from a tier while a block that extends it is on that
+        tier: extensions go first (leaf-first, as radix-tree prefix caches evict), so a shared
+        prefix outlives every sequence built on it.
+        """
+        with self._lock:
+            up = parent
+            while up is not None:
+                if up == key:
+                    raise ValueError(f"link({key!r}, {parent!r}) would make a cycle of prefix blocks")
+                up = self._parent.get(up)
+            self._unlink(key)
+            self._parent[key] = parent
+            self._children.setdefault(parent, set()).add(key)
+
+    def _unlink(self, key: Hashable) -> None:
+        parent = self._parent.pop(key, None)
+        if parent is not None:
+            kids = self._children.get(parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self._children[parent]
+
+    def _extended_on(self, key: Hashable, tier: Tier) -> bool:
+        return any(self.table.copy(child, tier) is not None for child in self._children.get(key, ()))
 
     def pin(self, keys: Iterable[Hashable]) -> None:
         with self._lock:
@@ -586,6 +616,13 @@ class BlockStore:
             move = self._prepare(key, top, lower, drop_source=False)
         self._submit(move, Priority.WRITEBACK, chain=True, blocking=False)
 
+    def observe_scores(self, scores: dict) -> None:
+        """Attention mass per block from the attention hook, for policies that want it."""
+        with self._lock:
+            for policy in self.policies.values():
+                if getattr(policy, "wants_scores", False):
+                    policy.observe_scores(scores)
+
     def note_compute(self) -> None:
         """On CUDA: later copies into device slots wait for the work queued so far."""
         if self._cuda:
@@ -690,7 +727,7 @@ class BlockStore:
         lower = self._lower(tier)
 
         def evictable(key) -> bool:
-            if key in protect:
+            if key in protect or (self._children and self._extended_on(key, tier)):
                 return False
             if self.table.can_drop(key, tier):
                 return True
@@ -743,6 +780,9 @@ class BlockStore:
     def _forget(self, key: Hashable) -> None:
         for tier, slot in self.table.delete(key):
             self._released(key, tier, slot)
+        self._unlink(key)
+        for child in self._children.pop(key, ()):
+            self._parent.pop(child, None)
         self._tokens.pop(key, None)
 
     def _inflight_for(self, key: Hashable) -> list:

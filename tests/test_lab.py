@@ -1,0 +1,233 @@
+"""The policy lab: traces recorded from real generation, replayed through the runtime policies."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import tiercache
+from tiercache.lab.sim import Bandwidths, InfeasibleBudget, replay
+from tiercache.lab.trace import HEADER, TraceError, load_trace, obj_id
+
+BW = Bandwidths(host_to_device=9e9, device_to_host=9e9, disk_read=1e9, disk_write=1.5e9)
+BT = 4  # block tokens
+LAYERS, Q_HEADS = 3, 4
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                   num_attention_heads=Q_HEADS, num_key_value_heads=2, initializer_range=0.2,
+                                   max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def record(tmp_path, *, prompt: int = 30, new: int = 12, name: str = "trace.csv", **cfg):
+    """Generate with a trace; returns (trace path, logits with the trace, logits without any cache trick)."""
+    model = tiny_llama()
+    ids = torch.randint(1, 64, (1, prompt), generator=torch.Generator().manual_seed(1))
+    gen = dict(do_sample=False, max_new_tokens=new, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, cache=transformers.DynamicCache(), **gen)
+    config = tiercache.TierConfig(device_budget=cfg.pop("device_budget", "64KiB"), host_budget="64KiB",
+                                  block_tokens=BT, **cfg)
+    path = tmp_path / name
+    with tiercache.TieredCache(model, config, trace=str(path)) as cache, torch.no_grad():
+        out = model.generate(ids, cache=cache, **gen)
+    return path, ref, out
+
+
+def test_recorded_trace_is_every_access_and_changes_nothing(tmp_path):
+    """Recording a trace (and the attention hook that scores blocks) leaves the logits equal to
+    DynamicCache's; the file holds one write row per block written and one read row per block
+    attention read, per layer and step, with attention scores that sum to one per head."""
+    path, ref, out = record(tmp_path, prompt=30, new=12)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) <= 1e-5
+    assert path.read_text().splitlines()[0] == ",".join(HEADER)
+    trace = load_trace(str(path))
+    assert trace.num_layers == LAYERS and trace.total_tokens == 30 + 11
+    for step in range(12):
+        seen = 30 + step if step else 30  # tokens in the cache after this forward
+        seen = 30 if step == 0 else 30 + step
+        for layer in range(LAYERS):
+            rows = (trace.step == step) & (trace.layer == layer)
+            reads = trace.block[rows & ~trace.is_write]
+            assert reads.tolist() == list(range(-(-seen // BT))), (step, layer)
+            writes = trace.block[rows & trace.is_write]
+            first_new = (seen - (30 if step == 0 else 1)) // BT
+            assert writes.tolist() == list(range(first_new, -(-seen // BT)))
+            mass = trace.score[rows & ~trace.is_write]
+            assert np.isfinite(mass).all()
+            assert mass.sum() == pytest.approx(Q_HEADS, rel=1e-4)  # each query head's row sums to one
+    assert set(trace.obj_size.tolist()) == {2 * 1 * 2 * BT * 16 * 4}
+    assert trace.obj_id[0] == obj_id(int(trace.seq[0]), 0, 0)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("a,b,c\n1,2,3\n", "not a tiercache trace"),
+    ("time,obj_id,obj_size\n1,2,3\n", "lacks the column"),
+    (",".join(HEADER) + "\n1,2,3,read,0,0,x,0,1,\n", "line 2 is malformed"),
+    (",".join(HEADER) + "\n5,2,3,read,0,0,2,0,1,\n4,2,3,read,0,0,2,0,1,\n", "goes backwards"),
+    (",".join(HEADER) + "\n5,2,3,erase,0,0,2,0,1,\n", "line 2 is malformed"),
+])
+def test_bad_trace_files_are_named(tmp_path, content, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    with pytest.raises(TraceError, match=message):
+        load_trace(str(path))
+
+
+def write_scan_trace(path, layers: int, blocks: int, rounds: int, size: int = 4096) -> None:
+    """``layers`` layers of ``blocks`` blocks each, written once and then read layer by layer
+    ``rounds`` times: the cyclic scan that exact attention makes."""
+    lines = [",".join(HEADER)]
+    t = 0
+    for step in range(rounds + 1):
+        for layer in range(layers):
+            t += 100
+            for b in range(blocks):
+                op = "write" if step == 0 else "read"
+                lines.append(f"{t},{obj_id(1, layer, b)},{size},{op},1,{layer},{b},{step},{blocks if step == 0 else 1},")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_cyclic_scan_defeats_lru_and_fifo_in_the_replay(tmp_path):
+    """The classic result, through the runtime's own LRU and FIFO replayed request by request: a
+    loop one block larger than the device never hits; a loop that fits hits on every read after
+    the first writes. The runtime pins the layer being read, so its victims come from the next
+    layers and some reads do hit: pinning is part of what the replay models."""
+    path = tmp_path / "scan.csv"
+    write_scan_trace(path, layers=5, blocks=2, rounds=5)
+    trace = load_trace(str(path))
+    for policy in ("lru", "fifo"):
+        small = replay(trace, policy, 9 * 4096, bandwidths=BW, pin_reads=False)
+        assert small["tier_hit_ratio"]["device"] == 0.0, policy
+        assert small["tier_hit_ratio"]["host"] == pytest.approx(50 / 60)
+        pinned = replay(trace, policy, 9 * 4096, bandwidths=BW)
+        assert pinned["tier_hit_ratio"]["device"] > 0.0, policy
+        fits = replay(trace, policy, 10 * 4096, bandwidths=BW)
+        assert fits["hit_ratio"] == pytest.approx(50 / 60), policy
+        assert fits["tier_hit_ratio"]["miss"] == pytest.approx(10 / 60)
+        # only the write-behind of each layer's sealed first block moved: nothing came back up
+        assert fits["bytes_moved_by_link"] == {"device->host": 5 * 4096}
+
+
+def test_replay_refuses_a_device_smaller_than_one_layer(tmp_path):
+    path = tmp_path / "scan.csv"
+    write_scan_trace(path, layers=2, blocks=5, rounds=2)
+    with pytest.raises(InfeasibleBudget, match="device budget >= 20480 bytes"):
+        replay(load_trace(str(path)), "lru", 4 * 4096, bandwidths=BW)
+
+
+def test_replay_budgets_and_bytes_add_up(tmp_path):
+    """On a trace from a real run with three tiers: hit ratios per tier sum to one; a larger
+    device budget never moves more bytes under LRU with no prefetch; with a tiny host tier, blocks
+    go down to disk and come back from it."""
+    path, _, _ = record(tmp_path, prompt=40, new=16)
+    trace = load_trace(str(path))
+    block = trace.block_bytes
+    per_layer = -(-(40 + 15) // BT)
+    prev = None
+    for blocks in (per_layer + 2, 2 * per_layer, 3 * per_layer):
+        r = replay(trace, "lru", blocks * block, host_budget=4 * block, bandwidths=BW)
+        assert sum(r["tier_hit_ratio"].values()) == pytest.approx(1.0)
+        if prev is not None:
+            assert r["bytes_moved"] <= prev
+        prev = r["bytes_moved"]
+    tight = replay(trace, "lru", (per_layer + 2) * block, host_budget=4 * block, bandwidths=BW)
+    assert tight["bytes_moved_by_link"]["host->disk"] > 0 and tight["bytes_moved_by_link"]["disk->host"] > 0
+    assert tight["tier_hit_ratio"]["disk"] > 0 and tight["est_stall_seconds"] > 0
+
+
+def test_prefetch_in_the_replay_turns_lower_tier_hits_into_device_hits(tmp_path):
+    """next-layer prefetch fetches layer i+1 while layer i computes: device hits go up, and with
+    links as fast as in the trace's compute clock nothing is late; a slow link makes them late."""
+    path, _, _ = record(tmp_path, prompt=40, new=16)
+    trace = load_trace(str(path))
+    budget = (2 * -(-(40 + 15) // BT) + 2) * trace.block_bytes
+    none = replay(trace, "lru", budget, prefetch="none", bandwidths=BW)
+    ahead = replay(trace, "lru", budget, prefetch="next-layer", bandwidths=BW)
+    assert ahead["hit_ratio"] > none["hit_ratio"]
+    assert ahead["prefetches"]["issued"] > 0 and ahead["prefetches"]["used"] > 0
+    assert ahead["est_stall_seconds"] < none["est_stall_seconds"]
+    slow = Bandwidths(host_to_device=1e3, device_to_host=1e3, disk_read=1e3, disk_write=1e3)
+    late = replay(trace, "lru", budget, prefetch="next-layer", bandwidths=slow)
+    assert late["prefetches"]["late"] > 0
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "tiercache.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_compare_cli_json_and_table(tmp_path):
+    path, _, _ = record(tmp_path, prompt=40, new=8)
+    io = tmp_path / "io.json"
+    io.write_text(json.dumps({"h2d_gbps": 9.0, "d2h_gbps": 9.0, "read_gbps": 1.0, "write_gbps": 1.5}))
+    proc = cli("compare", "--trace", str(path), "--policies", "lru,fifo", "--budgets", "12KiB,24KiB,1KiB",
+               "--libcachesim", "none", "--io-json", str(io), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    got = {(r["policy"], r["prefetch"], r["budget_bytes"]) for r in report["results"]}
+    assert got == {(p, f, b) for p in ("lru", "fifo") for f in ("none", "next-layer") for b in (12288, 24576)}
+    for r in report["results"]:
+        assert 0 <= r["hit_ratio"] <= 1 and r["bytes_moved"] >= 0 and "est_stall_seconds" in r
+    assert {s["budget_bytes"] for s in report["skipped"]} == {1024}
+    assert report["bandwidths_gbps"]["disk_read"] == 1.0
+    text = cli("compare", "--trace", str(path), "--policies", "lru", "--budgets", "24KiB",
+               "--libcachesim", "none", "--io-json", str(io))
+    assert text.returncode == 0 and "lru" in text.stdout and "next-layer" in text.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--policies", "lru,nope"], "unknown eviction policy 'nope'"),
+    (["--prefetch-policies", "soon"], "unknown prefetch policy 'soon'"),
+    (["--budgets", "12 parsecs"], "--budgets"),
+    (["--plot", "/nonexistent-dir/x.png"], "--plot: cannot write"),
+])
+def test_compare_cli_bad_input(tmp_path, args, message):
+    path = tmp_path / "scan.csv"
+    write_scan_trace(path, layers=2, blocks=2, rounds=2)
+    proc = cli("compare", "--trace", str(path), "--libcachesim", "none", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_compare_cli_missing_trace_is_one_line(tmp_path):
+    proc = cli("compare", "--trace", str(tmp_path / "none.csv"), "--libcachesim", "none")
+    assert proc.returncode == 2 and "cannot read trace" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_runtime_lru_and_fifo_agree_with_libcachesim(tmp_path):
+    """The policy classes the runtime uses, replayed request by request, agree with
+    libCacheSim's LRU and FIFO on a trace of a real run within one percentage point at every
+    budget; Belady's optimum is above every runtime policy, pinned or not."""
+    from tiercache.lab.libcsim import replay_libcachesim
+    from tiercache.policies import EVICTION_POLICIES
+
+    path, _, _ = record(tmp_path, prompt=60, new=24)
+    trace = load_trace(str(path))
+    per_layer = -(-(60 + 23) // BT)
+    budgets = [n * trace.block_bytes for n in (per_layer + 1, 2 * per_layer, 3 * per_layer - 4, 3 * per_layer)]
+    ref = {(r["policy"], r["budget_bytes"]): r["hit_ratio"]
+           for r in replay_libcachesim(str(path), ["lru", "fifo", "belady"], budgets)}
+    for budget in budgets:
+        for policy in ("lru", "fifo"):
+            ours = replay(trace, policy, budget, bandwidths=BW, pin_reads=False)["hit_ratio"]
+            theirs = ref[(f"libcachesim:{policy}", budget)]
+            assert abs(ours - theirs) <= 0.01, (policy, budget, ours, theirs)
+        belady = ref[("libcachesim:belady", budget)]
+        for policy in EVICTION_POLICIES:
+            for pinned in (True, False):
+                ours = replay(trace, policy, budget, bandwidths=BW, pin_reads=pinned)["hit_ratio"]
+                assert ours <= belady + 1e-9, (policy, pinned, budget, ours, belady)

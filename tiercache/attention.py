@@ -1,0 +1,92 @@
+"""tiercache's attention hook: the model's own attention, plus per-block attention mass.
+
+``install(model)`` registers an attention function and a matching mask function under the
+name ``"tiercache"`` (a custom attention function without a mask function of the same name
+silently gets ``attention_mask=None``) and switches the model to it. The function runs the
+implementation the model used before (sdpa, eager, ...) unchanged, so outputs are the same
+bit for bit; when the key tensor that ``TieredCache.update`` returned asks for it, it also
+computes how much attention the last query row gave each key and hands that to the cache.
+Only that row is scored, so the full attention matrix is never materialised.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+NAME = "tiercache"
+_INNER = "_tiercache_inner_attention"
+SCORES_ATTR = "_tiercache_on_scores"
+
+
+def _inner_name(config: Any) -> str:
+    return getattr(config, _INNER, None) or "sdpa"
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], **kwargs: Any):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = _inner_name(module.config)
+    if inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS:
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    else:
+        fn = ALL_ATTENTION_FUNCTIONS[inner]
+    out = fn(module, query, key, value, attention_mask, **kwargs)
+    on_scores: Optional[Callable] = getattr(key, SCORES_ATTR, None)
+    if on_scores is not None:
+        with torch.no_grad():
+            on_scores(last_row_mass(query, key, attention_mask, kwargs.get("scaling"),
+                                    kwargs.get("softcap", getattr(module.config, "attn_logit_softcapping", None))))
+    return out
+
+
+def last_row_mass(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.Tensor],
+                  scaling: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    """Attention probabilities of the last query row, summed over batch and heads: ``[kv_len]``."""
+    q = query[:, :, -1:, :].float()  # [B, Hq, 1, D]
+    b, hq, _, d = q.shape
+    hkv, n = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else d ** -0.5
+    q = q.view(b, hkv, hq // hkv, d)  # grouped query heads share a KV head
+    logits = torch.einsum("bgrd,bgnd->bgrn", q, key.float()) * scale  # [B, Hkv, rep, N]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    if mask is not None:
+        row = mask[:, :, -1, :n]  # [B, 1, N]
+        if row.dtype == torch.bool:
+            logits = logits.masked_fill(~row.unsqueeze(2), float("-inf"))
+        else:
+            logits = logits + row.unsqueeze(2).float()
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(0, 1, 2))
+
+
+def _mask(*args: Any, config: Any = None, **kwargs: Any):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    inner = _inner_name(config)
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[inner if inner in ALL_MASK_ATTENTION_FUNCTIONS else "eager"]
+    return fn(*args, config=config, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(NAME, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
+
+
+def install(model: Any) -> None:
+    """Route ``model``'s attention through the hook (idempotent; outputs unchanged)."""
+    _register()
+    configs = [model.config]
+    text = model.config.get_text_config(decoder=True)
+    if text is not model.config:
+        configs.append(text)
+    for config in configs:
+        current = getattr(config, "_attn_implementation", None) or "sdpa"
+        if current != NAME:
+            setattr(config, _INNER, current)
+            config._attn_implementation = NAME

@@ -1,0 +1,1 @@
+"""Policy lab: block-access traces, replay and comparison."""

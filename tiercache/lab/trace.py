@@ -1,0 +1,168 @@
+"""Block-access traces: one CSV row per block that a forward pass wrote or attention read.
+
+The header starts ``time,obj_id,obj_size`` so that libCacheSim's CSV reader replays the file
+as it is; the extra columns let tiercache's own replay rebuild the layer structure.
+
+    time      microseconds of compute since the run began (time spent waiting for blocks is
+              left out, so a replay can add its own stall estimate)
+    obj_id    (seq << 40) | (layer << 24) | block
+    obj_size  bytes of the block (all batch rows)
+    op        "write" (new tokens went into the block) or "read" (attention read it)
+    seq, layer, block   the block key
+    step      index of the forward pass; tokens: new tokens that forward processed
+    score     attention mass the block received at that read (empty unless recorded)
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+HEADER = ("time", "obj_id", "obj_size", "op", "seq", "layer", "block", "step", "tokens", "score")
+_LAYER_BITS, _BLOCK_BITS = 16, 24
+
+
+def obj_id(seq: int, layer: int, block: int) -> int:
+    """The trace's object id of block ``block`` of ``layer`` in sequence ``seq``."""
+    if not (0 <= layer < 1 << _LAYER_BITS and 0 <= block < 1 << _BLOCK_BITS and 0 <= seq < 1 << 23):
+        raise ValueError(f"block key out of the trace's id range: seq={seq} layer={layer} block={block}")
+    return (seq << (_LAYER_BITS + _BLOCK_BITS)) | (layer << _BLOCK_BITS) | block
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed: the message names the file and the problem."""
+
+
+class TraceWriter:
+    """Appends access rows to a CSV file; buffered, flushed on ``close``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._file = open(path, "w", encoding="ascii", newline="")
+        except OSError as exc:
+            raise TraceError(f"--trace-out: cannot write {path!r} ({exc.strerror})") from None
+        self._file.write(",".join(HEADER) + "\n")
+        self._buf = io.StringIO()
+        self._t0 = time.perf_counter()
+        self._waited = 0.0
+        self._last = 0
+        self.rows = 0
+
+    def waited(self, seconds: float) -> None:
+        """Time spent waiting for blocks: kept out of the ``time`` column."""
+        self._waited += seconds
+
+    def now_us(self) -> int:
+        # waits are reported after the fact, so a wait that began before the last reading
+        # could move the clock back: it never goes backwards
+        self._last = max(self._last, int((time.perf_counter() - self._t0 - self._waited) * 1e6))
+        return self._last
+
+    def record(self, op: str, keys: Iterable, size: int, step: int, tokens: int,
+               scores: Optional[dict] = None, t_us: Optional[int] = None) -> None:
+        t = self.now_us() if t_us is None else t_us
+        w = self._buf.write
+        for key in keys:
+            seq, layer, block = key
+            score = "" if scores is None or key not in scores else f"{scores[key]:.6g}"
+            w(f"{t},{obj_id(seq, layer, block)},{size},{op},{seq},{layer},{block},{step},{tokens},{score}\n")
+            self.rows += 1
+        if self._buf.tell() > 1 << 20:
+            self._file.write(self._buf.getvalue())
+            self._buf = io.StringIO()
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.write(self._buf.getvalue())
+        self._buf = io.StringIO()
+        self._file.close()
+
+
+@dataclass
+class Trace:
+    """A loaded trace, one numpy array per column (``score`` is NaN where not recorded)."""
+
+    path: str
+    time_us: np.ndarray
+    obj_id: np.ndarray
+    obj_size: np.ndarray
+    is_write: np.ndarray
+    seq: np.ndarray
+    layer: np.ndarray
+    block: np.ndarray
+    step: np.ndarray
+    tokens: np.ndarray
+    score: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.obj_id)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.layer.max()) + 1 if len(self) else 0
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.obj_size.max()) if len(self) else 0
+
+    @property
+    def total_tokens(self) -> int:
+        """New tokens over all forward passes (each step counted once)."""
+        if not len(self):
+            return 0
+        _, first = np.unique(self.step, return_index=True)
+        return int(self.tokens[first].sum())
+
+    @property
+    def has_scores(self) -> bool:
+        return bool(np.isfinite(self.score).any())
+
+
+def load_trace(path: str) -> Trace:
+    """Read a trace written by ``TraceWriter``; raise ``TraceError`` naming the problem."""
+    try:
+        with open(path, encoding="ascii", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None or tuple(header[:3]) != HEADER[:3]:
+                raise TraceError(f"{path}: not a tiercache trace (the first line must start with "
+                                 f"'time,obj_id,obj_size', got {','.join(header or [])[:60]!r})")
+            missing = [c for c in HEADER[:9] if c not in header]
+            if missing:
+                raise TraceError(f"{path}: trace lacks the column(s) {', '.join(missing)} that a "
+                                 f"replay needs; record it with `tiercache generate --trace-out`")
+            col = {name: header.index(name) for name in HEADER if name in header}
+            rows = list(reader)
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path!r} ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a tiercache trace (not ASCII text)") from None
+    n = len(rows)
+    ints = {name: np.empty(n, dtype=np.int64) for name in ("time", "obj_id", "obj_size", "seq", "layer",
+                                                             "block", "step", "tokens")}
+    is_write = np.empty(n, dtype=bool)
+    score = np.full(n, np.nan)
+    for i, row in enumerate(rows):
+        try:
+            for name, arr in ints.items():
+                arr[i] = int(row[col[name]])
+            op = row[col["op"]]
+            if op not in ("read", "write"):
+                raise ValueError(f"op {op!r}")
+            is_write[i] = op == "write"
+            if "score" in col and col["score"] < len(row) and row[col["score"]]:
+                score[i] = float(row[col["score"]])
+        except (ValueError, IndexError) as exc:
+            raise TraceError(f"{path}: line {i + 2} is malformed ({exc})") from None
+    if n and (np.diff(ints["time"]) < 0).any():
+        raise TraceError(f"{path}: the time column goes backwards")
+    return Trace(path=os.fspath(path), time_us=ints["time"], obj_id=ints["obj_id"], obj_size=ints["obj_size"],
+                 is_write=is_write, seq=ints["seq"], layer=ints["layer"], block=ints["block"],
+                 step=ints["step"], tokens=ints["tokens"], score=score)
