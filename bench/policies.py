@@ -85,6 +85,34 @@ def summarize(results: list, fractions: dict) -> dict:
             "best_overall": ranking[0] if ranking else None}
 
 
+def _print_summary(summary: dict, out_dir: str) -> None:
+    print(f"{'trace':<14} {'prefetch':<11} {'budget':<7} {'best':<16} {'hit':>6} {'MB/token':>9} "
+          f"{'lru hit':>8} {'lru MB/tok':>10}")
+    for g in summary["regimes"]:
+        print(f"{g['trace']:<14} {g['prefetch']:<11} {g['band']:<7} {g['best']:<16} {g['hit_ratio']:>6.3f} "
+              f"{g['bytes_per_token'] / 1e6:>9.2f} {g['lru_hit_ratio']:>8.3f} {g['lru_bytes_per_token'] / 1e6:>10.2f}")
+    print("mean device hit ratio without prefetch:", summary["mean_hit_ratio_no_prefetch"])
+    print("mean bytes moved per token with prefetch:", summary["mean_bytes_per_token_with_prefetch"])
+    print("estimated stall summed over every trace, prefetch and budget (s):", summary["total_est_stall_seconds"])
+    print(f"best overall: {summary['best_overall']}   (results and plots in {out_dir}/)")
+
+
+def _resummarize(path: str, as_json: bool) -> int:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        results = data["results"]
+        fractions = {(r["trace"], r["budget_bytes"]): r["budget_fraction"] for r in results if "budget_fraction" in r}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--summarize: {path!r} is not a policies.json from this benchmark ({exc})") from None
+    summary = summarize(results, fractions)
+    if as_json:
+        print(json.dumps({"summary": summary, "traces": data.get("traces", {})}))
+    else:
+        _print_summary(summary, os.path.dirname(path) or ".")
+    return 0
+
+
 def run(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache bench policies", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="2048,8192", help="prompt lengths in tokens (default %(default)s)")
@@ -94,7 +122,11 @@ def run(argv: Optional[list] = None) -> int:
     p.add_argument("--out", default="bench-policies", help="folder for traces, JSON and plots")
     p.add_argument("--io-json", default=None, help="link rates from `tiercache bench io --json` (default: measure)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--summarize", default=None, metavar="POLICIES_JSON",
+                   help="only print the summary of a saved policies.json (no recording, no replay)")
     args = p.parse_args(argv)
+    if args.summarize:
+        return _resummarize(args.summarize, args.json)
 
     from tiercache.lab.compare import compare_trace, load_bandwidths
     from tiercache.lab.plot import plot_hit_ratio
@@ -145,15 +177,7 @@ def run(argv: Optional[list] = None) -> int:
     if args.json:
         print(json.dumps({"summary": summary, "traces": traces}))
     else:
-        print(f"{'trace':<14} {'prefetch':<11} {'budget':<7} {'best':<16} {'hit':>6} {'MB/token':>9} "
-              f"{'lru hit':>8} {'lru MB/tok':>10}")
-        for g in summary["regimes"]:
-            print(f"{g['trace']:<14} {g['prefetch']:<11} {g['band']:<7} {g['best']:<16} {g['hit_ratio']:>6.3f} "
-                  f"{g['bytes_per_token'] / 1e6:>9.2f} {g['lru_hit_ratio']:>8.3f} {g['lru_bytes_per_token'] / 1e6:>10.2f}")
-        print("mean device hit ratio without prefetch:", summary["mean_hit_ratio_no_prefetch"])
-        print("mean bytes moved per token with prefetch:", summary["mean_bytes_per_token_with_prefetch"])
-        print("estimated stall summed over every trace, prefetch and budget (s):", summary["total_est_stall_seconds"])
-        print(f"best overall: {summary['best_overall']}   (results and plots in {args.out}/)")
+        _print_summary(summary, args.out)
     return 0
 
 

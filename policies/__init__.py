@@ -12,6 +12,9 @@ from .adaptive import ARCPolicy, S3FIFOPolicy
 from .eviction import FIFOPolicy, LFUPolicy, LRUPolicy
 from .kv import AttentionScorePolicy, SinksRecentPolicy
 from .prefetch import HistoryPrefetch, LookaheadPrefetch, NextLayerPrefetch, NoPrefetch
+from .retention import (H2ORetention, RetentionPolicy, SnapKVRetention, StreamingRetention,
+                        TOVARetention)
+from .selection import FullSelection, QuestSelection, SelectionPolicy
 
 EVICTION_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LRUPolicy,
@@ -28,6 +31,18 @@ PREFETCH_POLICIES: dict[str, Callable[..., PrefetchPolicy]] = {
     "next-layer": NextLayerPrefetch,
     "lookahead": LookaheadPrefetch,
     "history": HistoryPrefetch,
+}
+
+SELECTION_POLICIES: dict[str, Callable[..., SelectionPolicy]] = {
+    "full": FullSelection,
+    "quest": QuestSelection,
+}
+
+RETENTION_POLICIES: dict[str, Callable[..., RetentionPolicy]] = {
+    "streaming": StreamingRetention,
+    "h2o": H2ORetention,
+    "tova": TOVARetention,
+    "snapkv": SnapKVRetention,
 }
 
 
@@ -49,9 +64,22 @@ def make_prefetch(name: str, **kwargs) -> PrefetchPolicy:
     return _lookup(PREFETCH_POLICIES, "prefetch", name)(**kwargs)
 
 
+def make_selection(name: str, **kwargs) -> SelectionPolicy:
+    """Build the selection policy registered under ``name`` ("full" or "quest")."""
+    return _lookup(SELECTION_POLICIES, "selection", name)(**kwargs)
+
+
+def make_retention(name: str, **kwargs) -> RetentionPolicy:
+    """Build the retention policy registered under ``name`` (streaming, h2o, tova, snapkv)."""
+    return _lookup(RETENTION_POLICIES, "retention", name)(**kwargs)
+
+
 __all__ = [
     "EvictionPolicy", "PrefetchPolicy", "LRUPolicy", "FIFOPolicy", "LFUPolicy", "ARCPolicy",
     "S3FIFOPolicy", "SinksRecentPolicy", "AttentionScorePolicy",
     "NoPrefetch", "NextLayerPrefetch", "LookaheadPrefetch", "HistoryPrefetch",
     "EVICTION_POLICIES", "PREFETCH_POLICIES", "make_eviction", "make_prefetch",
+    "SelectionPolicy", "FullSelection", "QuestSelection", "RetentionPolicy", "StreamingRetention",
+    "H2ORetention", "TOVARetention", "SnapKVRetention", "SELECTION_POLICIES", "RETENTION_POLICIES",
+    "make_selection", "make_retention",
 ]

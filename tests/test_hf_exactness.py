@@ -568,8 +568,10 @@ def test_slow_transfers_only_stall(family, block_tokens, slack, monkeypatch, tmp
     if slack is None:
         slack = working_set_blocks(layer_windows(tiny_model(family)), [PROMPT] + [1] * (NEW - 1), block_tokens)
     # A roomy host tier: every sealed block gets a write-behind copy, so device slots are busy.
+    # reuse=False: publishing to the prefix cache would read each sealed block on the compute
+    # thread (slowly, here), giving the write-behind copies time to finish
     stats = run_mode(family, "prefill", tmp_path, block_tokens=block_tokens, device_extra=slack,
-                     host_blocks=64, prefetch="none")
+                     host_blocks=64, prefetch="none", reuse=False)
     assert_all_tiers_used(stats)
     assert stats["stall_seconds"] > 0
 

@@ -7,6 +7,12 @@ implementation the model used before (sdpa, eager, ...) unchanged, so outputs ar
 bit for bit; when the key tensor that ``TieredCache.update`` returned asks for it, it also
 computes how much attention the last query row gave each key and hands that to the cache.
 Only that row is scored, so the full attention matrix is never materialised.
+
+Selection and retention (``tiercache.selection``, ``tiercache.retention``) hang a *plan* on
+the key tensor (attribute ``_tiercache_plan``). The hook calls ``plan.prepare(...)`` before
+attention -- it may swap in other K/V and a per-head mask (Quest reads only the chosen
+pages: ``update`` never sees the query, this function does) -- and ``plan.finish(...)``
+afterwards (retention recomputes the attention weights it scores tokens by).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import torch
 NAME = "tiercache"
 _INNER = "_tiercache_inner_attention"
 SCORES_ATTR = "_tiercache_on_scores"
+PLAN_ATTR = "_tiercache_plan"
 
 
 def _inner_name(config: Any) -> str:
@@ -33,7 +40,14 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
     else:
         fn = ALL_ATTENTION_FUNCTIONS[inner]
+    plan = getattr(key, PLAN_ATTR, None)
+    if plan is not None:
+        key, value, attention_mask = plan.prepare(module, query, key, value, attention_mask,
+                                                  eager=inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS)
     out = fn(module, query, key, value, attention_mask, **kwargs)
+    if plan is not None:
+        plan.finish(module, query, key, attention_mask, kwargs.get("scaling"),
+                    kwargs.get("softcap", getattr(module.config, "attn_logit_softcapping", None)))
     on_scores: Optional[Callable] = getattr(key, SCORES_ATTR, None)
     if on_scores is not None:
         with torch.no_grad():
@@ -54,12 +68,59 @@ def last_row_mass(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.T
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     if mask is not None:
-        row = mask[:, :, -1, :n]  # [B, 1, N]
+        row = mask[:, :, -1, :n]  # [B, 1 or Hq, N]
+        row = row.unsqueeze(2) if row.shape[1] == 1 else row.reshape(b, hkv, hq // hkv, n)
         if row.dtype == torch.bool:
-            logits = logits.masked_fill(~row.unsqueeze(2), float("-inf"))
+            logits = logits.masked_fill(~row, float("-inf"))
         else:
-            logits = logits + row.unsqueeze(2).float()
+            logits = logits + row.float()
     return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(0, 1, 2))
+
+
+# ---- masks for plans --------------------------------------------------------------------------
+def visible(mask: Optional[torch.Tensor], q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """The 4D mask as booleans ``[B or 1, 1 or Hq, q, kv]`` (True: attend). ``None`` means what
+    SDPA's ``is_causal`` skip means: causal, aligned to the last key, no padding."""
+    if mask is None:
+        rows = torch.arange(q_len, device=device).view(-1, 1) + (kv_len - q_len)
+        return (torch.arange(kv_len, device=device).view(1, -1) <= rows).view(1, 1, q_len, kv_len)
+    mask = mask[..., :kv_len]
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def as_mask(vis: torch.Tensor, eager: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility back to what the inner attention takes: bool for SDPA, additive for eager."""
+    if not eager:
+        return vis
+    zero = torch.zeros((), dtype=dtype, device=vis.device)
+    return torch.where(vis, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=vis.device))
+
+
+def attention_mass(query: torch.Tensor, key: torch.Tensor, vis: torch.Tensor, scaling: Optional[float],
+                   softcap: Optional[float], rows: slice, chunk: int = 256) -> torch.Tensor:
+    """Attention probabilities of query ``rows``, summed over those rows and each KV head's
+    query heads: ``[B, H_kv, N]``. Computed ``chunk`` rows at a time, so a long prefill never
+    materialises its whole attention matrix. ``vis``: bool ``[B|1, 1|Hq, q, N]``."""
+    b, hq, q_len, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    rep = hq // hkv
+    scale = scaling if scaling is not None else d ** -0.5
+    k = key.float()
+    out = torch.zeros(b, hkv, n, dtype=torch.float32, device=key.device)
+    start, stop, _ = rows.indices(q_len)
+    for lo in range(start, stop, chunk):
+        hi = min(lo + chunk, stop)
+        q = query[:, :, lo:hi].float().view(b, hkv, rep, hi - lo, d)
+        logits = torch.einsum("bgrqd,bgnd->bgrqn", q, k) * scale
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        m = vis[:, :, lo:hi]
+        m = m.unsqueeze(1) if m.shape[1] == 1 else m.reshape(m.shape[0], hkv, rep, hi - lo, n)
+        logits = logits.masked_fill(~m, float("-inf"))
+        out += torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(2, 3))
+    return out
 
 
 def _mask(*args: Any, config: Any = None, **kwargs: Any):

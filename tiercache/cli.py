@@ -209,6 +209,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(records=args.records, disk_dir=args.disk_dir)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from tiercache import cache_admin as admin
+
+    if args.action == "ls":
+        infos = admin.list_prefix(args.disk_dir)
+        print(json.dumps({"disk_dir": args.disk_dir, "directories": admin.as_json(infos)}) if args.json
+              else admin.format_list(args.disk_dir, infos))
+    elif args.action == "stats":
+        summary = admin.summarize(args.disk_dir)
+        print(json.dumps(summary) if args.json else admin.format_summary(summary))
+    else:
+        removed = admin.clear(args.disk_dir, args.model_digest)
+        if args.json:
+            print(json.dumps({"disk_dir": args.disk_dir, "removed": admin.as_json(removed)}))
+        elif not removed:
+            which = f" of model digest {args.model_digest}" if args.model_digest else ""
+            print(f"no prefix cache{which} in {args.disk_dir}; nothing removed")
+        else:
+            print(f"removed {len(removed)} prefix director{'y' if len(removed) == 1 else 'ies'} "
+                  f"({sum(i.num_blocks for i in removed)} blocks, "
+                  f"{format_bytes(sum(i.file_bytes for i in removed))}) from {args.disk_dir}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, rest: list) -> int:
     if args.what == "io":
         from tiercache.bench.io import run
@@ -216,6 +240,8 @@ def cmd_bench(args: argparse.Namespace, rest: list) -> int:
         from tiercache.bench.decode import run
     elif args.what == "policies":
         from tiercache.bench.policies import run
+    elif args.what == "prefix":
+        from tiercache.bench.prefix import run
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown benchmark {args.what!r}")
     return run(rest)
@@ -272,8 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--records", type=int, default=40)
     demo.add_argument("--disk-dir", default=None)
 
-    bench = sub.add_parser("bench", help="benchmarks (io, decode, policies); --help after the name for options")
-    bench.add_argument("what", choices=["io", "decode", "policies"])
+    bench = sub.add_parser("bench", help="benchmarks (io, decode, policies, prefix); --help after the name for options")
+    bench.add_argument("what", choices=["io", "decode", "policies", "prefix"])
+
+    cache = sub.add_parser("cache", help="the persistent prefix cache in a disk_dir: ls, stats, clear")
+    cache.add_argument("action", choices=["ls", "stats", "clear"], help="ls: one line per prefix directory; "
+                       "stats: totals per model digest; clear: remove prefix directories")
+    cache.add_argument("--disk-dir", required=True, help="the cache's disk_dir")
+    cache.add_argument("--model-digest", default=None, help="clear: only this model's blocks (hex digest "
+                       "from `cache ls`, or a unique prefix of it)")
+    cache.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -291,6 +325,8 @@ def main(argv: Optional[list] = None) -> int:
             return cmd_demo(args)
         if args.command == "compare":
             return cmd_compare(args)
+        if args.command == "cache":
+            return cmd_cache(args)
         return cmd_bench(args, rest)
     except (CLIError, TierCacheError, ValueError) as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)

@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
-from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES
+from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES, SELECTION_POLICIES
 
 Budget = Union[int, str]
 
@@ -19,6 +19,7 @@ _UNITS = {
 }
 _BUDGET_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")
+REUSE_ADMISSIONS = ("always", "reused")
 
 
 def parse_bytes(value: Budget, field_name: str = "budget") -> int:
@@ -110,6 +111,13 @@ class TierConfig:
     direct_io: str = "auto"
     queue_depth: int = 64
     device: Optional[str] = None
+    selection: str = "full"  # which pages attention reads per decode step: "full" (exact) or "quest"
+    selection_budget: int = 4096  # tokens each (row, KV head) reads per step with quest; >= 3 blocks
+    retention: Optional[str] = None  # lossy: None, "streaming", "h2o", "tova", "snapkv"
+    retention_budget: int = 1024  # tokens each full-attention layer keeps with a retention policy
+    reuse: Optional[bool] = None  # prefix cache; None: on when the disk tier is enabled
+    reuse_host_budget: Budget = "1GiB"  # host memory of the prefix cache (warm prefixes)
+    reuse_admission: str = "always"  # "always", or "reused": store a block once seen twice
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "disk_budget"):
@@ -126,6 +134,7 @@ class TierConfig:
         if self.prefetch not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch: unknown policy {self.prefetch!r}; known: "
                              f"{', '.join(sorted(PREFETCH_POLICIES))}")
+        self._check_selection_and_retention()
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io: must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
         if self.disk_dir is not None:
@@ -136,6 +145,37 @@ class TierConfig:
                 _check_dir_usable(self.disk_dir)
         if self.device is not None and not isinstance(self.device, str):
             object.__setattr__(self, "device", str(self.device))
+        object.__setattr__(self, "reuse_host_budget", parse_bytes(self.reuse_host_budget, "reuse_host_budget"))
+        if self.reuse not in (None, True, False):
+            raise ValueError(f"reuse: must be True, False or None (auto), got {self.reuse!r}")
+        if self.reuse and not self.disk_enabled:
+            raise ValueError("reuse: the prefix cache lives in disk_dir; set disk_dir (and a disk_budget > 0)")
+        if self.reuse_admission not in REUSE_ADMISSIONS:
+            raise ValueError(f"reuse_admission: must be one of {', '.join(REUSE_ADMISSIONS)}, "
+                             f"got {self.reuse_admission!r}")
+
+    def _check_selection_and_retention(self) -> None:
+        if self.selection not in SELECTION_POLICIES:
+            raise ValueError(f"selection: unknown policy {self.selection!r}; known: "
+                             f"{', '.join(sorted(SELECTION_POLICIES))}")
+        self._check_int("selection_budget", 1, 1 << 30)
+        if self.selection != "full" and self.selection_budget < 3 * self.block_tokens:
+            raise ValueError(
+                f"selection_budget: {self.selection_budget} tokens is less than 3 blocks of block_tokens="
+                f"{self.block_tokens} ({self.selection} reads whole blocks: the first, the newest and at least "
+                f"one chosen); use selection_budget >= {3 * self.block_tokens} or a smaller block_tokens")
+        if self.retention is not None and self.retention not in RETENTION_POLICIES:
+            raise ValueError(f"retention: unknown policy {self.retention!r}; known: "
+                             f"{', '.join(sorted(RETENTION_POLICIES))} (or None)")
+        self._check_int("retention_budget", 1, 1 << 30)
+        if self.retention is not None:
+            low = RETENTION_POLICIES[self.retention]().min_budget()
+            if self.retention_budget < low:
+                raise ValueError(f"retention_budget: {self.retention} needs at least {low} tokens, "
+                                 f"got {self.retention_budget!r}")
+            if self.selection != "full":
+                raise ValueError(f"selection={self.selection!r} and retention={self.retention!r} cannot be "
+                                 f"combined; choose one")
 
     def _check_int(self, name: str, low: int, high: int) -> None:
         value = getattr(self, name)
@@ -149,6 +189,10 @@ class TierConfig:
     @property
     def disk_enabled(self) -> bool:
         return self.disk_dir is not None and self.disk_budget > 0
+
+    @property
+    def reuse_enabled(self) -> bool:
+        return self.disk_enabled if self.reuse is None else self.reuse
 
     def replace(self, **changes) -> "TierConfig":
         """A copy with ``changes`` applied (and validated)."""

@@ -31,7 +31,9 @@ log = logging.getLogger("tiercache")
 MAGIC = b"TCKV"
 FORMAT_VERSION = 1
 HEADER_BYTES = ALIGN
-_HEADER = struct.Struct("<4sHHI16sQIIIBB2x6IQI")  # + header crc (I)
+_HEADER = struct.Struct("<4sHHI16sQIIIBB2x6IQI")  # + header crc (I); the I after the header
+# length is the byte count of an optional token-id section that follows the header crc
+# (3 bytes per id, then its own CRC32C): prefix-cache records carry the ids of their tokens
 _CRC = struct.Struct("<I")
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -155,15 +157,51 @@ class DiskTier:
             buf = self._local.header = (tensor, mm, memoryview(tensor.numpy()))
         return buf
 
-    def _encode_header(self, mv: memoryview, key: BlockKey, num_tokens: int, payload_crc: int) -> None:
+    MAX_TOKEN_IDS = (HEADER_BYTES - _HEADER.size - 8) // 3
+
+    def _encode_header(self, mv: memoryview, key: BlockKey, num_tokens: int, payload_crc: int,
+                       token_ids: bytes = b"") -> None:
         g = self.geometry
         shape = list(g.shape) + [0] * (6 - len(g.shape))
-        head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, self.model_digest,
+        head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, len(token_ids), self.model_digest,
                             key.seq_id, key.layer, key.index, num_tokens,
                             DTYPE_CODES[g.dtype], len(g.shape), *shape, self.payload_bytes, payload_crc)
         mv[:len(head)] = head
         mv[len(head):len(head) + 4] = _CRC.pack(crc32c.crc32c(head))
-        mv[len(head) + 4:] = bytes(HEADER_BYTES - len(head) - 4)
+        at = len(head) + 4
+        if token_ids:
+            mv[at:at + len(token_ids)] = token_ids
+            mv[at + len(token_ids):at + len(token_ids) + 4] = _CRC.pack(crc32c.crc32c(token_ids))
+            at += len(token_ids) + 4
+        mv[at:] = bytes(HEADER_BYTES - at)
+
+    @staticmethod
+    def pack_token_ids(ids) -> bytes:
+        """Token ids as 3-byte little-endian integers (ids up to 16,777,215)."""
+        out = bytearray()
+        for t in ids:
+            if not 0 <= t < 1 << 24:
+                raise ValueError(f"token id {t} does not fit the record's 3-byte ids")
+            out += int(t).to_bytes(3, "little")
+        return bytes(out)
+
+    @staticmethod
+    def unpack_token_ids(data: bytes) -> list:
+        return [int.from_bytes(data[i:i + 3], "little") for i in range(0, len(data), 3)]
+
+    def decode_token_ids(self, mv: memoryview) -> bytes:
+        """The token-id section of a validated header (b"" when it has none). Raises RecordError."""
+        (length,) = struct.unpack_from("<I", mv, 8)
+        if not length:
+            return b""
+        at = _HEADER.size + 4
+        if length % 3 or at + length + 4 > HEADER_BYTES:
+            raise RecordError(f"token-id section of {length} bytes is malformed")
+        data = bytes(mv[at:at + length])
+        (crc,) = _CRC.unpack(bytes(mv[at + length:at + length + 4]))
+        if crc32c.crc32c(data) != crc:
+            raise RecordError("token-id checksum mismatch")
+        return data
 
     def decode_header(self, mv: memoryview) -> tuple:
         """Validate a header; return (key, num_tokens, payload_crc). Raises RecordError."""
@@ -197,15 +235,19 @@ class DiskTier:
             return self._fd_direct
         return self._fd
 
-    def write(self, slot: int, key: BlockKey, payload: torch.Tensor, num_tokens: int) -> None:
-        """Write a record. ``payload`` is a contiguous uint8 CPU tensor, ideally page-aligned."""
+    def write(self, slot: int, key: BlockKey, payload: torch.Tensor, num_tokens: int,
+              token_ids: bytes = b"") -> None:
+        """Write a record. ``payload`` is a contiguous uint8 CPU tensor, ideally page-aligned;
+        ``token_ids`` (``pack_token_ids``) go into the header when given."""
         self._check_slot(slot)
         if payload.numel() < self.payload_bytes:
             raise ValueError("payload buffer too small")
+        if len(token_ids) > 3 * self.MAX_TOKEN_IDS:
+            raise ValueError(f"at most {self.MAX_TOKEN_IDS} token ids fit a record header")
         _, _, hmv = self._header_buf()
         pmv = memoryview(payload.numpy())
         crc = crc32c.crc32c(pmv[:self.payload_bytes])
-        self._encode_header(hmv, key, num_tokens, crc)
+        self._encode_header(hmv, key, num_tokens, crc, token_ids)
         fd = self._fd_for(payload)
         if fd == self._fd_direct:
             length = align_up(self.payload_bytes)
@@ -260,23 +302,27 @@ class DiskTier:
         if self.persistent:
             os.pwrite(self._fd, bytes(_HEADER.size + 4), slot * self.record_bytes)
 
-    def scan(self) -> Iterator[tuple]:
-        """Yield (slot, key, num_tokens) of every valid header; invalid ones are skipped.
+    def scan(self, with_token_ids: bool = False) -> Iterator[tuple]:
+        """Yield (slot, key, num_tokens) of every valid header, plus its token ids (bytes)
+        when ``with_token_ids``; a header that fails its checks gives key None.
 
         Only headers are checked here; payloads are checked when read.
         """
         size = os.fstat(self._fd).st_size
         last = min(self.num_slots, size // self.record_bytes + (1 if size % self.record_bytes else 0))
+        want = HEADER_BYTES if with_token_ids else _HEADER.size + 4
         for slot in range(last):
-            head = os.pread(self._fd, _HEADER.size + 4, slot * self.record_bytes)
+            head = os.pread(self._fd, want, slot * self.record_bytes)
             if len(head) < _HEADER.size + 4 or head[:4] != MAGIC:
                 continue
+            mv = memoryview(head + bytes(HEADER_BYTES - len(head)))
             try:
-                key, num_tokens, _ = self.decode_header(memoryview(head + bytes(HEADER_BYTES - len(head))))
+                key, num_tokens, _ = self.decode_header(mv)
+                ids = self.decode_token_ids(mv) if with_token_ids else None
             except RecordError:
-                yield slot, None, 0
+                yield (slot, None, 0, None) if with_token_ids else (slot, None, 0)
                 continue
-            yield slot, key, num_tokens
+            yield (slot, key, num_tokens, ids) if with_token_ids else (slot, key, num_tokens)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

@@ -28,6 +28,7 @@ class Events:
             "misses": 0, "stall_seconds": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
             "integrity_errors": 0, "pinned_fallbacks": 0, "prefetch_used": 0,
             "prefetch_unused": 0, "prefetch_late": 0, "failed_moves": 0, "stall_events": 0,
+            "reused_tokens": 0, "published_blocks": 0,
         }
         self._integrity = {t: 0 for t in TIER_LABELS}
 
@@ -92,6 +93,13 @@ class Events:
             self._counters["decode_tokens"] += decode
         self._emit("tokens", prefill=prefill, decode=decode)
 
+    def reused(self, tokens: int = 0, published: int = 0) -> None:
+        """Prompt tokens loaded from the prefix cache instead of computed; blocks published."""
+        with self._lock:
+            self._counters["reused_tokens"] += tokens
+            self._counters["published_blocks"] += published
+        self._emit("reused", tokens=tokens, published=published)
+
     def integrity_error(self, tier: str) -> None:
         with self._lock:
             self._counters["integrity_errors"] += 1
@@ -127,6 +135,8 @@ class Events:
                 "stall_events": c["stall_events"],
                 "prefill_tokens": c["prefill_tokens"],
                 "decode_tokens": c["decode_tokens"],
+                "reused_tokens": c["reused_tokens"],
+                "published_blocks": c["published_blocks"],
                 "integrity_errors": c["integrity_errors"],
                 "integrity_errors_by_tier": dict(self._integrity),
                 "pinned_fallbacks": c["pinned_fallbacks"],

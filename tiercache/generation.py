@@ -92,6 +92,7 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         cache.events.add_listener(meter)
         if on_open is not None:
             on_open(cache)
+        cache.load_prefix(inputs["input_ids"])
         kwargs = {"prefill_chunk_size": prefill_chunk} if prefill_chunk and num_prompt > prefill_chunk else {}
         with torch.inference_mode():
             out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,

@@ -30,6 +30,7 @@ from tiercache.tiers import BlockGeometry
 
 if TYPE_CHECKING:
     from tiercache.lab.trace import TraceWriter
+    from tiercache.prefix import PrefixCache
 
 log = logging.getLogger("tiercache")
 
@@ -54,6 +55,7 @@ class TieredLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.num_tokens = 0  # absolute tokens seen (kept across dropped sliding blocks)
         self.first_block = 0  # first block still stored (sliding layers free older ones)
+        self.dropped = 0  # tokens dropped for good by a retention policy (stored = num_tokens - dropped)
         self.record_past = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -71,6 +73,13 @@ class TieredLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Same sizes as DynamicLayer / DynamicSlidingWindowLayer, so masks match DynamicCache's.
+        retention = self._cache.retention_state
+        if retention is not None and retention.applies(self):
+            # Compacted: the stored tokens, then the new ones at their absolute indices
+            # (tiercache.retention explains why the offset makes the mask right).
+            retention.settle(query_length)
+            stored = self.num_tokens - self.dropped
+            return stored + query_length, self.num_tokens - stored
         start = self.visible_start()
         return self.num_tokens - start + query_length, start
 
@@ -152,12 +161,26 @@ class TieredCache(Cache):
         self._step_tokens = 0
         self._pending_read: Optional[tuple] = None  # (keys, t_us) awaiting the attention hook's scores
         self._pending_scores: Optional[dict] = None
-        if (self.wants_scores or self.trace is not None) and hasattr(model, "config") and hasattr(model, "forward"):
+        self.selection_state, self.retention_state = self._make_selection_and_retention()
+        self._attn_config = text  # selection/retention need tiercache's attention hook on this config
+        if (self.wants_scores or self.trace is not None or self.selection_state is not None
+                or self.retention_state is not None) and hasattr(model, "config") and hasattr(model, "forward"):
             from tiercache.attention import install
-            install(model)  # same outputs; adds per-block attention mass
+            install(model)  # same outputs; adds per-block attention mass, selection and retention
         self.store: Optional[BlockStore] = None
         self._pinned: list = []
         self._session_dir: Optional[str] = None
+        self._model = model if isinstance(model, torch.nn.Module) else None
+        self._text_config = text
+        self.prefix: Optional["PrefixCache"] = None
+        # Retention compacts blocks, so their content no longer matches the token ids: no reuse.
+        self._reuse = self.tier_config.reuse_enabled and self._model is not None and self.retention_state is None
+        self._token_ids: Optional[list] = []  # ids of the sequence so far (None: not batch 1)
+        self._chain: list = []  # ChainBlock of each full block of _token_ids
+        self._admitted: dict = {}  # chained hash -> admission decision
+        self._injecting = False
+        self._hook = (self._model.register_forward_pre_hook(self._observe_inputs, with_kwargs=True)
+                      if self._reuse else None)
         self.closed = False
 
     # ---- the store ----------------------------------------------------------------------
@@ -175,7 +198,111 @@ class TieredCache(Cache):
         device = cfg.device or key_states.device
         store = BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
         store.defer_stall = True
+        if self._reuse and self.prefix is None:
+            self.prefix = self._open_prefix(geometry)
         return store
+
+    # ---- the prefix cache -------------------------------------------------------------------
+    def _observe_inputs(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook: note the token ids fed with this cache (they name its blocks)."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not self or self._token_ids is None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or ids.dim() != 2 or ids.shape[0] != 1:
+            self._token_ids = None  # batches, beams and embeddings are not published
+            return
+        self._token_ids.extend(ids[0].tolist())
+
+    def _geometry_of_model(self) -> tuple:
+        text = self._text_config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        param = next(self._model.parameters())
+        return kv_heads, head_dim, param.dtype, param.device
+
+    def _open_prefix(self, geometry: BlockGeometry) -> Optional["PrefixCache"]:
+        from tiercache.errors import CacheDirError
+        from tiercache.prefix import model_digest, open_prefix_cache
+
+        if geometry.batch != 1:
+            return None
+        digest = getattr(self._model, "_tiercache_digest", None)
+        if digest is None or digest[0] != geometry.dtype:
+            digest = (geometry.dtype, model_digest(self._model, geometry.dtype))
+            self._model._tiercache_digest = digest
+        try:
+            return open_prefix_cache(self.tier_config.disk_dir, self.tier_config, geometry, digest[1],
+                                     self.num_layers)
+        except CacheDirError as exc:
+            if self.tier_config.reuse:
+                raise
+            log.warning("prefix cache off for this run: %s", exc)
+            self._reuse = False
+            return None
+
+    def _ensure_prefix(self) -> Optional["PrefixCache"]:
+        if self.prefix is None and self._reuse:
+            kv_heads, head_dim, dtype, _ = self._geometry_of_model()
+            self.prefix = self._open_prefix(BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype))
+        return self.prefix
+
+    def load_prefix(self, input_ids: torch.Tensor) -> int:
+        """Fill this empty cache with the longest cached prefix of ``input_ids`` (whole blocks,
+        always leaving the last prompt token to compute); returns the tokens loaded.
+
+        ``generate()`` then computes only the rest of the prompt (it slices ``input_ids`` by
+        ``get_seq_length()``). ``wrap()`` and ``tiercache generate`` call this for you.
+        """
+        if (not self._reuse or input_ids.dim() != 2 or input_ids.shape[0] != 1
+                or any(layer.num_tokens for layer in self.layers)):
+            return 0
+        prefix = self._ensure_prefix()
+        if prefix is None:
+            return 0
+        ids = input_ids[0].tolist()
+        blocks = prefix.match(ids[:len(ids) - 1])
+        usable, tensors = prefix.load(blocks) if blocks else (0, None)
+        self._token_ids = []
+        if not usable:
+            return 0
+        bt = self.tier_config.block_tokens
+        _, _, _, device = self._geometry_of_model()
+        self._injecting = True
+        try:
+            with torch.no_grad():
+                for layer_idx in range(self.num_layers):
+                    kv = torch.cat(tensors[layer_idx][:usable], dim=3).to(device)  # [2, 1, H, usable*bt, D]
+                    self.update(kv[0], kv[1], layer_idx)
+                    tensors[layer_idx] = None
+        finally:
+            self._injecting = False
+        self._token_ids = ids[:usable * bt]
+        self._chain = list(blocks[:usable])
+        self.events.reused(tokens=usable * bt)
+        return usable * bt
+
+    def _publish(self, key: BlockKey, slot: int) -> None:
+        """A block of ``key.layer`` just filled up: store it in the prefix cache by content."""
+        ids, bt = self._token_ids, self.tier_config.block_tokens
+        if self.prefix is None or ids is None or len(ids) < (key.index + 1) * bt:
+            return
+        from tiercache.prefix import extend
+
+        while len(self._chain) <= key.index:
+            nxt = len(self._chain)
+            self._chain.append(extend(self._chain[-1] if self._chain else None, ids[nxt * bt:(nxt + 1) * bt],
+                                      self.prefix.salt))
+        block = self._chain[key.index]
+        admitted = self._admitted.get(block.h)
+        if admitted is None:
+            admitted = self._admitted[block.h] = self.prefix.admit(block)
+        if admitted:
+            kv = torch.empty(self.store.geometry.shape, dtype=self.store.geometry.dtype)
+            self.store.device_pool.read_block(slot, kv)
+            if self.prefix.publish(block, key.layer, kv):
+                self.events.reused(published=1)
 
     # ---- traces and attention scores -----------------------------------------------------
     @staticmethod
@@ -212,7 +339,7 @@ class TieredCache(Cache):
     def _blocks_of(self, layer_idx: int) -> list:
         layer = self.layers[layer_idx]
         bt = self.tier_config.block_tokens
-        last = (layer.num_tokens + bt - 1) // bt
+        last = (layer.num_tokens - layer.dropped + bt - 1) // bt
         return [self._key(layer_idx, i) for i in range(layer.first_block, last)]
 
     def _check_capacity(self, query_length: int) -> None:
@@ -220,8 +347,9 @@ class TieredCache(Cache):
         store, bt = self.store, self.tier_config.block_tokens
         new_blocks, widest = 0, 0
         for layer in self.layers:
-            after = layer.num_tokens + query_length
-            new_blocks += (after + bt - 1) // bt - (layer.num_tokens + bt - 1) // bt
+            stored = layer.num_tokens - layer.dropped
+            after = stored + query_length
+            new_blocks += (after + bt - 1) // bt - (stored + bt - 1) // bt
             first = layer.visible_start() // bt
             widest = max(widest, (after + bt - 1) // bt - first)
         g = store.geometry
@@ -265,14 +393,19 @@ class TieredCache(Cache):
         self._flush_trace()
         if layer_idx == 0:
             self._check_capacity(q)
-            self.events.tokens(prefill=q if q > 1 else 0, decode=1 if q == 1 else 0)
+            if not self._injecting:  # tokens loaded from the prefix cache are not computed
+                self.events.tokens(prefill=q if q > 1 else 0, decode=1 if q == 1 else 0)
             self._step += 1
             self._step_tokens = q
         store.note_compute()
         store.unpin(self._pinned)  # attention of the previous layer is done
         self._pinned = []
+        retention = self.retention_state
+        if retention is not None and layer_idx == 0:
+            retention.settle(q)  # snapkv: the prompt ended (a no-op if get_mask_sizes did it)
 
-        start, end = layer.num_tokens, layer.num_tokens + q
+        base = layer.dropped  # tokens a retention policy dropped: stored index = absolute - base
+        start, end = layer.num_tokens - base, layer.num_tokens - base + q
         first_new = (start + bt - 1) // bt
         write_keys = []
         if start % bt:  # a partly filled tail block
@@ -293,8 +426,17 @@ class TieredCache(Cache):
             store.note_tokens(key, hi - key.index * bt)
             if hi == (key.index + 1) * bt:
                 store.write_behind(key)  # sealed: give it a clean copy below
-        read_from = layer.visible_start()
-        layer.num_tokens = end
+                if self.prefix is not None and not self._injecting:
+                    self._publish(key, slot)
+        selects = self._selects(layer, q)
+        if self.selection_state is not None and not layer.is_sliding:
+            self.selection_state.bounds.update(layer_idx, key_states, start)
+        retained = retention is not None and retention.applies(layer) and self._routed()
+        if retained:
+            retention.state(layer_idx).append(layer.num_tokens, key_states.shape[0], key_states.shape[1], q,
+                                              key_states.device)
+        read_from = layer.visible_start()  # sliding layers drop nothing: base == 0
+        layer.num_tokens = end + base
 
         needed = [self._key(layer_idx, i) for i in range(read_from // bt, (end + bt - 1) // bt)]
         offset = read_from - (read_from // bt) * bt
@@ -302,20 +444,106 @@ class TieredCache(Cache):
             t_us = self.trace.now_us()
             self.trace.record("write", write_keys, store.geometry.block_bytes, self._step, q, t_us=t_us)
             self._pending_read = (needed, t_us)
+        if selects:  # the attention hook chooses the pages and reads them (it sees the query)
+            from tiercache.selection import SelectionPlan
+
+            return SelectionPlan(self, layer_idx, needed, end - read_from).placeholder(key_states)
         keys, values = store.read_layer(needed, end - read_from, offset)
+        keys, values = self._after_read(layer_idx, needed, offset, keys, values)
+        if retained:
+            from tiercache.attention import PLAN_ATTR
+            from tiercache.retention import RetentionPlan
+
+            setattr(keys, PLAN_ATTR, RetentionPlan(self, layer_idx, start, values))
+        return keys, values
+
+    def _make_selection_and_retention(self) -> tuple:
+        cfg = self.tier_config
+        selection = retention = None
+        if cfg.selection != "full":
+            from tiercache.policies import make_selection
+            from tiercache.selection import SelectionState
+
+            selection = SelectionState(make_selection(cfg.selection), cfg.selection_budget, cfg.block_tokens)
+        if cfg.retention is not None:
+            from tiercache.policies import make_retention
+            from tiercache.retention import RetentionState
+
+            retention = RetentionState(self, make_retention(cfg.retention), cfg.retention_budget)
+        return selection, retention
+
+    def attention_stats(self) -> dict:
+        """What selection and retention did: pages read of pages there were (per layer and
+        decode step, summed), tokens dropped, compactions and the tokens each layer keeps."""
+        return {"selection": self.selection_state.stats() if self.selection_state is not None else None,
+                "retention": self.retention_state.stats() if self.retention_state is not None else None}
+
+    def _routed(self) -> bool:
+        """Does attention run through tiercache's hook (needed by selection and retention)?"""
+        if getattr(self._attn_config, "_attn_implementation", None) == "tiercache":
+            return True
+        if not getattr(self, "_warned_unrouted", False):
+            self._warned_unrouted = True
+            log.warning("tiercache: selection/retention need tiercache's attention hook; pass the model (not "
+                        "its config) to TieredCache or call tiercache.attention.install(model). Reading "
+                        "every block and dropping nothing meanwhile.")
+        return False
+
+    def _selects(self, layer: TieredLayer, query_length: int) -> bool:
+        """Quest applies to decode steps (one query token) of full-attention layers."""
+        return (self.selection_state is not None and query_length == 1 and not layer.is_sliding
+                and self._routed())
+
+    def _note_read(self, keys: list) -> None:
+        """The blocks a selection actually reads (for the trace)."""
+        if self.trace is not None and self._pending_read is not None:
+            self._pending_read = (keys, self._pending_read[1])
+
+    def _after_read(self, layer_idx: int, needed: list, offset: int, keys: torch.Tensor,
+                    values: torch.Tensor) -> tuple:
+        """After a layer's blocks were read: scores hook, prefetch, sliding frees, stall time."""
+        store, layer, bt = self.store, self.layers[layer_idx], self.tier_config.block_tokens
         if self.wants_scores or self.trace is not None:
             setattr(keys, SCORES_ATTR, self._scores_hook(needed, offset))
-        self.prefetch_policy.observe(layer_idx, needed)
+        self.prefetch_policy.observe(layer_idx, needed)  # with selection: the pages chosen
         plan = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
         if plan:
             store.prefetch(plan, protect=needed, dst=store.attention_tier)
         if layer.is_sliding and not layer.record_past:
-            self._free_before(layer, max(end - layer.sliding_window + 1, 0) // bt)
+            self._free_before(layer, max(layer.num_tokens - layer.sliding_window + 1, 0) // bt)
         stall = store.take_stall()
         self.events.stall(stall)
         if self.trace is not None:
             self.trace.waited(stall)
         return keys, values
+
+    def _rewrite_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Retention: replace the layer's stored tokens by ``keys``/``values`` [B, H, S', D]."""
+        store, bt, layer = self.store, self.tier_config.block_tokens, self.layers[layer_idx]
+        store.unpin([k for k in self._pinned if k.layer == layer_idx])  # its attention is done
+        self._pinned = [k for k in self._pinned if k.layer != layer_idx]
+        old = (layer.num_tokens - layer.dropped + bt - 1) // bt
+        new = (keys.shape[2] + bt - 1) // bt
+        existing = [self._key(layer_idx, i) for i in range(min(old, new))]
+        fresh = [self._key(layer_idx, i) for i in range(old, new)]
+        pinned = []
+        try:
+            if existing:
+                store.ensure_device(existing)
+                pinned.extend(existing)
+                for key in existing:
+                    store.begin_write(key)  # waits for moves reading it; lower copies are stale now
+            if fresh:
+                store.new_blocks(fresh, protect=existing)
+                pinned.extend(fresh)
+            for key, slot in zip(pinned, store.device_slots(pinned)):
+                lo, hi = key.index * bt, min(keys.shape[2], (key.index + 1) * bt)
+                store.device_pool.write_tokens(slot, 0, keys[:, :, lo:hi], values[:, :, lo:hi])
+                store.note_tokens(key, hi - lo)
+        finally:
+            store.unpin(pinned)
+        for index in range(new, old):
+            store.delete(self._key(layer_idx, index))
 
     def _free_before(self, layer: TieredLayer, first_block: int) -> None:
         for index in range(layer.first_block, first_block):
@@ -331,6 +559,11 @@ class TieredCache(Cache):
                 self.store.delete(key)
         layer.num_tokens = 0
         layer.first_block = 0
+        layer.dropped = 0
+        if self.selection_state is not None:
+            self.selection_state.bounds.drop(layer_idx)
+        if self.retention_state is not None:
+            self.retention_state.drop(layer_idx)
 
     def _crop_layer(self, layer_idx: int, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -338,6 +571,10 @@ class TieredCache(Cache):
         layer = self.layers[layer_idx]
         if tokens_to_remove == 0 or layer.num_tokens == 0:
             return
+        if layer.dropped:
+            raise RuntimeError(f"crop: layer {layer_idx} dropped {layer.dropped} tokens for good (retention="
+                               f"{self.tier_config.retention!r}), so it cannot roll back; assisted generation "
+                               f"and other rollbacks need a lossless cache")
         bt = self.tier_config.block_tokens
         new_len = max(layer.num_tokens + tokens_to_remove, 0)
         if layer.is_sliding and new_len < layer.first_block * bt + (layer.sliding_window - 1) and layer.first_block:
@@ -348,6 +585,9 @@ class TieredCache(Cache):
         for index in range((new_len + bt - 1) // bt, (layer.num_tokens + bt - 1) // bt):
             self.store.delete(self._key(layer_idx, index))
         layer.num_tokens = new_len
+        if layer_idx == 0 and self._token_ids is not None:
+            del self._token_ids[new_len:]
+            del self._chain[new_len // bt:]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute the batch rows of every block on every tier."""
@@ -355,10 +595,16 @@ class TieredCache(Cache):
             self.store.unpin(self._pinned)
             self._pinned = []
             self.store.reorder_rows(beam_idx)
+        if self.selection_state is not None:
+            self.selection_state.bounds.reorder(beam_idx)
+        if self.retention_state is not None:
+            self.retention_state.reorder(beam_idx)
 
     def reset(self) -> None:
         for i in range(self.num_layers):
             self._drop_layer(i)
+        self._token_ids = [] if self._token_ids is not None else None
+        self._chain = []
 
     # ---- tiercache API ------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -377,13 +623,33 @@ class TieredCache(Cache):
         if self.closed:
             return
         self.closed = True
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.trace is not None:
             if self.store is not None:
                 self._flush_trace()
             self.trace.close()
-        if self.store is not None:
-            self._last_tiers = self.store.tier_stats()
-            self.store.close()
+        try:
+            if self.prefix is not None and not self.prefix.closed:
+                self.prefix.flush()  # what this run published survives the process
+        finally:
+            if self.store is not None:
+                self._last_tiers = self.store.tier_stats()
+                self.store.close()
+
+    def clear(self, tier: Optional[str] = None) -> int:
+        """Drop the prefix cache's blocks of this model: all of them (``tier`` None), or only
+        their copies on "host" or "disk". Returns how many blocks or copies went."""
+        from tiercache.table import Tier
+
+        tiers = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
+        if tier is not None and tier not in tiers:
+            raise ValueError(f"clear: tier must be None, 'device', 'host' or 'disk', got {tier!r}")
+        prefix = self._ensure_prefix()
+        if prefix is None:
+            return 0
+        return prefix.clear(None if tier is None else tiers[tier])
 
     def __enter__(self) -> "TieredCache":
         return self
@@ -422,6 +688,9 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
         cache = TieredCache(model, model._tiercache_config)
         model.tiercache_last = cache
         try:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(ids, torch.Tensor):
+                cache.load_prefix(ids)  # a cached prefix is loaded, not recomputed
             return original(*args, cache=cache, **kwargs)
         finally:
             cache.close()

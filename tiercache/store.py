@@ -76,6 +76,7 @@ class BlockStore:
         self._started: set = set()
         self._to_device: dict = {}  # key -> Future of the move filling its device copy
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
+        self._token_ids: dict = {}  # key -> packed token ids (prefix-cache blocks)
         self._prefetched: dict = {}  # key -> tier a prefetch brought it to
         self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
         self._parent: dict = {}
@@ -101,7 +102,7 @@ class BlockStore:
 
     def _adopt_disk_records(self) -> None:
         dropped = 0
-        for slot, key, num_tokens in self.disk.scan():
+        for slot, key, num_tokens, token_ids in self.disk.scan(with_token_ids=True):
             if key is None or key in self.table:
                 dropped += 1
                 if key is None:
@@ -111,6 +112,8 @@ class BlockStore:
             self.table.adopt(key, Tier.DISK, slot)
             self.policies[Tier.DISK].insert(key)
             self._tokens[key] = num_tokens
+            if token_ids:
+                self._token_ids[key] = token_ids
         self.dropped_on_open = dropped
 
     # ---- queries ---------------------------------------------------------------------
@@ -161,16 +164,28 @@ class BlockStore:
         return DiskTier.record_size(self.geometry)
 
     # ---- generic block API -------------------------------------------------------------
-    def put(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int] = None) -> None:
-        """Store a new block (``[2, B, H, T, D]``) on the device tier, evicting as needed."""
+    def put(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int] = None,
+            token_ids: bytes = b"") -> None:
+        """Store a new block (``[2, B, H, T, D]``) on the device tier, evicting as needed.
+
+        ``token_ids`` (``DiskTier.pack_token_ids``) travel with the block into its disk
+        record header, so a reopened store knows which tokens it holds (``token_ids_of``).
+        """
         if tuple(block.shape) != self.geometry.shape:
             raise ValueError(f"block shape {tuple(block.shape)} != {self.geometry.shape}")
         (slot,) = self.new_blocks([key])
         try:
             self.device_pool.write_block(slot, block.to(self.geometry.dtype))
             self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
+            if token_ids:
+                self._token_ids[key] = token_ids
         finally:
             self.unpin([key])
+
+    def token_ids_of(self, key: Hashable) -> bytes:
+        """The packed token ids stored with ``key`` (b"" when none were)."""
+        with self._lock:
+            return self._token_ids.get(key, b"")
 
     def get(self, key: Hashable) -> torch.Tensor:
         """A copy of the block's bytes from its fastest intact copy (no promotion).
@@ -262,6 +277,32 @@ class BlockStore:
 
     def _extended_on(self, key: Hashable, tier: Tier) -> bool:
         return any(self.table.copy(child, tier) is not None for child in self._children.get(key, ()))
+
+    def evict_candidates(self, tier: Tier, n: int) -> list:
+        """Up to ``n`` blocks the eviction policy of ``tier`` would remove whole: idle
+        copies, and never a prefix block while an extension of it is on that tier."""
+        with self._lock:
+            def idle(key) -> bool:
+                return self.table.is_movable(key, tier) and not self._extended_on(key, tier) \
+                    and not self._inflight_for(key)
+            victims = self.policies[tier].evict(n, idle)
+            if victims is None:
+                victims = [k for k in self.table.keys_on(tier) if idle(k)][:n]
+            return victims
+
+    def drop_copies(self, tier: Tier) -> int:
+        """Drop every idle copy on ``tier``; a block whose only copy it is goes entirely."""
+        dropped = 0
+        with self._lock:
+            for key in list(self.table.keys_on(tier)):
+                if self.table.can_drop(key, tier):
+                    self._drop(key, tier, evicted=False)
+                elif self.table.is_movable(key, tier) and not self._inflight_for(key):
+                    self._forget(key)
+                else:
+                    continue
+                dropped += 1
+        return dropped
 
     def pin(self, keys: Iterable[Hashable]) -> None:
         with self._lock:
@@ -420,6 +461,8 @@ class BlockStore:
 
     def prefetch(self, keys: list, protect: Iterable[Hashable] = (), dst: Tier = Tier.DEVICE) -> int:
         """Start bringing ``keys`` up to ``dst`` without waiting; only clean copies are evicted."""
+        if dst not in self.tiers:
+            return 0
         protect = set(protect) | set(keys)
         submit = []
         with self._lock:
@@ -664,7 +707,7 @@ class BlockStore:
                             self._read_disk(key, slot, buf)
                             block = self._as_block(buf)
                             block.copy_(block.index_select(1, rows))
-                            self.disk.write(slot, key, buf, self._tokens.get(key, 0))
+                            self.disk.write(slot, key, buf, self._tokens.get(key, 0), self._token_ids.get(key, b""))
 
     def flush(self) -> int:
         """Give every block a disk copy (where disk slots are free); returns blocks written."""
@@ -784,6 +827,7 @@ class BlockStore:
         for child in self._children.pop(key, ()):
             self._parent.pop(child, None)
         self._tokens.pop(key, None)
+        self._token_ids.pop(key, None)
 
     def _inflight_for(self, key: Hashable) -> list:
         return [f for m, f in self._inflight.items() if m.key == key]
@@ -920,11 +964,13 @@ class BlockStore:
                     self._to_device_slot(move.dst_slot, self._as_block(buf), compute_event)
         elif dst is Tier.DISK:
             if src is Tier.HOST:
-                self.disk.write(move.dst_slot, move.key, self.host_pool.raw(move.src_slot), self._tokens.get(move.key, 0))
+                self.disk.write(move.dst_slot, move.key, self.host_pool.raw(move.src_slot), self._tokens.get(move.key, 0),
+                                self._token_ids.get(move.key, b""))
             else:
                 with self._staging.take() as buf:
                     self._from_device_slot(move.src_slot, self._as_block(buf), compute_event)
-                    self.disk.write(move.dst_slot, move.key, buf, self._tokens.get(move.key, 0))
+                    self.disk.write(move.dst_slot, move.key, buf, self._tokens.get(move.key, 0),
+                                    self._token_ids.get(move.key, b""))
         elif src is Tier.HOST and dst is Tier.DEVICE:
             self._to_device_slot(move.dst_slot, self.host_pool.view(move.src_slot), compute_event)
         elif src is Tier.DEVICE and dst is Tier.HOST:

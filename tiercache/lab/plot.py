@@ -70,6 +70,17 @@ def _label(row: dict) -> str:
     return policy
 
 
+_COLORS: dict = {}
+
+
+def _color(name: str):
+    """One colour per policy name, shared by tiercache's line and libCacheSim's."""
+    if name not in _COLORS:
+        from matplotlib import colormaps
+        _COLORS[name] = colormaps["tab10"](len(_COLORS) % 10)
+    return _COLORS[name]
+
+
 def _draw(ax, rows: list[dict]) -> None:
     # One line per (policy, prefetch); several Belady rows share one legend entry.
     lines: dict[tuple[str, object], list[dict]] = {}
@@ -88,8 +99,10 @@ def _draw(ax, rows: list[dict]) -> None:
                 label=None if belady_labelled else label,
             )
             belady_labelled = True
+        elif policy.startswith("libcachesim:"):  # reference lines: thin and dotted
+            ax.plot(x_mib, y, color=_color(policy.split(":", 1)[1]), linestyle=":", linewidth=1.2, label=label)
         else:
-            ax.plot(x_mib, y, marker="o", markersize=3, linewidth=1.5, label=label)
+            ax.plot(x_mib, y, color=_color(policy), marker="o", markersize=3, linewidth=1.8, label=label)
 
     ax.set_xscale("log", base=2)
     ax.set_xlabel("device budget (MiB)")

@@ -1,0 +1,296 @@
+"""The persistent prefix cache: prompts that share whole blocks load them instead of
+computing them, across caches and processes, exactly, and never from another prompt, model
+or a damaged record."""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+import tiercache
+from tiercache import CacheDirError, TierConfig, TieredCache
+from tiercache.prefix import INDEX_NAME, close_all
+
+BT = 4
+PROMPT = 30
+NEW = 6
+
+
+def tiny_model(seed: int = 0, family: str = "llama", dtype=torch.float32):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.2, max_position_embeddings=256, eos_token_id=None,
+                  pad_token_id=0)
+    if family == "mistral":
+        cfg = transformers.MistralConfig(sliding_window=6, **common)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(seed: int = 1, length: int = PROMPT) -> torch.Tensor:
+    return torch.randint(1, 64, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def config(tmp_path, **kw) -> TierConfig:
+    return TierConfig(device_budget="24KiB", host_budget="32KiB", disk_dir=str(tmp_path / "kv"), disk_budget="16MiB",
+                      block_tokens=BT, **kw)
+
+
+GEN = dict(do_sample=False, max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
+
+
+def run(model, ids, cfg):
+    """One request with its own TieredCache; returns (output, stats)."""
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        loaded = cache.load_prefix(ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        stats = cache.stats()
+    assert stats["reused_tokens"] == loaded
+    return out, stats
+
+
+def reference(model, ids):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), cache=transformers.DynamicCache(), **GEN)
+
+
+def assert_same(ref, out) -> None:
+    assert torch.equal(ref.sequences, out.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
+    assert diff <= 1e-5, diff
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    close_all()
+    yield
+    close_all()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_warm_request_loads_the_prefix_and_computes_only_the_rest(tmp_path, family):
+    """The first request computes all 30 prompt tokens and publishes every full block; the
+    second loads the 7 full blocks before the last prompt token (28 tokens) and computes 2.
+    Both match DynamicCache's logits; with the sliding-window family too."""
+    model, ids = tiny_model(family=family), prompt()
+    ref = reference(model, ids)
+    cold, s1 = run(model, ids, config(tmp_path))
+    assert_same(ref, cold)
+    assert s1["prefill_tokens"] == PROMPT and s1["reused_tokens"] == 0
+    assert s1["published_blocks"] == ((PROMPT + NEW - 1) // BT) * 3  # full blocks x layers
+    warm, s2 = run(model, ids, config(tmp_path))
+    assert_same(ref, warm)
+    assert s2["reused_tokens"] == 28 and s2["prefill_tokens"] == PROMPT - 28
+    assert s2["published_blocks"] == 0  # nothing new: the answer's blocks were stored by run 1
+
+
+def test_a_longer_prompt_reuses_the_shared_part_only(tmp_path):
+    """A second prompt that shares the first 16 tokens then differs: the 4 shared blocks are
+    loaded, the rest computed; a prompt that differs in its first token loads nothing."""
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    other = prompt(seed=9, length=40)
+    other[0, :16] = ids[0, :16]
+    out, stats = run(model, other, config(tmp_path))
+    assert_same(reference(model, other), out)
+    assert stats["reused_tokens"] == 16
+    first_differs = ids.clone()
+    first_differs[0, 0] = (first_differs[0, 0] % 63) + 1
+    _, stats = run(model, first_differs, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+
+
+def test_the_prefix_survives_the_process(tmp_path):
+    """A fresh process on the same directory loads the prefix from disk (the index and the
+    records persisted) and produces the same tokens and logits as a cold run."""
+    model, ids = tiny_model(), prompt()
+    cold, _ = run(model, ids, config(tmp_path))
+    close_all()
+    torch.save({"state": model.state_dict(), "ids": ids}, tmp_path / "model.pt")
+    script = textwrap.dedent(f"""
+        import json, torch, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_prefix import tiny_model, config, run
+        import pathlib
+        saved = torch.load({str(tmp_path / "model.pt")!r})
+        model = tiny_model(); model.load_state_dict(saved["state"])
+        out, stats = run(model, saved["ids"], config(pathlib.Path({str(tmp_path)!r})))
+        torch.save(out.logits, {str(tmp_path / "warm.pt")!r})
+        print(json.dumps({{"reused": stats["reused_tokens"], "prefill": stats["prefill_tokens"],
+                          "seq": out.sequences.tolist()}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["reused"] == 28 and got["prefill"] == 2
+    assert got["seq"] == cold.sequences.tolist()
+    warm_logits = torch.load(tmp_path / "warm.pt")
+    assert max((a - b).abs().max().item() for a, b in zip(cold.logits, warm_logits)) <= 1e-5
+
+
+def test_another_model_or_dtype_never_hits(tmp_path):
+    """Blocks are salted with the model digest: other weights, or the same weights in
+    bfloat16, find nothing (and each gets its own directory)."""
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    _, stats = run(tiny_model(seed=5), ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    _, stats = run(tiny_model(dtype=torch.bfloat16), ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert len(os.listdir(tmp_path / "kv" / "prefix")) == 3
+
+
+def prefix_dir(tmp_path) -> str:
+    (name,) = os.listdir(tmp_path / "kv" / "prefix")
+    return str(tmp_path / "kv" / "prefix" / name)
+
+
+def test_a_hash_collision_cannot_return_another_prompts_kv(tmp_path):
+    """Make the index claim that a stored block holds other tokens (what a hash collision
+    would look like): the token-id comparison refuses it, nothing is loaded, and the
+    output is still exact."""
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    close_all()
+    db = sqlite3.connect(os.path.join(prefix_dir(tmp_path), INDEX_NAME))
+    (h, tokens) = db.execute("SELECT h, tokens FROM blocks WHERE idx = 0").fetchone()
+    db.execute("UPDATE blocks SET tokens = ? WHERE h = ?", (bytes(len(tokens)), h))
+    db.commit()
+    db.close()
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(model, ids), out)
+
+
+@pytest.mark.parametrize("damage", ["delete", "garbage"])
+def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path, damage):
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    close_all()
+    path = os.path.join(prefix_dir(tmp_path), INDEX_NAME)
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(path + suffix):
+            os.unlink(path + suffix)
+    if damage == "delete":
+        os.unlink(path)
+    else:
+        with open(path, "r+b") as f:
+            f.write(b"this is not an sqlite database" * 40)
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 28  # the token ids came back from the record headers
+    assert_same(reference(model, ids), out)
+
+
+def test_a_corrupted_record_is_recomputed_never_served(tmp_path):
+    """Flip one byte in the payload of every stored record: each fails its checksum on load,
+    is counted, dropped, and its tokens are computed instead; the output stays exact."""
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    close_all()
+    from tiercache.disk import DATA_NAME, HEADER_BYTES
+    data = os.path.join(prefix_dir(tmp_path), DATA_NAME)
+    size = os.path.getsize(data)
+    record = HEADER_BYTES + 4096  # the tiny model's 1 KiB payload pads to 4 KiB
+    with open(data, "r+b") as f:
+        for at in range(0, size, record):
+            f.seek(at + HEADER_BYTES + 7)
+            byte = f.read(1)
+            if byte:
+                f.seek(at + HEADER_BYTES + 7)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    with TieredCache(model, config(tmp_path)) as cache, torch.no_grad():
+        loaded = cache.load_prefix(ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        errors = cache.prefix.store.stats()["integrity_errors"]
+    assert loaded == 0 and errors >= 1
+    assert_same(reference(model, ids), out)
+
+
+def test_admission_stores_a_block_only_once_it_was_seen_before(tmp_path):
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path, reuse_admission="reused")
+    _, s1 = run(model, ids, cfg)
+    assert s1["published_blocks"] == 0  # first sighting: remembered, not stored
+    _, s2 = run(model, ids, cfg)
+    assert s2["reused_tokens"] == 0 and s2["published_blocks"] > 0
+    _, s3 = run(model, ids, cfg)
+    assert s3["reused_tokens"] == 28
+
+
+def test_clear_forgets_everything_or_one_tier(tmp_path):
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    with TieredCache(model, config(tmp_path)) as cache:
+        assert cache.clear("host") > 0  # host copies go; the disk still has every block
+    _, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 28
+    with TieredCache(model, config(tmp_path)) as cache:
+        assert cache.clear() > 0
+        with pytest.raises(ValueError, match="tier must be"):
+            cache.clear("ssd")
+    _, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+
+
+def test_a_second_process_on_the_directory_is_refused_clearly(tmp_path):
+    """Another process holds the prefix directory: with reuse=True the error names it; with
+    reuse left automatic, the run goes on without the prefix cache."""
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    close_all()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, os
+            from tiercache.disk import DiskTier
+            import fcntl
+            fd = os.open(os.path.join({prefix_dir(tmp_path)!r}, "tiercache.lock"), os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            print("locked", flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CacheDirError, match="in use by another tiercache process"):
+            run(model, ids, config(tmp_path, reuse=True))
+        close_all()
+        out, stats = run(model, ids, config(tmp_path))
+        assert stats["reused_tokens"] == 0
+        assert_same(reference(model, ids), out)
+    finally:
+        holder.communicate("", timeout=30)
+
+
+def test_wrap_reuses_prefixes_automatically(tmp_path):
+    model, ids = tiny_model(), prompt()
+    ref = reference(model, ids)
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    with torch.no_grad():
+        wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == 28
+    assert_same(ref, out)
+
+
+def test_prefix_eviction_keeps_shared_prefixes_longest(tmp_path):
+    """A disk budget of a few blocks: as new prompts sharing one 8-token prefix arrive, old
+    extensions are evicted, never the shared prefix blocks they extend, so the shared part
+    keeps hitting."""
+    model, base = tiny_model(), prompt(length=8)
+    cfg = TierConfig(device_budget="24KiB", host_budget="0", disk_dir=str(tmp_path / "kv"), disk_budget="160KiB",
+                     block_tokens=BT, reuse_host_budget=0)
+    for seed in range(2, 7):
+        ids = torch.cat([base, prompt(seed=seed, length=10)], dim=1)
+        _, stats = run(model, ids, cfg)
+        if seed > 2:
+            assert stats["reused_tokens"] >= 8, seed

@@ -1,0 +1,277 @@
+"""Lossy retention (streaming, h2o, tova, snapkv) over the tiers.
+
+The invariant: whatever a policy drops, the compacted cache computes exactly what the full
+cache computes with the dropped tokens hidden. The reference runs transformers'
+DynamicCache with an explicit mask (per layer and KV head, through a test attention
+function) that hides exactly the tokens the TieredCache no longer holds; logits agree
+within 1e-5 at every forward, ``get_seq_length()`` stays the absolute count, and positions
+(RoPE, learned) stay right. Budgets are small enough that every tier is used.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tiercache  # noqa: E402
+from tiercache import TierConfig, TieredCache  # noqa: E402
+from tiercache.attention import visible  # noqa: E402
+from tiercache.policies import RETENTION_POLICIES, make_retention  # noqa: E402
+from test_hf_exactness import (ATOL, BT, NEW, PAD, PROMPT, generate, layer_windows, prompt_ids, tight_config,  # noqa: E402
+                               tiny_model, working_set_blocks, assert_all_tiers_used)
+
+REF = "tiercache_test_reference"
+BUDGET = 7  # tokens kept per full-attention layer (< PROMPT, so the prompt alone overflows it)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy contract (no model)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(RETENTION_POLICIES))
+def test_retention_policy_contract(name):
+    """Every policy returns, per row and KV head, ``budget`` distinct sorted indices into the
+    stored tokens, always keeps the newest token, and prefers dropping padding."""
+    policy = make_retention(name)
+    b, h, n, budget = 2, 3, 40, 12
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(b, h, n, generator=g)
+    valid = torch.ones(b, h, n, dtype=torch.bool)
+    valid[1, :, :5] = False  # row 1 is left-padded
+    index = policy.keep(scores if policy.score_rows != "none" else None, valid, budget)
+    assert index.shape == (b, h, budget) and index.dtype == torch.long
+    assert torch.equal(index, index.sort(-1).values)
+    assert all(len(set(row.tolist())) == budget for row in index.reshape(-1, budget))
+    assert bool((index[..., -1] == n - 1).all()), "the newest token must stay"
+    if policy.score_rows != "none":
+        assert not bool((index[1] < 5).any()), "padding tokens are dropped before real ones"
+    assert policy.min_budget() >= 1
+
+
+def test_streaming_keeps_sinks_and_window():
+    index = make_retention("streaming", sinks=2).keep(None, torch.ones(1, 1, 10, dtype=torch.bool), 5)
+    assert index.flatten().tolist() == [0, 1, 7, 8, 9]
+
+
+def test_h2o_keeps_heavy_hitters_and_recent():
+    scores = torch.zeros(1, 1, 10)
+    scores[0, 0, 3] = 5.0  # a heavy hitter
+    index = make_retention("h2o").keep(scores, torch.ones(1, 1, 10, dtype=torch.bool), 4)
+    assert index.flatten().tolist()[:1] == [3] and index.flatten().tolist()[-2:] == [8, 9]
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: DynamicCache with the dropped tokens hidden per layer and KV head
+# ---------------------------------------------------------------------------------------------
+class Hidden:
+    """Per layer: bool [B, H_kv, N] of absolute positions the reference must not attend to."""
+
+    def __init__(self):
+        self.by_layer: dict = {}
+
+
+def _ref_attention(hidden: Hidden):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def fn(module, query, key, value, attention_mask, **kwargs):
+        eager = module.config._tc_ref_inner == "eager"
+        inner = (getattr(sys.modules[type(module).__module__], "eager_attention_forward") if eager
+                 else ALL_ATTENTION_FUNCTIONS["sdpa"])
+        hid = hidden.by_layer.get(module.layer_idx)
+        if hid is not None:
+            b, hq, q, _ = query.shape
+            hkv, n = key.shape[1], key.shape[2]
+            vis = visible(attention_mask, q, n, key.device)
+            extra = torch.zeros(b, hkv, n, dtype=torch.bool)
+            extra[..., :hid.shape[-1]] = hid
+            vis = vis & ~extra.repeat_interleave(hq // hkv, dim=1).unsqueeze(2)
+            attention_mask = (torch.where(vis, 0.0, torch.finfo(query.dtype).min).to(query.dtype) if eager else vis)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    return fn
+
+
+def _reference_model(family: str, hidden: Hidden):
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(REF, _ref_attention(hidden))
+    model = copy.deepcopy(tiny_model(family))
+    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+        config._tc_ref_inner = "eager" if family == "gemma2" else "sdpa"
+        config._attn_implementation = REF
+    ALL_MASK_ATTENTION_FUNCTIONS.register(
+        REF, lambda *a, config=None, **k: ALL_MASK_ATTENTION_FUNCTIONS[config._tc_ref_inner](*a, config=config, **k))
+    return model
+
+
+def _schedule(mode: str) -> tuple:
+    """(input ids [B, PROMPT], 2D mask, forward sizes of the prompt)."""
+    ids, mask = prompt_ids(), None
+    chunks = [PROMPT]
+    if "batch2" in mode:
+        ids = prompt_ids(batch=2, seed=1)
+        mask = torch.ones_like(ids)
+        ids[1, :3], mask[1, :3] = PAD, 0
+    if "chunked" in mode:
+        chunks = [4, 4, 2]
+    return ids, (mask if mask is not None else torch.ones_like(ids)), chunks
+
+
+def run_against_reference(family: str, policy: str, mode: str, tmp_path, budget: int = BUDGET) -> dict:
+    """Greedy-decode NEW tokens with a retaining TieredCache (manual forwards); replay the same
+    forwards on DynamicCache hiding what the tiered cache dropped; compare logits."""
+    model = tiny_model(family)
+    ids, mask, chunks = _schedule(mode)
+    batch = ids.shape[0]
+    # The device holds one retained layer's working set (kept tokens + a forward) and a block more:
+    # compacted layers of 2-5 blocks still cycle through host and disk.
+    sliding = [w for w in layer_windows(model) if w]
+    most = PROMPT + NEW if policy == "snapkv" else budget + max(chunks)  # snapkv grows while decoding
+    full = [w for w in layer_windows(model) if not w]
+    need = max([-(-most // BT) if full else 1] + ([working_set_blocks(sliding, chunks + [1] * NEW)]
+                                                      if sliding else []))
+    cfg = tight_config(model, tmp_path, batch=batch, device_blocks=need + 1, retention=policy,
+                       retention_budget=budget)
+    hidden = Hidden()
+    ref_model = _reference_model(family, hidden)
+    ref_cache = transformers.DynamicCache(config=model.config)
+    forwards = []  # (ids, mask so far)
+    seen = 0
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        pieces = [ids[:, seen:seen + c] for seen, c in zip([sum(chunks[:i]) for i in range(len(chunks))], chunks)]
+        full_mask = mask
+        nxt = None
+        diffs = []
+        for step in range(len(pieces) + NEW):
+            if step < len(pieces):
+                x = pieces[step]
+            else:
+                x = nxt
+                full_mask = torch.cat([full_mask, torch.ones(batch, 1, dtype=full_mask.dtype)], -1)
+            q = x.shape[1]
+            attn = full_mask[:, :seen + q]
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -q:]
+            # What the tiered cache holds going into this forward (snapkv settles at its start).
+            if cache.retention_state is not None:
+                cache.retention_state.settle(q)
+            for layer_idx, layer in enumerate(cache.layers):
+                kept = cache.retention_state.positions(layer_idx)
+                if kept is None or layer.dropped == 0:
+                    hidden.by_layer.pop(layer_idx, None)
+                    continue
+                hid = torch.ones(batch, kept.shape[1], seen, dtype=torch.bool)
+                hid.scatter_(-1, kept, False)
+                hidden.by_layer[layer_idx] = hid
+            out = model(x, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+            ref = ref_model(x, attention_mask=attn, position_ids=pos, cache=ref_cache, use_cache=True)
+            diffs.append((out.logits - ref.logits).abs().max().item())
+            seen += q
+            assert cache.get_seq_length() == seen == ref_cache.get_seq_length()
+            nxt = out.logits[:, -1:].argmax(-1)
+        stats, astats = cache.stats(), cache.attention_stats()
+    assert max(diffs) <= ATOL, f"{family}/{policy}/{mode}: logits differ from the masked reference: {diffs}"
+    return {"stats": stats, "retention": astats["retention"]}
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"]
+
+
+@pytest.mark.parametrize("policy", sorted(RETENTION_POLICIES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_retention_matches_masked_full_cache(family, policy, tmp_path):
+    """Prefill then decode: every forward's logits equal the full cache's with exactly the
+    dropped tokens hidden; the tiers were used; tokens were dropped where a layer has full
+    attention (Mistral slides everywhere: nothing to retain)."""
+    result = run_against_reference(family, policy, "prefill", tmp_path)
+    assert_all_tiers_used(result["stats"])
+    if family != "mistral":
+        assert result["retention"]["dropped_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", sorted(RETENTION_POLICIES))
+@pytest.mark.parametrize("mode", ["chunked", "batch2", "batch2+chunked"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_retention_modes_match_masked_full_cache(family, mode, policy, tmp_path):
+    """Chunked prefill (compaction between chunks; snapkv waits for the prompt's end) and a
+    left-padded batch of two (stored padding stays hidden per head) are exact too."""
+    result = run_against_reference(family, policy, mode, tmp_path)
+    assert result["retention"]["dropped_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", sorted(RETENTION_POLICIES))
+def test_compacted_mask_sizes_and_absolute_length(policy, tmp_path):
+    """get_mask_sizes reports the compacted size (kept + query) with the offset that puts the
+    new tokens at their absolute index; get_seq_length stays the absolute count."""
+    model = tiny_model("llama")
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, retention=policy, retention_budget=BUDGET)
+    with TieredCache(model, cfg) as cache:
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=NEW)
+        total = PROMPT + NEW - 1
+        assert cache.get_seq_length() == total
+        kept = cache.attention_stats()["retention"]["kept_tokens"][0]
+        assert cache.get_mask_sizes(1, 0) == (kept + 1, total - kept)
+        limit = PROMPT if policy == "snapkv" else BUDGET  # snapkv compresses the prompt, then grows
+        assert kept <= max(limit, BUDGET) + (NEW - 1 if policy == "snapkv" else 0)
+        positions = cache.retention_state.positions(0)
+        assert positions.shape[-1] == kept and int(positions.max()) == total - 1
+
+
+def test_beam_search_with_retention_runs_and_keeps_lengths(tmp_path):
+    """Beam search reorders the retention state with the blocks; lengths stay absolute."""
+    model = tiny_model("llama")
+    cfg = tight_config(model, tmp_path, batch=3, device_blocks=12, retention="h2o", retention_budget=BUDGET)
+    with TieredCache(model, cfg) as cache:
+        out = generate(model, prompt_ids(), cache=cache, max_new_tokens=NEW, num_beams=3)
+        assert out.sequences.shape[-1] == PROMPT + NEW
+        assert cache.get_seq_length() >= PROMPT + NEW - 1
+        assert cache.retention_state.positions(0).shape[0] == 3
+
+
+def test_budget_above_context_is_exact_in_generate(tmp_path):
+    """With a budget above the whole context nothing is dropped and generate() (greedy and
+    beam) equals DynamicCache's; wrap() installs the hook for it."""
+    from test_hf_exactness import assert_same
+
+    model = tiny_model("qwen2")
+    ids = prompt_ids()
+    for kwargs in ({}, {"num_beams": 3}):
+        batch = 3 if kwargs else 1
+        ref = generate(model, ids, max_new_tokens=NEW, **kwargs)
+        cfg = tight_config(model, tmp_path, batch=batch, device_blocks=12, retention="h2o", retention_budget=64)
+        with TieredCache(model, cfg) as cache:
+            out = generate(model, ids, cache=cache, max_new_tokens=NEW, **kwargs)
+        assert_same(ref, out, f"h2o with a budget above the context {kwargs}")
+
+
+def test_assisted_generation_refuses_rollback_after_drops(tmp_path):
+    """A cache that dropped tokens cannot be cropped: a clear error, not wrong output."""
+    model = tiny_model("llama")
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, retention="streaming", retention_budget=BUDGET)
+    with TieredCache(model, cfg) as cache:
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=3)
+        with pytest.raises(RuntimeError, match="cannot roll back"):
+            cache.crop(-2)
+
+
+def test_wrap_installs_retention(tmp_path):
+    """tiercache.wrap(model, cfg) with a retention policy: plain generate() drops tokens."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    tiercache.wrap(model, tight_config(model, tmp_path, batch=1, device_blocks=12, retention="tova",
+                                       retention_budget=BUDGET))
+    out = generate(model, prompt_ids(), max_new_tokens=NEW)
+    assert out.sequences.shape[-1] == PROMPT + NEW
+    assert model.tiercache_last.attention_stats()["retention"]["dropped_tokens"] > 0

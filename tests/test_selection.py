@@ -1,0 +1,226 @@
+"""Quest-style page selection over the tiers: read only the chosen pages, lose nothing.
+
+- Exactness: with ``selection="quest"`` and a budget that covers the context, every
+  family and generation mode gives DynamicCache's logits (<= 1e-5) on budgets that use the
+  host and disk tiers, and the selection path really ran (the attention hook chose pages).
+- Small budgets: the pages Quest chose are exactly what attention read. The reference runs
+  DynamicCache with an explicit per-layer, per-KV-head mask hiding the pages each head did
+  not choose; logits agree within 1e-5 at every decode step. Fewer blocks come from below.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tiercache  # noqa: E402
+from tiercache import TieredCache  # noqa: E402
+from tiercache.policies import SELECTION_POLICIES, QuestSelection, make_selection  # noqa: E402
+from tiercache.selection import SelectionPlan  # noqa: E402
+from test_hf_exactness import (BT, FAMILIES, MODES, NEW, PAD, PROMPT, assert_all_tiers_used,  # noqa: E402
+                               dynamic_cache_supports, generate, layer_windows, prompt_ids, run_mode,
+                               tight_config, tiny_model, working_set_blocks)
+from test_retention import Hidden, _reference_model, ATOL  # noqa: E402
+
+FULL_BUDGET = 64  # tokens: more than any context in these tests (assisted reaches ~33)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def plans(monkeypatch) -> list:
+    """Counts the selection plans the attention hook ran (one per full layer and decode step)."""
+    seen: list = []
+    prepare = SelectionPlan.prepare
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.layer_idx)
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(SelectionPlan, "prepare", spy)
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy contract and the Quest bound (no model)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(SELECTION_POLICIES))
+@pytest.mark.parametrize("budget_pages", [3, 5, 40])
+def test_selection_policy_contract(name, budget_pages):
+    """Every policy returns a bool [B, H_kv, P] page mask with at most ``budget_pages`` pages
+    per (row, KV head) (all of them when the budget covers them); quest always reads the
+    first and the newest page."""
+    b, h, r, p, d = 2, 3, 2, 12, 8
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(b, h, p, 4, d, generator=g)
+    query = torch.randn(b, h, r, d, generator=g)
+    chosen = make_selection(name).choose(query, keys.amin(3), keys.amax(3), budget_pages)
+    assert chosen.shape == (b, h, p) and chosen.dtype == torch.bool
+    per = chosen.sum(-1)
+    if name == "full" or budget_pages >= p:
+        assert bool(chosen.all())
+    else:
+        assert bool((per == budget_pages).all())
+        assert bool(chosen[..., 0].all()) and bool(chosen[..., -1].all())
+
+
+def test_quest_bound_is_an_upper_bound_and_picks_the_planted_page():
+    """sum_i max(q_i min_i, q_i max_i) >= q.k for every key of the page (every head of the
+    group), and a page holding a key aligned with the query is chosen."""
+    g = torch.Generator().manual_seed(2)
+    b, h, r, p, t, d = 1, 2, 3, 10, 4, 16
+    keys = torch.randn(b, h, p, t, d, generator=g)
+    query = torch.randn(b, h, r, d, generator=g)
+    bound = QuestSelection.page_scores(query, keys.amin(3), keys.amax(3))  # [B, H, P]
+    exact = torch.einsum("bhrd,bhptd->bhrpt", query, keys).amax(-1).amax(2)  # [B, H, P]
+    assert bool((bound >= exact - 1e-5).all())
+    keys[0, :, 6, 2] = query[0, :, 0] * 4  # plant a key that head 0 of each group loves
+    chosen = QuestSelection().choose(query, keys.amin(3), keys.amax(3), 3)
+    assert bool(chosen[0, :, 6].all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness with a budget that covers the context
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quest_with_full_budget_matches_dynamic_cache(family, mode, plans, tmp_path):
+    """Every family x generation mode (prefill, chunked, batch of 2 with left padding, beam,
+    reuse, assisted/crop and their mixes) with quest on: logits within 1e-5 of DynamicCache's,
+    every tier used, and the selection path ran at decode steps."""
+    reason = dynamic_cache_supports(family, mode)
+    if reason:
+        pytest.skip(f"{family} cannot run {mode} even with DynamicCache: {reason}")
+    stats = run_mode(family, mode, tmp_path, selection="quest", selection_budget=FULL_BUDGET)
+    assert_all_tiers_used(stats)
+    if family != "mistral":  # every Mistral layer slides: quest applies to full-attention layers
+        assert plans, "the attention hook never ran a selection plan"
+
+
+# ---------------------------------------------------------------------------------------------
+# Small budgets against a masked full cache
+# ---------------------------------------------------------------------------------------------
+def run_selection_against_reference(family: str, tmp_path, batch2: bool = False, budget_pages: int = 3,
+                                    prefetch: str = "next-layer") -> dict:
+    """Greedy decode with quest at ``budget_pages`` pages; replay on DynamicCache hiding, per
+    layer and KV head, the pages that head did not choose."""
+    model = tiny_model(family)
+    ids, mask = prompt_ids(), None
+    if batch2:
+        ids = prompt_ids(batch=2, seed=1)
+        mask = torch.ones_like(ids)
+        ids[1, :3], mask[1, :3] = PAD, 0
+    mask = torch.ones_like(ids) if mask is None else mask
+    batch = ids.shape[0]
+    need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * NEW)
+    cfg = tight_config(model, tmp_path, batch=batch, device_blocks=need + 1, selection="quest",
+                       selection_budget=budget_pages * BT, prefetch=prefetch)
+    hidden = Hidden()
+    ref_model = _reference_model(family, hidden)
+    ref_cache = transformers.DynamicCache(config=model.config)
+    choices: list = []
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        policy = cache.selection_state.policy
+        choose = policy.choose
+
+        def recording(*args, **kwargs):
+            chosen = choose(*args, **kwargs)
+            choices.append(chosen.clone())
+            return chosen
+
+        policy.choose = recording
+        x, seen, diffs = ids, 0, []
+        full_layers = [i for i, w in enumerate(layer_windows(model)) if not w]
+        for step in range(NEW):
+            if step:
+                mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], -1)
+            q = x.shape[1]
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -q:]
+            choices.clear()
+            out = cache_out = model(x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            hidden.by_layer.clear()
+            if q == 1:
+                assert len(choices) == len(full_layers)
+                for layer_idx, chosen in zip(full_layers, choices):  # [B, H, P] -> per token
+                    per_token = chosen.repeat_interleave(BT, dim=-1)[..., :seen + q]
+                    hidden.by_layer[layer_idx] = ~per_token
+            ref = ref_model(x, attention_mask=mask, position_ids=pos, cache=ref_cache, use_cache=True)
+            diffs.append((cache_out.logits - ref.logits).abs().max().item())
+            seen += q
+            assert cache.get_seq_length() == seen
+            x = out.logits[:, -1:].argmax(-1)
+        result = {"stats": cache.stats(), "selection": cache.attention_stats()["selection"],
+                  "prefetch": cache.prefetch_policy}
+    assert max(diffs) <= ATOL, f"{family}: logits differ from the masked reference: {diffs}"
+    return result
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"])
+def test_quest_reads_exactly_the_chosen_pages(family, tmp_path):
+    """At 3 pages of a growing context, decode equals the full cache with each KV head's
+    unchosen pages hidden; fewer pages were read than there were; tiers were used."""
+    result = run_selection_against_reference(family, tmp_path)
+    sel = result["selection"]
+    assert sel["pages_read"] < sel["pages_total"], sel
+    assert_all_tiers_used(result["stats"])
+
+
+def test_quest_left_padded_batch_matches_masked_reference(tmp_path):
+    """Rows choose different pages; the union is read and each row and head sees only its own."""
+    run_selection_against_reference("llama", tmp_path, batch2=True)
+
+
+def test_history_prefetch_observes_the_selection(tmp_path, monkeypatch):
+    """With prefetch="history", what each layer is recorded to have read is the pages selected,
+    not the whole layer, so the next step fetches last step's selection."""
+    from tiercache.policies.prefetch import HistoryPrefetch
+
+    observed: list = []
+    original = HistoryPrefetch.observe
+
+    def spy(self, layer_idx, keys):
+        observed.append(len(list(keys)))
+        return original(self, layer_idx, keys)
+
+    monkeypatch.setattr(HistoryPrefetch, "observe", spy)
+    result = run_selection_against_reference("llama", tmp_path, prefetch="history")
+    total = -(-(PROMPT + NEW - 1) // BT)  # the layer's blocks at the last step
+    assert max(observed[-3:]) < total, observed  # the last step read a selection (the heads' union)
+
+
+def test_quest_beam_search_and_wrap(tmp_path, plans):
+    """Beam search reorders the page bounds with the blocks; wrap() installs the hook."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    tiercache.wrap(model, tight_config(model, tmp_path, batch=3, device_blocks=12, selection="quest",
+                                       selection_budget=3 * BT))
+    out = generate(model, prompt_ids(), max_new_tokens=NEW, num_beams=3)
+    assert out.sequences.shape[-1] == PROMPT + NEW
+    sel = model.tiercache_last.attention_stats()["selection"]
+    assert plans and sel["pages_read"] < sel["pages_total"]
+
+
+def test_selection_without_the_hook_falls_back_to_full_reads(tmp_path, caplog):
+    """A cache built from a config (no model to install the hook on) reads everything and says so."""
+    from test_hf_exactness import assert_same
+
+    from test_hf_exactness import make_config
+
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(make_config("llama")).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=4)
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, selection="quest", selection_budget=3 * BT)
+    with TieredCache(model.config, cfg) as cache:
+        out = generate(model, ids, cache=cache, max_new_tokens=4)
+    assert_same(ref, out, "quest without the hook")
+    assert "attention hook" in caplog.text

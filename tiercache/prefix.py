@@ -1,0 +1,403 @@
+"""The persistent prefix cache: KV blocks addressed by content, reused across requests and
+process restarts.
+
+A full block of a sequence is named by a hash chained over the previous block's name and
+this block's token ids, salted with the model digest (architecture, config, dtype, weights
+identity) and the block geometry; each layer's record of it is the ``BlockKey(h, layer,
+index)`` where ``h`` is the first 63 bits of that hash. The records live in a persistent
+``BlockStore`` under ``<disk_dir>/prefix/<digest>-<geometry>/`` (host tier in memory, disk
+tier in a data file whose record headers carry the block's token ids), with an SQLite index
+(WAL mode) beside it holding the chain (parent links), token ids, hit counts and last use.
+
+A hit compares the block's token ids with the prompt's, so a hash collision can never
+return another prompt's KV. On open, the index is reconciled with the record headers: rows
+whose records are gone are dropped and records the index lacks are added back from their
+headers; an index that is missing or damaged is rebuilt the same way. One process at a time
+holds a prefix directory (flock); another gets ``CacheDirError``.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
+
+import torch
+
+from tiercache.config import TierConfig
+from tiercache.disk import DiskTier
+from tiercache.errors import BlockCorruptedError
+from tiercache.events import Events
+from tiercache.store import BlockStore
+from tiercache.table import BlockKey, Tier
+from tiercache.tiers import BlockGeometry
+
+log = logging.getLogger("tiercache")
+
+INDEX_NAME = "index.sqlite"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks (
+    h INTEGER PRIMARY KEY,      -- chained content hash (63 bits)
+    idx INTEGER NOT NULL,       -- block index in its sequence
+    parent INTEGER,             -- h of the block it extends (NULL for a first block)
+    tokens BLOB NOT NULL,       -- packed token ids (3 bytes each)
+    layers INTEGER NOT NULL,    -- layers whose record is stored
+    hits INTEGER NOT NULL DEFAULT 0,
+    seen INTEGER NOT NULL DEFAULT 1,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL
+);
+"""
+
+
+def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
+    """16 bytes naming the model: class, full config, dtype and a sample of every weight."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(model).__name__.encode())
+    config = getattr(model, "config", None)
+    if config is not None:
+        h.update(config.to_json_string(use_diff=False).encode())
+    params = list(model.named_parameters()) if hasattr(model, "named_parameters") else []
+    h.update(str(dtype or (params[0][1].dtype if params else "")).encode())
+    with torch.no_grad():
+        for name, p in params:
+            flat = p.detach().reshape(-1)
+            sample = torch.cat([flat[:64], flat[-64:], flat[:: max(1, flat.numel() // 64)][:64]])
+            h.update(name.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(sample.float().cpu().numpy().tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class ChainBlock:
+    """One full block of a token sequence, named by its chained hash."""
+
+    h: int
+    index: int
+    parent: Optional[int]
+    token_ids: bytes  # packed, DiskTier.pack_token_ids
+    digest: bytes = b""  # the full chained hash (h is its first 63 bits)
+
+
+def extend(prev: Optional[ChainBlock], token_ids: Sequence[int], salt: bytes) -> ChainBlock:
+    """The block after ``prev`` (None: the first block) holding ``token_ids``."""
+    packed = DiskTier.pack_token_ids(token_ids)
+    digest = hashlib.blake2b((prev.digest if prev else salt) + packed, digest_size=16).digest()
+    h = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return ChainBlock(h, prev.index + 1 if prev else 0, prev.h if prev else None, packed, digest)
+
+
+def chain(token_ids: Sequence[int], block_tokens: int, salt: bytes) -> list:
+    """The ``ChainBlock`` of every full block of ``token_ids``."""
+    out: list = []
+    for index in range(len(token_ids) // block_tokens):
+        out.append(extend(out[-1] if out else None, token_ids[index * block_tokens:(index + 1) * block_tokens], salt))
+    return out
+
+
+class PrefixIndex:
+    """The SQLite index of one prefix directory (WAL mode, one connection, its own lock)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self.rebuilt = False
+        try:
+            self._db = self._connect()
+        except sqlite3.DatabaseError as exc:
+            log.warning("prefix index %s is damaged (%s); rebuilding it from the record headers", path, exc)
+            self._move_aside()
+            self._db = self._connect()
+            self.rebuilt = True
+
+    def _connect(self) -> sqlite3.Connection:
+        fresh = not os.path.exists(self.path)
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            db.execute("SELECT count(*) FROM blocks").fetchone()
+            (check,) = db.execute("PRAGMA quick_check").fetchone()
+            if check != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {check}")
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        os.chmod(self.path, 0o600)
+        self.rebuilt = self.rebuilt or fresh
+        return db
+
+    def _move_aside(self) -> None:
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                os.replace(self.path + suffix, self.path + suffix + ".damaged")
+            except OSError:
+                pass
+
+    def rows(self) -> dict:
+        with self._lock:
+            cur = self._db.execute("SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks")
+            return {r[0]: r for r in cur.fetchall()}
+
+    def upsert(self, block: ChainBlock, layers: int, seen: int = 1) -> None:
+        now = time.time()
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO blocks (h, idx, parent, tokens, layers, seen, created, last_used) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(h) DO UPDATE SET layers=excluded.layers, "
+                "seen=max(blocks.seen, excluded.seen), last_used=excluded.last_used",
+                (block.h, block.index, block.parent, block.token_ids, layers, seen, now, now))
+
+    def get(self, h: int) -> Optional[tuple]:
+        with self._lock:
+            return self._db.execute("SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks WHERE h = ?",
+                                    (h,)).fetchone()
+
+    def hit(self, hs: Sequence[int]) -> None:
+        now = time.time()
+        with self._lock:
+            self._db.executemany("UPDATE blocks SET hits = hits + 1, last_used = ? WHERE h = ?",
+                                 [(now, h) for h in hs])
+
+    def delete(self, hs: Sequence[int]) -> None:
+        with self._lock:
+            self._db.executemany("DELETE FROM blocks WHERE h = ?", [(h,) for h in hs])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.DatabaseError:
+                pass
+            self._db.close()
+
+
+class PrefixCache:
+    """Content-addressed KV blocks of one model and geometry under ``<root>/prefix/``.
+
+    Args:
+        root: the cache's ``disk_dir``.
+        config: budgets and policies; the prefix store gets ``reuse_host_budget`` of host
+            memory and ``disk_budget`` of disk, and evicts with ``config.eviction``
+            (extensions before the prefixes they extend).
+        geometry: block shape (batch 1).
+        digest: ``model_digest(model)``.
+        num_layers: layers per block of tokens.
+    """
+
+    def __init__(self, root: str, config: TierConfig, geometry: BlockGeometry, digest: bytes,
+                 num_layers: int) -> None:
+        self.geometry, self.num_layers, self.digest = geometry, num_layers, digest
+        g = geometry
+        tag = f"{digest.hex()}-t{g.block_tokens}-h{g.kv_heads}-d{g.head_dim}-{str(g.dtype).split('.')[-1]}"
+        self.directory = os.path.join(root, "prefix", tag)
+        from tiercache.disk import ensure_private_dir
+        ensure_private_dir(root)  # before its subfolders, so none is created with looser permissions
+        ensure_private_dir(os.path.join(root, "prefix"))
+        self.salt = hashlib.blake2b(tag.encode(), digest_size=16).digest()
+        store_cfg = replace(config, device_budget=2 * g.block_bytes, host_budget=config.reuse_host_budget,
+                            disk_dir=self.directory, prefetch="none")
+        self.events = Events(config.eviction)
+        self.store = BlockStore(store_cfg, geometry, disk_dir=self.directory, persistent=True,
+                                model_digest=digest, events=self.events)
+        self.admission = config.reuse_admission
+        self._lock = threading.RLock()
+        try:
+            self.index = PrefixIndex(os.path.join(self.directory, INDEX_NAME))
+            self.index.set_meta("model_digest", digest.hex())
+            self.index.set_meta("layers", str(num_layers))
+            self._reconcile()
+        except BaseException:
+            self.store.close()
+            raise
+        self.closed = False
+
+    # ---- opening ------------------------------------------------------------------------
+    def _keys(self, h: int, index: int) -> list:
+        return [BlockKey(h, layer, index) for layer in range(self.num_layers)]
+
+    def _reconcile(self) -> None:
+        """Make the index agree with the records the store found in the data file."""
+        stored: dict = {}
+        for key in self.store.table.keys():
+            stored.setdefault((key.seq_id, key.index), set()).add(key.layer)
+        rows = self.index.rows()
+        stale = [h for h, row in rows.items() if len(stored.get((h, row[1]), ())) < self.num_layers
+                 and row[4] > 0]
+        self.index.delete(stale)
+        added = 0
+        for (h, index), layers in stored.items():
+            if h in rows and h not in stale:
+                continue
+            ids = self.store.token_ids_of(BlockKey(h, min(layers), index))
+            if len(layers) < self.num_layers or not ids:  # incomplete or unverifiable: drop
+                for layer in layers:
+                    self.store.delete(BlockKey(h, layer, index))
+                continue
+            self.index.upsert(ChainBlock(h, index, None, ids), len(layers))
+            added += 1
+        self.dropped_incomplete = len(stale)
+        self.recovered = added
+        self._link_all()
+
+    def _link_all(self) -> None:
+        rows = self.index.rows()
+        for h, (_, idx, parent, *_rest) in rows.items():
+            if parent is not None and parent in rows:
+                for layer in range(self.num_layers):
+                    self.store.link(BlockKey(h, layer, idx), BlockKey(parent, layer, idx - 1))
+
+    # ---- lookups --------------------------------------------------------------------------
+    def match(self, token_ids: Sequence[int]) -> list:
+        """The longest run of full blocks of ``token_ids``, from the first, stored for every
+        layer with exactly these tokens."""
+        rows = self.index.rows()
+        hits = []
+        for block in chain(token_ids, self.geometry.block_tokens, self.salt):
+            row = rows.get(block.h)
+            if row is None or row[3] != block.token_ids or row[1] != block.index or row[4] < self.num_layers:
+                break
+            if not all(k in self.store for k in self._keys(block.h, block.index)):
+                break
+            hits.append(block)
+        return hits
+
+    def load(self, blocks: list) -> tuple:
+        """Read the KV of ``blocks`` for every layer: ``(usable, tensors)`` where
+        ``tensors[layer][i]`` is block i's ``[2, B, H, T, D]``; a block that fails its
+        checksum ends the run there (it and its extensions are dropped and recomputed)."""
+        keys = [k for b in blocks for k in self._keys(b.h, b.index)]
+        self.store.prefetch(keys, dst=Tier.HOST)  # disk reads start in parallel
+        out = [[] for _ in range(self.num_layers)]
+        usable = len(blocks)
+        for i, block in enumerate(blocks):
+            try:
+                got = [self.store.get(BlockKey(block.h, layer, block.index)) for layer in range(self.num_layers)]
+            except (BlockCorruptedError, KeyError) as exc:
+                log.warning("prefix block %d of a cached prompt is unreadable (%s); recomputing from there", i, exc)
+                self.forget(blocks[i:])
+                usable = i
+                break
+            for layer, t in enumerate(got):
+                out[layer].append(t)
+        if usable:
+            self.index.hit([b.h for b in blocks[:usable]])
+        return usable, out
+
+    # ---- writing ----------------------------------------------------------------------------
+    def admit(self, block: ChainBlock) -> bool:
+        """Whether ``block`` should be stored. With ``reuse_admission="reused"`` a block is
+        only stored once it was seen before (the first sighting is remembered in the index)."""
+        if self.admission == "always":
+            return True
+        with self._lock:
+            if self.index.get(block.h) is None:
+                self.index.upsert(block, 0, seen=1)
+                return False
+            return True
+
+    def publish(self, block: ChainBlock, layer: int, kv: torch.Tensor) -> bool:
+        """Store one layer's record of ``block`` (False when it is already stored)."""
+        key = BlockKey(block.h, layer, block.index)
+        with self._lock:
+            if key in self.store:
+                return False
+            self._room()
+            self.store.put(key, kv, self.geometry.block_tokens, token_ids=block.token_ids)
+            if block.parent is not None:
+                parent = BlockKey(block.parent, layer, block.index - 1)
+                if parent in self.store:
+                    self.store.link(key, parent)
+            layers = sum(1 for k in self._keys(block.h, block.index) if k in self.store)
+            self.index.upsert(block, layers, seen=2)
+            return True
+
+    def _room(self) -> None:
+        """Before a put: when every tier is full, forget whole blocks (all layers), chosen by
+        the eviction policy of the lowest tier; extensions go before their prefixes."""
+        store = self.store
+        while len(store) + 1 > store.capacity_blocks():
+            victims = store.evict_candidates(store.tiers[-1], 1)
+            if not victims:
+                break
+            key = victims[0]
+            self.forget([ChainBlock(key.seq_id, key.index, None, b"")])
+
+    def forget(self, blocks: list) -> None:
+        with self._lock:
+            for b in blocks:
+                for key in self._keys(b.h, b.index):
+                    self.store.delete(key)
+            self.index.delete([b.h for b in blocks])
+
+    def clear(self, tier: Optional[Tier] = None) -> int:
+        """Drop every prefix block (``tier`` None) or only their copies on ``tier``."""
+        with self._lock:
+            rows = self.index.rows()
+            if tier is None:
+                self.forget([ChainBlock(h, r[1], None, b"") for h, r in rows.items()])
+                return len(rows)
+            return self.store.drop_copies(tier)
+
+    def flush(self) -> None:
+        """Give every block a disk copy (blocks survive the process)."""
+        self.store.flush()
+
+    def stats(self) -> dict:
+        rows = self.index.rows()
+        children = {r[2] for r in rows.values() if r[2] is not None}
+        return {"directory": self.directory, "blocks": sum(1 for r in rows.values() if r[4]),
+                "records": len(self.store), "bytes": len(self.store) * self.geometry.block_bytes,
+                "prefixes": sum(1 for h, r in rows.items() if r[4] and h not in children),
+                "hits": sum(r[5] for r in rows.values()), "tiers": self.store.tier_stats()}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.store.close()
+        finally:
+            self.index.close()
+
+
+_OPEN: dict = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_prefix_cache(root: str, config: TierConfig, geometry: BlockGeometry, digest: bytes,
+                      num_layers: int) -> PrefixCache:
+    """The process's one ``PrefixCache`` for this directory, model and geometry (kept open,
+    with its host copies warm, until ``close_all`` or exit)."""
+    key = (os.path.realpath(root), digest, geometry)
+    with _OPEN_LOCK:
+        cache = _OPEN.get(key)
+        if cache is None or cache.closed:
+            if not _OPEN:
+                atexit.register(close_all)
+            cache = _OPEN[key] = PrefixCache(root, config, geometry, digest, num_layers)
+        return cache
+
+
+def close_all() -> None:
+    """Flush and close every open prefix cache of this process."""
+    with _OPEN_LOCK:
+        caches = list(_OPEN.values())
+        _OPEN.clear()
+    for cache in caches:
+        try:
+            cache.close()
+        except Exception as exc:  # noqa: BLE001 - shutting down
+            log.warning("closing prefix cache %s: %s", cache.directory, exc)

@@ -1,0 +1,200 @@
+"""Lossy retention over the tiers: full-attention layers keep at most ``retention_budget`` tokens.
+
+Each retained layer stores its kept tokens compacted, per (batch row, KV head), in arrival
+order; ``LayerState`` remembers each stored token's absolute position, whether it is a
+padding token, and the policy's scores. The bookkeeping that keeps masks and positions
+right:
+
+- ``get_seq_length()`` stays the absolute token count, so position ids (RoPE) are right;
+- ``get_mask_sizes`` reports the compacted size ``stored + q`` with ``kv_offset = absolute -
+  stored``: the mask's last q columns are then exactly the new tokens at their absolute
+  indices (causality and padding among them are right), and the hook (``RetentionPlan``)
+  replaces the first ``stored`` columns by the stored tokens' own visibility (a stored
+  padding token stays hidden), per KV head;
+- after attention the hook recomputes the attention weights the policy scores tokens by
+  (SDPA does not return them; long prompts are scored a chunk of rows at a time) and the
+  layer is compacted to the budget. SnapKV decides at the end of a multi-token forward and
+  compacts when the next forward is a decode step (a following prompt chunk cancels it).
+
+Sliding-window layers keep their window and are not touched.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from tiercache.attention import PLAN_ATTR, as_mask, attention_mass, visible
+
+if TYPE_CHECKING:
+    from tiercache.hf import TieredCache, TieredLayer
+    from tiercache.policies import RetentionPolicy
+
+
+class LayerState:
+    """What a retained layer knows about each stored token: [B, H_kv, stored] each."""
+
+    def __init__(self) -> None:
+        self.positions: Optional[torch.Tensor] = None  # absolute position (long)
+        self.valid: Optional[torch.Tensor] = None  # False: a padding token
+        self.scores: Optional[torch.Tensor] = None  # the policy's scores (float), when it keeps any
+        self.pending: Optional[torch.Tensor] = None  # snapkv: indices to keep once the prompt ended
+
+    def append(self, start: int, batch: int, heads: int, q: int, device: torch.device) -> None:
+        pos = torch.arange(start, start + q, device=device).view(1, 1, q).expand(batch, heads, q)
+        ok = torch.ones(batch, heads, q, dtype=torch.bool, device=device)
+        self.positions = pos.clone() if self.positions is None else torch.cat([self.positions, pos], -1)
+        self.valid = ok if self.valid is None else torch.cat([self.valid, ok], -1)
+        if self.scores is not None:
+            self.scores = torch.cat([self.scores, torch.zeros(batch, heads, q, device=device)], -1)
+
+    def keep(self, index: torch.Tensor) -> None:
+        self.positions = self.positions.gather(-1, index)
+        self.valid = self.valid.gather(-1, index)
+        if self.scores is not None:
+            self.scores = self.scores.gather(-1, index)
+        self.pending = None
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        for name in ("positions", "valid", "scores", "pending"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows.to(t.device)))
+
+
+class RetentionPlan:
+    """One retained layer at one forward: fix the mask before attention, score and compact after."""
+
+    def __init__(self, cache: "TieredCache", layer_idx: int, num_past: int, values: torch.Tensor) -> None:
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.num_past = num_past
+        self.values = values
+        self.vis: Optional[torch.Tensor] = None
+
+    def prepare(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: Optional[torch.Tensor], eager: bool) -> tuple:
+        state = self.cache.retention_state.layers[self.layer_idx]
+        b, hq, q_len, _ = query.shape
+        hkv, n = key.shape[1], key.shape[2]
+        s = self.num_past
+        vis = visible(mask, q_len, n, key.device)  # [B|1, 1, q, N]
+        # A padding token does not see itself: learn which new tokens are padding.
+        diag = vis[:, 0, torch.arange(q_len), s + torch.arange(q_len)]  # [B|1, q]
+        state.valid[:, :, s:] = diag.view(diag.shape[0], 1, q_len).expand(b, hkv, q_len)
+        if self.cache.layers[self.layer_idx].dropped == 0:
+            self.vis = vis  # nothing dropped yet: the model's own mask is exact
+            return key, value, mask
+        past = state.valid[:, :, :s]
+        if bool(past.all()):
+            past_vis = torch.ones(1, 1, q_len, s, dtype=torch.bool, device=key.device)
+            new_vis = vis[..., s:]
+            self.vis = torch.cat([past_vis.expand(new_vis.shape[0], -1, -1, -1), new_vis], -1)
+        else:  # per KV head: stored padding tokens stay hidden
+            past_vis = past.repeat_interleave(hq // hkv, dim=1).unsqueeze(2).expand(b, hq, q_len, s)
+            self.vis = torch.cat([past_vis, vis[..., s:].expand(b, hq, q_len, n - s)], -1)
+        return key, value, as_mask(self.vis, eager, query.dtype)
+
+    def finish(self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any,
+               scaling: Optional[float], softcap: Optional[float]) -> None:
+        self.cache.retention_state.after_attention(self, query, key, self.values, scaling, softcap)
+
+
+class RetentionState:
+    """The cache's retention machinery: the policy, the budget and each full layer's state."""
+
+    def __init__(self, cache: "TieredCache", policy: "RetentionPolicy", budget: int) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.budget = budget
+        self.layers: dict = {}  # layer_idx -> LayerState
+        self.dropped_tokens = 0
+        self.compactions = 0
+
+    def applies(self, layer: "TieredLayer") -> bool:
+        return not layer.is_sliding
+
+    def state(self, layer_idx: int) -> LayerState:
+        return self.layers.setdefault(layer_idx, LayerState())
+
+    def positions(self, layer_idx: int) -> Optional[torch.Tensor]:
+        """Absolute positions of the tokens layer ``layer_idx`` keeps: [B, H_kv, stored]."""
+        state = self.layers.get(layer_idx)
+        return None if state is None else state.positions
+
+    def stored_after_settle(self, layer: "TieredLayer", query_length: int) -> int:
+        stored = layer.num_tokens - layer.dropped
+        state = self.layers.get(layer.layer_idx)
+        if state is not None and state.pending is not None and query_length == 1:
+            return state.pending.shape[-1]
+        return stored
+
+    def settle(self, query_length: int) -> None:
+        """At the start of a forward: apply pending snapkv compactions if it is a decode step,
+        forget them if more prompt arrives."""
+        for layer_idx, state in self.layers.items():
+            if state.pending is None:
+                continue
+            if query_length != 1:
+                state.pending = None
+                continue
+            layer = self.cache.layers[layer_idx]
+            stored = layer.num_tokens - layer.dropped
+            keys = self.cache._blocks_of(layer_idx)
+            k, v = self.cache.store.read_layer(keys, stored, 0)
+            self.compact(layer_idx, state.pending, k, v)
+
+    def after_attention(self, plan: RetentionPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        scaling: Optional[float], softcap: Optional[float]) -> None:
+        policy, budget = self.policy, self.budget
+        state = self.layers[plan.layer_idx]
+        q_len, n = query.shape[2], key.shape[2]
+        rows = {"none": None, "all": slice(0, q_len), "last": slice(q_len - 1, q_len),
+                "window": slice(max(q_len - policy.window_for(budget), 0), q_len) if q_len > 1 and hasattr(
+                    policy, "window_for") else None}[policy.score_rows]
+        if policy.prompt_only and (q_len == 1 or n <= budget):
+            return
+        scores = None
+        if rows is not None:
+            with torch.no_grad():
+                mass = attention_mass(query, key, plan.vis, scaling, softcap, rows)
+            previous = state.scores if policy.score_rows == "all" else None
+            scores = state.scores = policy.combine(previous, mass)
+        if n <= budget:
+            return
+        with torch.no_grad():
+            index = policy.keep(scores, state.valid, budget)
+        if policy.prompt_only:
+            state.pending = index
+            return
+        self.compact(plan.layer_idx, index, key, value)
+
+    def compact(self, layer_idx: int, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep the tokens ``index`` [B, H, budget] of the layer whose stored K/V are key/value."""
+        d = key.shape[-1]
+        gather = index.unsqueeze(-1).expand(-1, -1, -1, d).to(key.device)
+        k, v = key.gather(2, gather), value.gather(2, gather)
+        layer = self.cache.layers[layer_idx]
+        before = layer.num_tokens - layer.dropped
+        self.cache._rewrite_layer(layer_idx, k, v)
+        self.layers[layer_idx].keep(index)
+        layer.dropped = layer.num_tokens - k.shape[2]
+        self.dropped_tokens += before - k.shape[2]
+        self.compactions += 1
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        for state in self.layers.values():
+            state.reorder(rows)
+
+    def drop(self, layer_idx: int) -> None:
+        self.layers.pop(layer_idx, None)
+
+    def stats(self) -> dict:
+        kept = {i: self.cache.layers[i].num_tokens - self.cache.layers[i].dropped for i in self.layers}
+        return {"policy": self.policy.name, "budget_tokens": self.budget, "dropped_tokens": self.dropped_tokens,
+                "compactions": self.compactions, "kept_tokens": kept}
+
+
+def attach(plan: RetentionPlan, keys: torch.Tensor) -> torch.Tensor:
+    setattr(keys, PLAN_ATTR, plan)
+    return keys

@@ -1,0 +1,149 @@
+"""Quest-style page selection over the tiers: read only the pages that matter, lose nothing.
+
+Per block (a page) the device keeps the element-wise min and max of the keys of each KV
+head (``PageBounds``). At a decode step ``TieredCache.update`` of a full-attention layer
+writes the new token but does not read the layer: it returns a placeholder K/V carrying a
+``SelectionPlan``. tiercache's attention hook, which sees the query, calls
+``plan.prepare``: the selection policy scores the pages from the bounds, the union of the
+pages chosen by any (row, KV head) is made resident (fetched from host or disk as needed)
+and gathered, and a per-head mask hides, for each KV head's query heads, the pages that
+head did not choose. Prefill and other multi-token forwards read everything.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from tiercache.attention import PLAN_ATTR, as_mask, visible
+
+if TYPE_CHECKING:
+    from tiercache.hf import TieredCache
+    from tiercache.policies import SelectionPolicy
+
+
+class PageBounds:
+    """Per layer, the element-wise min and max of each block's keys: ``[B, H_kv, P, D]`` each,
+    on the device where the model runs. A cropped block keeps its old (looser) bounds: still
+    an upper bound of its keys."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.kmin: dict = {}
+        self.kmax: dict = {}
+
+    def update(self, layer_idx: int, key_states: torch.Tensor, start: int) -> None:
+        """Fold in ``key_states`` [B, H, q, D], the keys of stored tokens [start, start + q)."""
+        bt = self.block_tokens
+        b, h, q, d = key_states.shape
+        first, lead = divmod(start, bt)
+        num_blocks = -(-(lead + q) // bt)
+        tail = num_blocks * bt - lead - q
+        k = key_states.detach()
+        pad = (0, 0, lead, tail)
+        lo = torch.nn.functional.pad(k, pad, value=float("inf")).view(b, h, num_blocks, bt, d).amin(3)
+        hi = torch.nn.functional.pad(k, pad, value=float("-inf")).view(b, h, num_blocks, bt, d).amax(3)
+        kmin, kmax = self._room(layer_idx, first + num_blocks, k)
+        if lead:  # the tail block already holds tokens
+            lo[:, :, 0] = torch.minimum(lo[:, :, 0], kmin[:, :, first])
+            hi[:, :, 0] = torch.maximum(hi[:, :, 0], kmax[:, :, first])
+        kmin[:, :, first:first + num_blocks] = lo
+        kmax[:, :, first:first + num_blocks] = hi
+
+    def _room(self, layer_idx: int, num_blocks: int, like: torch.Tensor) -> tuple:
+        kmin = self.kmin.get(layer_idx)
+        if kmin is None or kmin.shape[2] < num_blocks or kmin.shape[0] != like.shape[0]:
+            b, h, _, d = like.shape
+            cap = max(num_blocks, 2 * (kmin.shape[2] if kmin is not None else 0), 8)
+            new_min = torch.full((b, h, cap, d), float("inf"), dtype=like.dtype, device=like.device)
+            new_max = torch.full((b, h, cap, d), float("-inf"), dtype=like.dtype, device=like.device)
+            if kmin is not None and kmin.shape[0] == b:
+                n = kmin.shape[2]
+                new_min[:, :, :n], new_max[:, :, :n] = kmin, self.kmax[layer_idx]
+            self.kmin[layer_idx], self.kmax[layer_idx] = new_min, new_max
+        return self.kmin[layer_idx], self.kmax[layer_idx]
+
+    def get(self, layer_idx: int, first: int, last: int) -> tuple:
+        """Bounds of blocks [first, last): ``(kmin, kmax)``, each [B, H, last - first, D]."""
+        return self.kmin[layer_idx][:, :, first:last], self.kmax[layer_idx][:, :, first:last]
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        for table in (self.kmin, self.kmax):
+            for layer_idx, t in table.items():
+                table[layer_idx] = t.index_select(0, rows.to(t.device))
+
+    def drop(self, layer_idx: int) -> None:
+        self.kmin.pop(layer_idx, None)
+        self.kmax.pop(layer_idx, None)
+
+
+class SelectionPlan:
+    """One layer's deferred read at one decode step (see the module docstring)."""
+
+    def __init__(self, cache: "TieredCache", layer_idx: int, keys: list, num_tokens: int) -> None:
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.keys = keys  # every block of the layer, in order (block i holds tokens i*T ...)
+        self.num_tokens = num_tokens
+
+    def placeholder(self, key_states: torch.Tensor) -> tuple:
+        """K/V of the right shape, [B, H, num_tokens, D], that hold no memory; they carry the plan."""
+        b, h, _, d = key_states.shape
+        shape = (b, h, self.num_tokens, d)
+        keys = key_states[:, :, -1:].expand(shape)
+        values = key_states[:, :, -1:].expand(shape)
+        setattr(keys, PLAN_ATTR, self)
+        return keys, values
+
+    def prepare(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: Optional[torch.Tensor], eager: bool) -> tuple:
+        cache, bt = self.cache, self.cache.tier_config.block_tokens
+        sel = cache.selection_state
+        b, hq, q_len, d = query.shape
+        hkv = key.shape[1]
+        num_pages = len(self.keys)
+        kmin, kmax = sel.bounds.get(self.layer_idx, 0, num_pages)
+        grouped = query[:, :, -1].reshape(b, hkv, hq // hkv, d)  # [B, H_kv, R, D]
+        with torch.no_grad():
+            chosen = sel.policy.choose(grouped, kmin, kmax, sel.budget_pages)  # [B, H_kv, P]
+        pages = chosen.any(dim=1).any(dim=0).nonzero().flatten().tolist()
+        lengths = [min(bt, self.num_tokens - p * bt) for p in pages]
+        keys = [self.keys[p] for p in pages]
+        sel.note(len(pages), num_pages)
+        cache._note_read(keys)
+        k, v = cache.store.read_layer(keys, sum(lengths), 0)
+        device = k.device
+        cols = torch.cat([torch.arange(p * bt, p * bt + n, device=device) for p, n in zip(pages, lengths)])
+        page_of = torch.repeat_interleave(torch.arange(len(pages), device=device),
+                                          torch.tensor(lengths, device=device))
+        k, v = cache._after_read(self.layer_idx, keys, 0, k, v)
+        if len(pages) == num_pages and bool(chosen.all()):
+            return k, v, mask  # every page, every head: exactly the full read
+        per_head = chosen[:, :, pages][:, :, page_of]  # [B, H_kv, n]
+        per_head = per_head.repeat_interleave(hq // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, n]
+        vis = visible(mask, q_len, self.num_tokens, device)[..., cols] & per_head
+        return k, v, as_mask(vis, eager, query.dtype)
+
+    def finish(self, *args: Any) -> None:
+        pass
+
+
+class SelectionState:
+    """The cache's selection machinery: the policy, the page bounds and counters."""
+
+    def __init__(self, policy: "SelectionPolicy", budget_tokens: int, block_tokens: int) -> None:
+        self.policy = policy
+        self.budget_pages = budget_tokens // block_tokens
+        self.bounds = PageBounds(block_tokens)
+        self.steps = 0
+        self.pages_read = 0
+        self.pages_total = 0
+
+    def note(self, pages_read: int, pages_total: int) -> None:
+        self.steps += 1
+        self.pages_read += pages_read
+        self.pages_total += pages_total
+
+    def stats(self) -> dict:
+        return {"policy": self.policy.name, "budget_pages": self.budget_pages, "layer_steps": self.steps,
+                "pages_read": self.pages_read, "pages_total": self.pages_total}
