@@ -113,6 +113,8 @@ def expected(stats: dict, policy: str = TierConfig.eviction) -> dict:
         put("tiercache_prefetch_total", n, outcome=outcome)
     put("tiercache_prefill_tokens_total", stats["prefill_tokens"])
     put("tiercache_decode_tokens_total", stats["decode_tokens"])
+    put("tiercache_reused_tokens_total", stats["reused_tokens"])
+    put("tiercache_published_blocks_total", stats["published_blocks"])
     for tier, n in stats["integrity_errors_by_tier"].items():
         put("tiercache_integrity_errors_total", n, tier=tier)
     put("tiercache_pinned_fallback_total", stats["pinned_fallbacks"])
