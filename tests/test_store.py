@@ -312,3 +312,33 @@ def test_a_shared_prefix_is_never_evicted_before_its_extensions(make_store, geom
         store.link(p, a2)
     store.delete(a1)  # a deleted extension no longer holds its prefix (nor is held by a2)
     assert a1 not in store._children.get(p, set()) and a2 not in store._parent
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("version", 2, "written by tiercache format version 2"),
+    ("digest", b"another-model!!!", "written for another model or dtype"),
+])
+def test_a_directory_of_another_format_or_model_is_refused_untouched(tmp_path, geometry, field, value, message):
+    """Records written by another format version (or for another model) are intact but not
+    ours: opening the directory fails with one clear CacheDirError and not a byte changes."""
+    import struct
+
+    import crc32c
+
+    from tiercache.disk import _HEADER
+    cfg = tiny_config(tmp_path, geometry)
+    with BlockStore(cfg, geometry, persistent=True) as store:
+        store.put(BlockKey(0, 0, 0), torch.randn(geometry.shape))
+    path = tmp_path / "kv" / DATA_NAME
+    data = bytearray(path.read_bytes())
+    head = bytearray(data[:_HEADER.size])
+    if field == "version":
+        struct.pack_into("<H", head, 4, value)
+    else:
+        head[12:28] = value
+    data[:_HEADER.size] = head
+    data[_HEADER.size:_HEADER.size + 4] = struct.pack("<I", crc32c.crc32c(bytes(head)))
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheDirError, match=message):
+        BlockStore(cfg, geometry, persistent=True)
+    assert path.read_bytes() == bytes(data)

@@ -209,6 +209,69 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(records=args.records, disk_dir=args.disk_dir)
 
 
+def _int_list(flag: str, text: str, low: int, high: Optional[int] = None) -> list:
+    values = []
+    for item in split_list(flag, text):
+        try:
+            value = int(item)
+        except ValueError:
+            raise CLIError(f"{flag}: {item!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise CLIError(f"{flag}: {value} must be {bound}")
+        values.append(value)
+    return values
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tiercache import eval as ev
+
+    methods = split_list("--methods", args.methods)
+    unknown = [m for m in methods if m not in ev.METHODS]
+    if unknown:
+        raise CLIError(f"--methods: unknown {', '.join(map(repr, unknown))}; known: {', '.join(ev.METHODS)}")
+    budgets = _int_list("--budgets", args.budgets, 1)
+    if args.block_tokens < 1:
+        raise CLIError(f"--block-tokens: must be >= 1, got {args.block_tokens}")
+    if args.prefill_chunk < 1:
+        raise CLIError(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
+    ev.check_plan(methods, budgets, args.block_tokens)  # ValueError -> one line, exit 2
+    if args.plot:
+        check_writable("--plot", args.plot)
+    text = None
+    if args.task == "passkey":
+        contexts = _int_list("--contexts", args.contexts, 64)
+        depths = _int_list("--depths", args.depths, 0, 100)
+        if args.trials < 1:
+            raise CLIError(f"--trials: must be >= 1, got {args.trials}")
+    else:
+        if args.context < 1 or args.tokens < 2:
+            raise CLIError(f"--context must be >= 1 and --tokens >= 2, got {args.context} and {args.tokens}")
+        if args.text_file:
+            try:
+                with open(args.text_file, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as exc:
+                raise CLIError(f"--text-file: cannot read {args.text_file!r} ({exc.strerror})") from None
+    from tiercache.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr))
+    if args.task == "passkey":
+        report = ev.run_passkey(model, tokenizer, contexts=contexts, depths=depths, trials=args.trials,
+                                methods=methods, budgets=budgets, block_tokens=args.block_tokens,
+                                prefill_chunk=args.prefill_chunk, max_new_tokens=args.max_new_tokens,
+                                seed=args.seed, log=log)
+    else:
+        report = ev.run_fidelity(model, tokenizer, text=text, context=args.context, tokens=args.tokens,
+                                 methods=methods, budgets=budgets, block_tokens=args.block_tokens,
+                                 prefill_chunk=args.prefill_chunk, log=log)
+    if args.plot:
+        ev.plot(report, args.plot)
+    print(json.dumps(report) if args.json else ev.table(report))
+    return 0
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
     from tiercache import cache_admin as admin
 
@@ -240,6 +303,8 @@ def cmd_bench(args: argparse.Namespace, rest: list) -> int:
         from tiercache.bench.decode import run
     elif args.what == "policies":
         from tiercache.bench.policies import run
+    elif args.what == "faults":
+        from tiercache.bench.faults import run
     elif args.what == "prefix":
         from tiercache.bench.prefix import run
     else:  # pragma: no cover - argparse restricts choices
@@ -299,7 +364,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--disk-dir", default=None)
 
     bench = sub.add_parser("bench", help="benchmarks (io, decode, policies, prefix); --help after the name for options")
-    bench.add_argument("what", choices=["io", "decode", "policies", "prefix"])
+    bench.add_argument("what", choices=["io", "decode", "policies", "faults", "prefix"])
+
+    ev = sub.add_parser("eval", help="quality of selection/retention: passkey accuracy, fidelity to the full cache")
+    ev.add_argument("task", choices=["passkey", "fidelity"])
+    ev.add_argument("--methods", default="full,quest,streaming,h2o,tova,snapkv",
+                    help="comma list of full, quest, streaming, h2o, tova, snapkv (default: all)")
+    ev.add_argument("--budgets", default="128,256,512", help="tokens per layer (quest: per KV head) "
+                    "(default %(default)s)")
+    ev.add_argument("--contexts", default="1024,2048,4096", help="passkey: prompt tokens (default %(default)s)")
+    ev.add_argument("--depths", default="0,25,50,75,100", help="passkey: where the key sits, percent "
+                    "(default %(default)s)")
+    ev.add_argument("--trials", type=int, default=1, help="passkey: keys per context and depth (default 1)")
+    ev.add_argument("--max-new-tokens", type=int, default=8, help="passkey: answer tokens (default 8)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--text-file", default=None, help="fidelity: the long text (default: a generated one)")
+    ev.add_argument("--context", type=int, default=2048, help="fidelity: tokens prefilled (default 2048)")
+    ev.add_argument("--tokens", type=int, default=128, help="fidelity: tokens scored, teacher-forced (default 128)")
+    ev.add_argument("--block-tokens", type=int, default=32, help="page size: tokens per block (default 32)")
+    ev.add_argument("--prefill-chunk", type=int, default=1024)
+    ev.add_argument("--model", default=None, help="local Hugging Face model folder (default SmolLM2-135M)")
+    ev.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON')
+    ev.add_argument("--plot", default=None, help="write accuracy (or KL) against budget to this PNG")
+    ev.add_argument("--quiet", action="store_true", help="no per-sample lines on stderr")
 
     cache = sub.add_parser("cache", help="the persistent prefix cache in a disk_dir: ls, stats, clear")
     cache.add_argument("action", choices=["ls", "stats", "clear"], help="ls: one line per prefix directory; "
@@ -327,6 +414,8 @@ def main(argv: Optional[list] = None) -> int:
             return cmd_compare(args)
         if args.command == "cache":
             return cmd_cache(args)
+        if args.command == "eval":
+            return cmd_eval(args)
         return cmd_bench(args, rest)
     except (CLIError, TierCacheError, ValueError) as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)

@@ -45,6 +45,10 @@ class RecordError(Exception):
     """A record failed validation: bad magic, version, checksum, key or bounds."""
 
 
+class ForeignRecordError(RecordError):
+    """An intact record written by another format version, model, dtype or geometry."""
+
+
 def ensure_private_dir(path: str, allow_shared: bool = False) -> None:
     """Create ``path`` as 0700; refuse an existing one with looser permissions or another owner."""
     try:
@@ -216,15 +220,16 @@ class DiskTier:
         shape = fields[11:17]
         payload_len, payload_crc = fields[17], fields[18]
         if version != FORMAT_VERSION:
-            raise RecordError(f"format version {version}, expected {FORMAT_VERSION}")
+            raise ForeignRecordError(f"written by tiercache format version {version}; this one reads "
+                                     f"version {FORMAT_VERSION}")
         if header_len != HEADER_BYTES:
-            raise RecordError(f"header length {header_len}, expected {HEADER_BYTES}")
+            raise ForeignRecordError(f"header length {header_len}, expected {HEADER_BYTES}")
         if digest != self.model_digest:
-            raise RecordError("record written for another model or dtype")
+            raise ForeignRecordError("written for another model or dtype")
         g = self.geometry
         if (CODE_DTYPES.get(dtype_code) != g.dtype or ndim != len(g.shape)
                 or tuple(shape[:ndim]) != g.shape or payload_len != self.payload_bytes):
-            raise RecordError("record shape, dtype or length does not match this cache")
+            raise ForeignRecordError("written with another block shape, dtype or length")
         if not 0 <= num_tokens <= g.block_tokens:
             raise RecordError(f"token count {num_tokens} out of range")
         return BlockKey(seq_id, layer, index), num_tokens, payload_crc
@@ -319,6 +324,9 @@ class DiskTier:
             try:
                 key, num_tokens, _ = self.decode_header(mv)
                 ids = self.decode_token_ids(mv) if with_token_ids else None
+            except ForeignRecordError as exc:
+                raise CacheDirError(f"disk_dir: {self.directory!r} holds records {exc}; nothing was changed "
+                                    f"(use another directory, or clear this one)") from None
             except RecordError:
                 yield (slot, None, 0, None) if with_token_ids else (slot, None, 0)
                 continue

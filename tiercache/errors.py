@@ -20,3 +20,8 @@ class UnsupportedModelError(TierCacheError, ValueError):
 
 class CacheDirError(TierCacheError, ValueError):
     """The cache directory cannot be used (locked by another process, wrong owner, ...)."""
+
+
+class TierIOError(TierCacheError):
+    """A tier's storage keeps failing (disk full, I/O errors): the cache cannot make room or
+    read a block back. Data already stored are untouched."""

@@ -285,7 +285,7 @@ class PrefixCache:
         for i, block in enumerate(blocks):
             try:
                 got = [self.store.get(BlockKey(block.h, layer, block.index)) for layer in range(self.num_layers)]
-            except (BlockCorruptedError, KeyError) as exc:
+            except (BlockCorruptedError, KeyError, OSError) as exc:
                 log.warning("prefix block %d of a cached prompt is unreadable (%s); recomputing from there", i, exc)
                 self.forget(blocks[i:])
                 usable = i

@@ -17,7 +17,7 @@ import torch
 
 from tiercache.config import TierConfig, format_bytes
 from tiercache.disk import DiskTier, RecordError
-from tiercache.errors import BlockCorruptedError, CapacityError
+from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
 from tiercache.policies import make_eviction
 from tiercache.table import BlockTable, CopyState, Move, Tier
@@ -89,7 +89,15 @@ class BlockStore:
         self.engine = TransferEngine(config.io_workers, config.queue_depth)
         self.closed = False
         if self.disk is not None and persistent:
-            self._adopt_disk_records()
+            try:
+                self._adopt_disk_records()
+            except BaseException:  # e.g. records of another format version: refuse, change nothing
+                self.engine.close()
+                self.disk.close()
+                if self.host_pool is not None:
+                    self.host_pool.close()
+                self.closed = True
+                raise
 
     # ---- construction helpers --------------------------------------------------------
     @staticmethod
@@ -360,7 +368,7 @@ class BlockStore:
             if move is not None:
                 self._submit_all(moves, Priority.WRITEBACK)
                 return self._submit(move, priority)
-            self._wait_moves(moves)
+            self._wait_moves(moves, raise_io=True)
 
     # ---- the decode path -----------------------------------------------------------------
     def new_blocks(self, keys: list, protect: Iterable[Hashable] = ()) -> list:
@@ -382,7 +390,7 @@ class BlockStore:
                         self._tokens[key] = 0
                     self._stalled(stall)
                     return slots
-            stall += self._wait_moves(moves)
+            stall += self._wait_moves(moves, raise_io=True)
 
     def ensure_device(self, keys: list, pin: bool = True) -> float:
         """Make every block of ``keys`` READY on the device and pin it; returns seconds waited."""
@@ -391,6 +399,7 @@ class BlockStore:
         pinned: list = []
         counted: set = set()
         stall = 0.0
+        io_failures = 0
         try:
             while True:
                 submit: list = []
@@ -451,6 +460,7 @@ class BlockStore:
                             raise exc
                     elif not isinstance(exc, (OSError, RecordError)):
                         raise exc
+                io_failures = self._count_io(errors, io_failures)
         except BaseException:
             self.unpin(pinned)
             raise
@@ -523,6 +533,7 @@ class BlockStore:
         copy with a reader so nothing frees it. Returns [(entry, copy)] in key order."""
         counted: set = set()
         stall = 0.0
+        io_failures = 0
         while True:
             submit, waits, missing = [], [], []
             with self._lock:
@@ -588,6 +599,18 @@ class BlockStore:
                     raise exc
                 if not isinstance(exc, (OSError, RecordError)):
                     raise exc
+            io_failures = self._count_io(errors, io_failures)
+
+    _IO_RETRIES = 3
+
+    def _count_io(self, errors: list, failures: int) -> int:
+        """Consecutive wait rounds with OS errors; past ``_IO_RETRIES`` raise ``TierIOError``."""
+        io = [e for e in errors if isinstance(e, OSError)]
+        if not io:
+            return 0
+        if failures + 1 >= self._IO_RETRIES:
+            raise self._io_error("reading blocks for attention", io[0])
+        return failures + 1
 
     def _gather_mixed(self, held: list, num_tokens: int, start_token: int) -> tuple:
         g = self.geometry
@@ -851,14 +874,28 @@ class BlockStore:
         return (f"live KV data exceed every tier: {len(self.table)} blocks stored and {num_new} more needed "
                 f"({format_bytes(needed)} in all) with {', '.join(parts)}; nothing was overwritten")
 
-    def _wait_moves(self, moves: list) -> float:
-        """Start the prepared ``moves`` that are not running yet and wait for all of them."""
+    def _wait_moves(self, moves: list, raise_io: bool = False) -> float:
+        """Start the prepared ``moves`` that are not running yet and wait for all of them.
+
+        With ``raise_io``, moves that all failed with an OS error (disk full, EIO) raise
+        ``TierIOError``: the caller was waiting for room that the storage cannot give, and
+        retrying would spin forever. The failed moves were rolled back; nothing is lost.
+        """
         futures = [self._submit(m, Priority.WRITEBACK) for m in moves]
         t0 = time.perf_counter()
-        for exc in wait_all(futures):
+        errors = wait_all(futures)
+        for exc in errors:
             if not isinstance(exc, (OSError, RecordError, BlockCorruptedError)):
                 raise exc
+        io = [e for e in errors if isinstance(e, OSError)]
+        if raise_io and io and len(io) == len(futures):
+            raise self._io_error("making room", io[0])
         return time.perf_counter() - t0
+
+    def _io_error(self, what: str, exc: OSError) -> TierIOError:
+        where = f" under {self.disk.directory!r}" if self.disk is not None else ""
+        return TierIOError(f"{what} failed: the disk tier{where} cannot be written or read "
+                           f"({exc.strerror or exc}); blocks already stored are untouched")
 
     # ---- internals: moves ------------------------------------------------------------------
     def _prepare(self, key: Hashable, src: Tier, dst: Tier, drop_source: bool) -> Move:
