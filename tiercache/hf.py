@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import uuid
+import weakref
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -179,8 +180,15 @@ class TieredCache(Cache):
         self._chain: list = []  # ChainBlock of each full block of _token_ids
         self._admitted: dict = {}  # chained hash -> admission decision
         self._injecting = False
-        self._hook = (self._model.register_forward_pre_hook(self._observe_inputs, with_kwargs=True)
-                      if self._reuse else None)
+        self._hook = None
+        if self._reuse:  # the hook holds the cache weakly: an unclosed cache can still be collected
+            ref = weakref.ref(self)
+
+            def observe(module: Any, args: tuple, kwargs: dict) -> None:
+                cache = ref()
+                if cache is not None:
+                    cache._observe_inputs(module, args, kwargs)
+            self._hook = self._model.register_forward_pre_hook(observe, with_kwargs=True)
         self.closed = False
 
     # ---- the store ----------------------------------------------------------------------
