@@ -6,6 +6,7 @@ times for the README's reliability table."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -72,3 +73,61 @@ def test_bench_faults_reports_every_fault(tmp_path):
     assert rows["index deleted"]["recovered"] == 1 and rows["EIO on disk read"]["error"] == 1
     assert all(r["WRONG"] == 0 for r in rows.values())
     assert set(FAULTS) >= set(rows)
+
+
+def test_pinned_memory_failure_falls_back_to_pageable_with_a_warning(caplog):
+    """Asking for pinned host memory where it cannot be had (this CPU-only machine has no
+    CUDA driver to pin with) gives page-aligned pageable memory, a warning, and the fallback
+    callback that feeds stats()["pinned_fallbacks"]; the pool still works."""
+    import torch
+
+    from tiercache.tiers import BlockGeometry, HostPool
+
+    if torch.cuda.is_available():
+        pytest.skip("pinning works on this machine")
+    calls = []
+    geometry = BlockGeometry(1, 2, 4, 8, torch.float32)
+    with caplog.at_level("WARNING", logger="tiercache"):
+        pool = HostPool(geometry, 3, pin=True, on_pin_fallback=lambda: calls.append(1))
+    assert not pool.pinned and calls == [1]
+    assert "pinned host memory unavailable" in caplog.text
+    block = torch.randn(geometry.shape)
+    pool.view(1).copy_(block)
+    assert torch.equal(pool.view(1), block) and pool.raw(0).data_ptr() % 4096 == 0
+
+
+@pytest.fixture
+def full_filesystem(tmp_path):
+    """A real 256 KiB tmpfs, filled up (mounting needs root: skipped elsewhere)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_dir_on_a_full_filesystem_stops_with_one_clear_error(full_filesystem, model):
+    """A real full filesystem (not an injected error): the run stops with one tiercache
+    error naming the directory and ENOSPC, instead of a traceback from deep inside, hanging
+    or losing blocks."""
+    from tiercache import TierCacheError, TierConfig
+    from tiercache.bench.faults import generate, prompt
+
+    cfg = TierConfig(device_budget="12KiB", host_budget="8KiB", disk_dir=str(full_filesystem / "kv"),
+                     disk_budget="16MiB", block_tokens=4, reuse=False)
+    with pytest.raises(TierCacheError, match="No space left on device") as err:
+        generate(model, prompt(0), cfg)
+    assert str(full_filesystem / "kv") in str(err.value)

@@ -120,8 +120,12 @@ class DiskTier:
         self.direct_io = supported and direct_io != "off"
         self.path = os.path.join(directory, DATA_NAME)
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        self._fd = os.open(self.path, flags, 0o600)
-        self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
+        try:
+            self._fd = os.open(self.path, flags, 0o600)
+            self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise CacheDirError(f"disk_dir: cannot create the data file in {directory!r} ({exc.strerror})") from None
         self._local = threading.local()
         self._grow_lock = threading.Lock()
         self._allocated = os.fstat(self._fd).st_size
@@ -135,7 +139,10 @@ class DiskTier:
     # ---- locking -------------------------------------------------------------------
     def _take_lock(self) -> int:
         path = os.path.join(self.directory, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as exc:
+            raise CacheDirError(f"disk_dir: cannot create {path!r} ({exc.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -149,8 +156,12 @@ class DiskTier:
                 raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache "
                                     f"process{f' (pid {holder})' if holder else ''}; use another directory") from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise CacheDirError(f"disk_dir: cannot write in {self.directory!r} ({exc.strerror})") from None
         return fd
 
     # ---- record codec ----------------------------------------------------------------
