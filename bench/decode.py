@@ -5,7 +5,11 @@ context length:
 - dynamic: transformers' DynamicCache (the reference);
 - fits:    TieredCache with everything on the device tier;
 - host:    device budget 25% of the KV, the rest on the host tier;
-- disk:    device 25%, host 25%, the rest on disk with direct I/O.
+- disk:    device 25%, host 25%, the rest on disk with direct I/O (``--device-fraction``,
+           ``--host-fraction`` change the shares of this set-up);
+- quest:   the disk set-up with Quest page selection (``--selection quest``, budget
+           ``--selection-budget`` tokens per KV head) and history prefetch (last step's
+           selection): scored against exact disk streaming.
 Ratios are measured in the same run. The disk set-up is scored against its bound: the
 slower of DynamicCache's tokens/s and the disk's read bandwidth over the bytes read from
 disk per token, so a perfect overlap of I/O and compute scores 1.0.
@@ -22,7 +26,7 @@ import tempfile
 import time
 from typing import Optional
 
-SETUPS = ("dynamic", "fits", "host", "disk")
+SETUPS = ("dynamic", "fits", "host", "disk", "quest")
 
 
 def kv_bytes_per_token(model) -> int:
@@ -45,7 +49,8 @@ def make_prompt_ids(tokenizer, context: int):
 
 
 def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
-           prefill_chunk: int, selection: Optional[str] = None) -> dict:
+           prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = 4096,
+           device_fraction: float = 0.25, host_fraction: float = 0.25) -> dict:
     """Prefill ``context`` tokens, then time ``new_tokens`` greedy decode steps."""
     import torch
     from transformers import DynamicCache
@@ -62,9 +67,11 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         budgets = {
             "fits": dict(device_budget=int(kv * 1.2), host_budget=0),
             "host": dict(device_budget=kv // 4, host_budget=int(kv * 1.0)),
-            "disk": dict(device_budget=kv // 4, host_budget=kv // 4, disk_budget=int(kv * 1.2),
-                         disk_dir=os.path.join(workdir, "kv"), direct_io="auto"),
-        }[setup]
+            "disk": dict(device_budget=int(kv * device_fraction), host_budget=int(kv * host_fraction),
+                         disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, "kv"), direct_io="auto"),
+        }["disk" if setup == "quest" else setup]
+        if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
+            budgets.update(selection=selection or "quest", selection_budget=selection_budget, prefetch="history")
         cache = TieredCache(model, TierConfig(block_tokens=block_tokens, **budgets))
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -90,6 +97,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         result["disk_read_bytes_per_token"] = sum(v for k, v in moved.items() if k.startswith("disk->")) / new_tokens
         result["stall_s"] = after["stall_seconds"] - before["stall_seconds"]
         result["tiers"] = after["tiers"]
+        result["attention"] = cache.attention_stats()
         cache.close()
     return result
 
@@ -97,7 +105,9 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
 def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
     cmd = [sys.executable, "-m", "tiercache.bench.decode", "--worker", setup, "--context", str(args.context),
            "--new-tokens", str(args.new_tokens), "--block-tokens", str(args.block_tokens),
-           "--prefill-chunk", str(args.prefill_chunk), "--dir", workdir]
+           "--prefill-chunk", str(args.prefill_chunk), "--dir", workdir,
+           "--selection", args.selection, "--selection-budget", str(args.selection_budget),
+           "--device-fraction", str(args.device_fraction), "--host-fraction", str(args.host_fraction)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench decode {setup} failed:\n{proc.stderr[-3000:]}")
@@ -123,6 +133,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="work directory for the disk tier (default: a temp dir under .)")
     p.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (default: measured now)")
     p.add_argument("--io-size", default="512MiB", help="bytes for the disk bandwidth measurement")
+    p.add_argument("--selection", default="full", help="full (default) or quest: adds the quest set-up "
+                   "(the disk set-up reading only the selected pages)")
+    p.add_argument("--selection-budget", type=int, default=4096, help="quest: tokens per KV head and step "
+                   "(>= 3 blocks; default %(default)s)")
+    p.add_argument("--device-fraction", type=float, default=0.25, help="disk/quest set-ups: device tier as a "
+                   "share of the KV (default %(default)s)")
+    p.add_argument("--host-fraction", type=float, default=0.25, help="disk/quest set-ups: host tier share "
+                   "(default %(default)s)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -132,9 +150,18 @@ def run(argv: Optional[list] = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.context, args.new_tokens, args.block_tokens, args.dir,
-                                args.prefill_chunk)))
+                                args.prefill_chunk, args.selection, args.selection_budget,
+                                args.device_fraction, args.host_fraction)))
         return 0
+    from tiercache.config import TierConfig
+
+    for flag, value in (("--device-fraction", args.device_fraction), ("--host-fraction", args.host_fraction)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{flag}: must be in (0, 1], got {value}")
+    TierConfig(selection=args.selection, selection_budget=args.selection_budget, block_tokens=args.block_tokens)
     setups = [s for s in args.setups.split(",") if s]
+    if args.selection != "full" and "quest" not in setups:
+        setups.append("quest")
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:
         raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}")
@@ -162,6 +189,11 @@ def run(argv: Optional[list] = None) -> int:
         bound = min(dyn, disk_tps)
         out.update(disk_read_gbps=gbps, disk_read_bytes_per_token=per_token, disk_bound_tps=bound,
                    disk_bound_ratio=results["disk"]["tps"] / bound, disk_ratio=results["disk"]["tps"] / dyn)
+    if "quest" in results and "disk" in results:
+        out["quest_vs_disk_ratio"] = out["quest_ratio"] = results["quest"]["tps"] / results["disk"]["tps"]
+        sel = results["quest"].get("attention", {}).get("selection") or {}
+        if sel.get("pages_total"):
+            out["quest_pages_read_fraction"] = sel["pages_read"] / sel["pages_total"]
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -169,6 +201,9 @@ def run(argv: Optional[list] = None) -> int:
         for setup, r in results.items():
             extra = f"  ratio {out.get(setup + '_ratio', out.get('disk_bound_ratio', 1.0) if setup == 'disk' else 1.0):.2f}"
             print(f"  {setup:<8} {r['tps']:6.2f} tok/s  peak RSS {r['peak_rss_bytes'] / 2**20:7.0f} MiB{extra}")
+        if "quest_vs_disk_ratio" in out:
+            print(f"  quest / disk streaming: {out['quest_vs_disk_ratio']:.2f}x (read "
+                  f"{100 * out.get('quest_pages_read_fraction', 1.0):.0f}% of the pages per decode step)")
         if "disk_bound_tps" in out:
             print(f"  disk bound {out['disk_bound_tps']:.2f} tok/s ({out['disk_read_gbps']:.2f} GB/s over "
                   f"{out['disk_read_bytes_per_token'] / 2**20:.1f} MiB read from disk per token)")

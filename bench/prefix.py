@@ -14,6 +14,11 @@ logits (the prefix load included); writing the published blocks to disk happens 
 cache closes, after the answer, and is reported apart (``flush_s``). Every process first
 runs one short forward so that one-time start-up costs are not counted. The warm first-token
 logits are compared with the cold ones (max abs difference).
+
+Block size matters here: whole blocks are reused and the rest of the prompt is computed, so
+larger blocks leave up to a block of tokens to compute, smaller ones cost more records to
+load. 128 tokens was the best measured on the default model at 8k tokens (64: record
+overheads dominate; 1024: up to 1023 tokens recomputed).
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ def _setup(args: argparse.Namespace) -> tuple:
     from tiercache.models import load_model
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     context = min(args.context, positions - POSITION_MARGIN) if positions else args.context
@@ -55,7 +62,7 @@ def _setup(args: argparse.Namespace) -> tuple:
 def _gen_kwargs(ids, prefill_chunk: int, computed: int) -> dict:
     import torch
 
-    kw: dict = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    kw: dict = dict(attention_mask=torch.ones_like(ids), do_sample=False)
     if prefill_chunk and computed > prefill_chunk:
         kw["prefill_chunk_size"] = prefill_chunk
     return kw
@@ -97,6 +104,7 @@ def first_token(model: Any, ids, cfg, prefill_chunk: int) -> dict:
         reads = sum(m["blocks"] for name, m in pstats["moves"].items() if name.startswith("disk->"))
         reads += pstats["hits"]["disk"]  # get() straight from disk (no move)
         result.update(disk_blocks_read=reads, disk_bytes_read=reads * block_bytes,
+                      loaded_kv_bytes=loaded // prefix.geometry.block_tokens * prefix.num_layers * block_bytes,
                       disk_io_bytes=reads * disk.record_bytes if disk is not None else 0,
                       host_blocks_hit=pstats["hits"]["host"], direct_io=bool(disk is not None and disk.direct_io),
                       process_read_bytes=None if io0 is None or io1 is None else io1 - io0)
@@ -130,7 +138,7 @@ def worker_cold(args: argparse.Namespace) -> dict:
     from tiercache.prefix import close_all
 
     model, ids, cfg = _setup(args)
-    out: dict = {"context": ids.shape[1], "block_tokens": cfg.block_tokens}
+    out: dict = {"context": ids.shape[1], "block_tokens": cfg.block_tokens, "threads": torch.get_num_threads()}
     if not args.no_baseline:
         base = first_token(model, ids, cfg.replace(reuse=False, disk_dir=os.path.join(args.dir, "plain")),
                            args.prefill_chunk)
@@ -243,6 +251,8 @@ def _spawn(part: str, args: argparse.Namespace, workdir: str) -> dict:
         cmd += ["--model", args.model]
     if args.no_baseline:
         cmd.append("--no-baseline")
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench prefix: the {part} process failed:\n{proc.stderr[-3000:]}")
@@ -253,7 +263,7 @@ def summarize(cold: dict, disk: dict, conversation: Optional[dict]) -> dict:
     """The headline figures (one flat object) with every part's details under ``parts``."""
     recompute = cold["cold"]["ttft_s"]
     out = {
-        "context": cold["context"], "block_tokens": cold["block_tokens"],
+        "context": cold["context"], "block_tokens": cold["block_tokens"], "threads": cold["threads"],
         "recompute_ttft_s": recompute,
         "recompute_no_reuse_ttft_s": cold.get("no_reuse", {}).get("ttft_s"),
         "publish_overhead_s": (recompute - cold["no_reuse"]["ttft_s"]) if "no_reuse" in cold else None,
@@ -265,6 +275,7 @@ def summarize(cold: dict, disk: dict, conversation: Optional[dict]) -> dict:
         "warm_disk_load_s": disk["load_s"], "warm_disk_compute_s": disk["compute_s"],
         "reused_tokens": disk["reused_tokens"], "computed_tokens": disk["prefill_tokens"],
         "disk_bytes_read": disk.get("disk_bytes_read", 0), "disk_io_bytes": disk.get("disk_io_bytes", 0),
+        "loaded_kv_bytes": disk.get("loaded_kv_bytes", 0),
         "process_read_bytes": disk.get("process_read_bytes"),
         "direct_io": disk.get("direct_io", False), "page_cache_dropped": disk["page_cache_dropped"],
         "warm_host_max_abs_diff": cold["warm_host"]["max_abs_diff"],
@@ -282,7 +293,8 @@ def summarize(cold: dict, disk: dict, conversation: Optional[dict]) -> dict:
 
 def format_report(r: dict) -> str:
     mib = 2 ** 20
-    lines = [f"time to first token, {r['context']}-token prompt, block_tokens={r['block_tokens']}:",
+    lines = [f"time to first token, {r['context']}-token prompt, block_tokens={r['block_tokens']}, "
+             f"{r['threads']} torch thread(s):",
              f"  recompute (cold, publishing)  {r['recompute_ttft_s']:8.3f} s"]
     if r["recompute_no_reuse_ttft_s"] is not None:
         lines.append(f"  recompute (reuse off)         {r['recompute_no_reuse_ttft_s']:8.3f} s   publishing costs "
@@ -293,7 +305,8 @@ def format_report(r: dict) -> str:
               f"max |logit diff| {r['warm_disk_max_abs_diff']:.2e}",
               f"    load {r['warm_disk_load_s']:.3f} s + compute {r['warm_disk_compute_s']:.3f} s; "
               f"{r['reused_tokens']} tokens loaded, {r['computed_tokens']} computed; "
-              f"{r['disk_bytes_read'] / mib:.1f} MiB of KV read ({r['disk_io_bytes'] / mib:.1f} MiB of records)"
+              f"{r['disk_bytes_read'] / mib:.1f} MiB of KV read for {r['loaded_kv_bytes'] / mib:.1f} MiB loaded "
+              f"({r['disk_io_bytes'] / mib:.1f} MiB of records)"
               + (f", process read {r['process_read_bytes'] / mib:.1f} MiB from storage"
                  if r["process_read_bytes"] is not None else ""),
               f"    direct I/O: {'yes' if r['direct_io'] else 'no (filesystem does not support O_DIRECT)'}; "
@@ -303,11 +316,13 @@ def format_report(r: dict) -> str:
     if conv is not None:
         lines.append(f"conversation of {len(conv['turns'])} turns ({conv['answer_tokens']}-token answers), TTFT:")
         for row in conv["turns"]:
-            lines.append(f"  turn {row['turn']}: {row['prompt_tokens']:6d} tokens   no reuse {row['no_reuse_ttft_s']:7.3f} s"
-                         f"   reuse {row['reuse_ttft_s']:7.3f} s ({row['reused_tokens']} loaded)   "
+            lines.append(f"  turn {row['turn']}: {row['prompt_tokens']:6d} tokens   "
+                         f"no reuse {row['no_reuse_ttft_s']:7.3f} s   reuse {row['reuse_ttft_s']:7.3f} s "
+                         f"({row['reused_tokens']} loaded)   "
                          f"{row['speedup']:5.1f}x")
-        lines.append(f"  total: no reuse {conv['no_reuse_total_ttft_s']:.2f} s, reuse {conv['reuse_total_ttft_s']:.2f} s "
-                     f"({r['conversation_speedup']:.1f}x); answers identical: {conv['answers_match']}")
+        lines.append(f"  total: no reuse {conv['no_reuse_total_ttft_s']:.2f} s, "
+                     f"reuse {conv['reuse_total_ttft_s']:.2f} s ({r['conversation_speedup']:.1f}x); "
+                     f"answers identical: {conv['answers_match']}")
     return "\n".join(lines)
 
 
@@ -319,10 +334,13 @@ def _parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     p.add_argument("--answer-tokens", type=int, default=16, help="tokens of each conversation answer "
                    "(default %(default)s)")
-    p.add_argument("--block-tokens", type=int, default=256, help="tokens per block: a prompt's last partial "
-                   "block is always recomputed (default %(default)s)")
+    p.add_argument("--block-tokens", type=int, default=128, help="tokens per block: a prompt's last partial "
+                   "block is always recomputed, and each block costs a record per layer to load "
+                   "(default %(default)s, the fastest measured at 8k on the default model)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="prefill chunk in tokens (default %(default)s)")
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default: torch's; "
+                   "1 is steadier on a machine shared with other work)")
     p.add_argument("--no-baseline", action="store_true", help="skip the reuse=False recompute (saves one prefill)")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir under .); the disk "
                    "tier's direct I/O depends on its filesystem")

@@ -17,11 +17,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tiercache  # noqa: E402
-from tiercache import TierConfig, TieredCache  # noqa: E402
+from tiercache import TieredCache  # noqa: E402
 from tiercache.attention import visible  # noqa: E402
 from tiercache.policies import RETENTION_POLICIES, make_retention  # noqa: E402
-from test_hf_exactness import (ATOL, BT, NEW, PAD, PROMPT, generate, layer_windows, prompt_ids, tight_config,  # noqa: E402
-                               tiny_model, working_set_blocks, assert_all_tiers_used)
+from test_hf_exactness import (ATOL, BT, NEW, PAD, PROMPT, assert_all_tiers_used, generate,  # noqa: E402
+                               layer_windows, prompt_ids, tight_config, tiny_model, working_set_blocks)
 
 REF = "tiercache_test_reference"
 BUDGET = 7  # tokens kept per full-attention layer (< PROMPT, so the prompt alone overflows it)
@@ -147,7 +147,6 @@ def run_against_reference(family: str, policy: str, mode: str, tmp_path, budget:
     hidden = Hidden()
     ref_model = _reference_model(family, hidden)
     ref_cache = transformers.DynamicCache(config=model.config)
-    forwards = []  # (ids, mask so far)
     seen = 0
     with TieredCache(model, cfg) as cache, torch.no_grad():
         pieces = [ids[:, seen:seen + c] for seen, c in zip([sum(chunks[:i]) for i in range(len(chunks))], chunks)]

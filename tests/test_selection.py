@@ -190,7 +190,7 @@ def test_history_prefetch_observes_the_selection(tmp_path, monkeypatch):
         return original(self, layer_idx, keys)
 
     monkeypatch.setattr(HistoryPrefetch, "observe", spy)
-    result = run_selection_against_reference("llama", tmp_path, prefetch="history")
+    run_selection_against_reference("llama", tmp_path, prefetch="history")
     total = -(-(PROMPT + NEW - 1) // BT)  # the layer's blocks at the last step
     assert max(observed[-3:]) < total, observed  # the last step read a selection (the heads' union)
 
@@ -224,3 +224,37 @@ def test_selection_without_the_hook_falls_back_to_full_reads(tmp_path, caplog):
         out = generate(model, ids, cache=cache, max_new_tokens=4)
     assert_same(ref, out, "quest without the hook")
     assert "attention hook" in caplog.text
+
+
+@pytest.mark.model
+def test_quest_on_the_real_model(tmp_path):
+    """SmolLM2-135M, 300-token prompt, 16-token pages over all three tiers: quest with a budget
+    over the context equals DynamicCache (<= 1e-5); at 64 tokens it reads a fraction of the pages."""
+    from test_hf_exactness import assert_same
+    from tiercache.models import ModelNotFoundError, load_model
+
+    try:
+        model, tokenizer = load_model(device="cpu")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model unavailable: {exc}")
+    from tiercache.demo import make_haystack
+
+    text, _, _ = make_haystack(20, seed=3)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :300]
+    per_block = 2 * 3 * 64 * 4 * 16  # one layer's block of 16 tokens: 24 KiB (a page-aligned host slot)
+    base = dict(device_budget=per_block * 24, host_budget=per_block * 40, disk_budget=(per_block + 4096) * 900,
+                disk_dir=str(tmp_path / "kv"), block_tokens=16)
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        for budget in (512, 64):
+            with TieredCache(model, tiercache.TierConfig(selection="quest", selection_budget=budget, **base)) as c:
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=c, **kwargs)
+                sel = c.attention_stats()["selection"]
+                stats = c.stats()
+            if budget == 512:
+                assert_same(ref, out, "quest on SmolLM2 with a budget over the context")
+                assert sel["pages_read"] == sel["pages_total"] > 0
+            else:
+                assert sel["pages_read"] < 0.75 * sel["pages_total"], sel
+    assert stats["hits"]["disk"] > 0

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier
+from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig
 from tiercache.disk import DATA_NAME, HEADER_BYTES
 from tiercache.store import BlockStore
 
@@ -342,3 +342,20 @@ def test_a_directory_of_another_format_or_model_is_refused_untouched(tmp_path, g
     with pytest.raises(CacheDirError, match=message):
         BlockStore(cfg, geometry, persistent=True)
     assert path.read_bytes() == bytes(data)
+
+
+def test_a_directory_owned_by_another_user_is_refused_unless_opted_in(tmp_path, geometry):
+    """A disk_dir that belongs to another user (made with chown, as root can) is refused with
+    a CacheDirError naming the owner; TierConfig(shared_dir=True) opts in."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    foreign = tmp_path / "theirs"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)
+    cfg = TierConfig(device_budget=3 * geometry.block_bytes, host_budget=0, disk_dir=str(foreign),
+                     disk_budget="1MiB", block_tokens=geometry.block_tokens)
+    with pytest.raises(CacheDirError, match="owned by uid 65534"):
+        BlockStore(cfg, geometry)
+    with BlockStore(cfg.replace(shared_dir=True), geometry) as store:
+        store.put(BlockKey(0, 0, 0), torch.randn(geometry.shape))
+        store.flush()

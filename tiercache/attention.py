@@ -112,14 +112,14 @@ def attention_mass(query: torch.Tensor, key: torch.Tensor, vis: torch.Tensor, sc
     start, stop, _ = rows.indices(q_len)
     for lo in range(start, stop, chunk):
         hi = min(lo + chunk, stop)
-        q = query[:, :, lo:hi].float().view(b, hkv, rep, hi - lo, d)
-        logits = torch.einsum("bgrqd,bgnd->bgrqn", q, k) * scale
+        q = query[:, :, lo:hi].float().reshape(b, hkv, rep * (hi - lo), d)
+        logits = torch.matmul(q, k.transpose(-1, -2)).view(b, hkv, rep, hi - lo, n) * scale
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         m = vis[:, :, lo:hi]
         m = m.unsqueeze(1) if m.shape[1] == 1 else m.reshape(m.shape[0], hkv, rep, hi - lo, n)
-        logits = logits.masked_fill(~m, float("-inf"))
-        out += torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(2, 3))
+        logits.masked_fill_(~m, float("-inf"))
+        out += torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=(2, 3))
     return out
 
 

@@ -118,6 +118,7 @@ class TierConfig:
     reuse: Optional[bool] = None  # prefix cache; None: on when the disk tier is enabled
     reuse_host_budget: Budget = "1GiB"  # host memory of the prefix cache (warm prefixes)
     reuse_admission: str = "always"  # "always", or "reused": store a block once seen twice
+    shared_dir: bool = False  # opt in: accept a disk_dir with looser permissions or another owner
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "disk_budget"):
@@ -150,6 +151,9 @@ class TierConfig:
             raise ValueError(f"reuse: must be True, False or None (auto), got {self.reuse!r}")
         if self.reuse and not self.disk_enabled:
             raise ValueError("reuse: the prefix cache lives in disk_dir; set disk_dir (and a disk_budget > 0)")
+        if self.reuse and self.retention is not None:
+            raise ValueError(f"reuse: the prefix cache stores exact KV; retention={self.retention!r} drops tokens "
+                             f"(set reuse=False or retention=None)")
         if self.reuse_admission not in REUSE_ADMISSIONS:
             raise ValueError(f"reuse_admission: must be one of {', '.join(REUSE_ADMISSIONS)}, "
                              f"got {self.reuse_admission!r}")
@@ -192,6 +196,8 @@ class TierConfig:
 
     @property
     def reuse_enabled(self) -> bool:
+        if self.retention is not None:
+            return False
         return self.disk_enabled if self.reuse is None else self.reuse
 
     def replace(self, **changes) -> "TierConfig":

@@ -175,7 +175,9 @@ class TieredCache(Cache):
         self._text_config = text
         self.prefix: Optional["PrefixCache"] = None
         # Retention compacts blocks, so their content no longer matches the token ids: no reuse.
-        self._reuse = self.tier_config.reuse_enabled and self._model is not None and self.retention_state is None
+        # Lossy retention rewrites blocks, so their tokens no longer name their content: no reuse.
+        self._reuse = (self.tier_config.reuse_enabled and self._model is not None
+                       and getattr(self.tier_config, "retention", None) is None) and self.retention_state is None
         self._token_ids: Optional[list] = []  # ids of the sequence so far (None: not batch 1)
         self._chain: list = []  # ChainBlock of each full block of _token_ids
         self._admitted: dict = {}  # chained hash -> admission decision
@@ -198,9 +200,9 @@ class TieredCache(Cache):
         geometry = BlockGeometry(batch, kv_heads, cfg.block_tokens, head_dim, key_states.dtype)
         disk_dir = None
         if cfg.disk_enabled:
-            ensure_private_dir(cfg.disk_dir)
+            ensure_private_dir(cfg.disk_dir, cfg.shared_dir)
             sessions = os.path.join(cfg.disk_dir, "sessions")
-            ensure_private_dir(sessions)
+            ensure_private_dir(sessions, cfg.shared_dir)
             disk_dir = os.path.join(sessions, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
             self._session_dir = disk_dir
         device = cfg.device or key_states.device
@@ -452,6 +454,8 @@ class TieredCache(Cache):
             t_us = self.trace.now_us()
             self.trace.record("write", write_keys, store.geometry.block_bytes, self._step, q, t_us=t_us)
             self._pending_read = (needed, t_us)
+        if self._injecting:  # load_prefix: nothing attends to this layer now, skip the gather
+            return self._after_read(layer_idx, needed, offset, key_states, value_states)
         if selects:  # the attention hook chooses the pages and reads them (it sees the query)
             from tiercache.selection import SelectionPlan
 

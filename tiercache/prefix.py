@@ -204,8 +204,8 @@ class PrefixCache:
         tag = f"{digest.hex()}-t{g.block_tokens}-h{g.kv_heads}-d{g.head_dim}-{str(g.dtype).split('.')[-1]}"
         self.directory = os.path.join(root, "prefix", tag)
         from tiercache.disk import ensure_private_dir
-        ensure_private_dir(root)  # before its subfolders, so none is created with looser permissions
-        ensure_private_dir(os.path.join(root, "prefix"))
+        ensure_private_dir(root, config.shared_dir)  # first, so no subfolder gets looser permissions
+        ensure_private_dir(os.path.join(root, "prefix"), config.shared_dir)
         self.salt = hashlib.blake2b(tag.encode(), digest_size=16).digest()
         store_cfg = replace(config, device_budget=2 * g.block_bytes, host_budget=config.reuse_host_budget,
                             disk_dir=self.directory, prefetch="none")
@@ -237,7 +237,7 @@ class PrefixCache:
         stale = [h for h, row in rows.items() if len(stored.get((h, row[1]), ())) < self.num_layers
                  and row[4] > 0]
         self.index.delete(stale)
-        added = 0
+        recovered = []
         for (h, index), layers in stored.items():
             if h in rows and h not in stale:
                 continue
@@ -246,11 +246,45 @@ class PrefixCache:
                 for layer in layers:
                     self.store.delete(BlockKey(h, layer, index))
                 continue
-            self.index.upsert(ChainBlock(h, index, None, ids), len(layers))
-            added += 1
+            recovered.append((h, index, ids, len(layers)))
+        parents = self._parents_of([(h, i, ids) for h, i, ids, _ in recovered], rows, set(stale))
+        for h, index, ids, layers in recovered:
+            self.index.upsert(ChainBlock(h, index, parents.get(h), ids), layers)
+        added = len(recovered)
         self.dropped_incomplete = len(stale)
         self.recovered = added
+        dropped = self.store.dropped_on_open + len(stale)
+        if dropped:
+            log.warning("prefix cache %s: dropped %d damaged or incomplete records on open (a process "
+                        "was killed while writing, or the files were damaged); their tokens will be "
+                        "recomputed", self.directory, dropped)
         self._link_all()
+
+    def _parents_of(self, recovered: list, rows: dict, stale: set) -> dict:
+        """Re-derive the chain links of blocks recovered from record headers: re-hash each
+        block's token ids onto every candidate parent one level up, from block 0 down."""
+        from tiercache.disk import DiskTier
+
+        by_level: dict = {}
+        for h, row in rows.items():
+            if h not in stale and row[4]:
+                by_level.setdefault(row[1], []).append((h, row[3]))
+        for h, index, ids in recovered:
+            by_level.setdefault(index, []).append((h, ids))
+        digests: dict = {}  # h -> ChainBlock with its full digest
+        parents: dict = {}
+        for level in sorted(by_level):
+            for h, packed in by_level[level]:
+                ids = DiskTier.unpack_token_ids(packed)
+                candidates = [None] if level == 0 else [digests[p] for p, _ in by_level.get(level - 1, ())
+                                                        if p in digests]
+                for parent in candidates:
+                    block = extend(parent, ids, self.salt)
+                    if block.h == h:
+                        digests[h] = block
+                        parents[h] = block.parent
+                        break
+        return parents
 
     def _link_all(self) -> None:
         rows = self.index.rows()
@@ -359,6 +393,7 @@ class PrefixCache:
         rows = self.index.rows()
         children = {r[2] for r in rows.values() if r[2] is not None}
         return {"directory": self.directory, "blocks": sum(1 for r in rows.values() if r[4]),
+                "dropped_on_open": self.store.dropped_on_open + self.dropped_incomplete,
                 "records": len(self.store), "bytes": len(self.store) * self.geometry.block_bytes,
                 "prefixes": sum(1 for h, r in rows.items() if r[4] and h not in children),
                 "hits": sum(r[5] for r in rows.values()), "tiers": self.store.tier_stats()}

@@ -1,0 +1,268 @@
+"""``tiercache cache ls|stats|clear`` on real prefix directories written by real runs of a tiny
+Llama: the listing matches what was published and hit, works while another process holds the
+directory, and survives a damaged index; clear removes everything (the next run loads
+nothing) but never a directory another process holds. Plus a smoke run of ``bench prefix``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+from tiercache import TierConfig, TieredCache
+from tiercache import cache_admin as admin
+from tiercache.prefix import close_all
+
+BT = 4
+PROMPT = 30
+NEW = 6
+LAYERS = 3
+# 30 prompt tokens + 5 fed-back answer tokens = 35 tokens seen: 8 full blocks of 4.
+BLOCKS = (PROMPT + NEW - 1) // BT
+# A warm run loads the 7 blocks before the last prompt token: one hit each.
+WARM_HITS = (PROMPT - 1) // BT
+
+
+def tiny_model(seed: int = 0, vocab: int = 64):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                   initializer_range=0.2, max_position_embeddings=256, eos_token_id=None,
+                                   pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt_ids() -> torch.Tensor:
+    return torch.randint(1, 64, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def config(kv: str) -> TierConfig:
+    return TierConfig(device_budget="24KiB", host_budget="32KiB", disk_dir=kv, disk_budget="16MiB", block_tokens=BT)
+
+
+def run(model, kv: str) -> dict:
+    """One request with its own TieredCache on ``kv``; its stats."""
+    ids = prompt_ids()
+    with TieredCache(model, config(kv)) as cache, torch.no_grad():
+        cache.load_prefix(ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False, max_new_tokens=NEW)
+        return cache.stats()
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "tiercache.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ls(kv: str) -> list:
+    proc = cli("cache", "ls", "--disk-dir", kv, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["directories"]
+
+
+def one_line_error(proc, code: int = 2) -> str:
+    assert proc.returncode == code, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def snapshot(path: str) -> dict:
+    """Name -> (size, mtime) of every file under ``path``."""
+    out = {}
+    for folder, _, files in os.walk(path):
+        for f in files:
+            st = os.stat(os.path.join(folder, f))
+            out[os.path.relpath(os.path.join(folder, f), path)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    close_all()
+    yield
+    close_all()
+
+
+@pytest.fixture
+def kv(tmp_path) -> str:
+    return str(tmp_path / "kv")
+
+
+def test_names_and_record_size_agree_with_the_store():
+    """cache_admin copies a few names and the record layout to stay free of torch."""
+    from tiercache import disk, prefix
+    from tiercache.tiers import ALIGN, BlockGeometry
+
+    assert (admin.INDEX_NAME, admin.DATA_NAME, admin.LOCK_NAME) == (prefix.INDEX_NAME, disk.DATA_NAME, disk.LOCK_NAME)
+    assert (admin.HEADER_BYTES, admin.ALIGN) == (disk.HEADER_BYTES, ALIGN)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        g = BlockGeometry(1, 3, 256, 64, dtype)
+        assert admin.record_bytes(256, 3, 64, str(dtype).split(".")[-1]) == disk.DiskTier.record_size(g)
+    assert "torch" not in subprocess.run([sys.executable, "-c", "import sys, tiercache.cache_admin, tiercache.cli; "
+                                          "print(sorted(sys.modules))"], capture_output=True, text=True).stdout
+
+
+def test_ls_and_stats_show_blocks_prefixes_and_hits_after_a_warm_run(kv):
+    """A cold run publishes 8 blocks of 3 layers (one prompt: one prefix); a warm run loads 7
+    of them (7 hits). ls reads the index while this process still holds the directory."""
+    model = tiny_model()
+    assert run(model, kv)["published_blocks"] == BLOCKS * LAYERS
+    assert run(model, kv)["reused_tokens"] == WARM_HITS * BT
+    (d,) = ls(kv)
+    record = admin.record_bytes(BT, 2, 16, "float32")
+    assert d["state"] == "ok" and d["geometry"] == "t4-h2-d16-float32" and d["num_layers"] == LAYERS
+    assert d["num_blocks"] == BLOCKS and d["num_prefixes"] == 1 and d["hits"] == WARM_HITS
+    assert d["stored_bytes"] == BLOCKS * LAYERS * record and d["file_bytes"] >= d["stored_bytes"]
+    assert d["holder_pid"] == os.getpid() and d["last_used"] is not None
+    text = cli("cache", "ls", "--disk-dir", kv)
+    assert text.returncode == 0 and d["model_digest"][:12] in text.stdout
+    assert f"in use by pid {os.getpid()}" in text.stdout
+
+    run(tiny_model(seed=5), kv)  # another model: its own directory
+    proc = cli("cache", "stats", "--disk-dir", kv, "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    assert len(stats["models"]) == 2 and stats["models"][d["model_digest"]]["hits"] == WARM_HITS
+    assert stats["totals"]["num_blocks"] == 2 * BLOCKS and stats["totals"]["directories"] == 2
+    assert stats["sessions"]["num_sessions"] == 0  # closed caches remove their session files
+    text = cli("cache", "stats", "--disk-dir", kv).stdout
+    assert "total" in text and "sessions/" in text
+
+
+def test_clear_removes_everything_and_the_next_run_loads_nothing(kv):
+    model, other = tiny_model(), tiny_model(seed=5)
+    run(model, kv)
+    run(other, kv)
+    close_all()
+    digests = {d["model_digest"] for d in ls(kv)}
+    keep = digests - {ls(kv)[0]["model_digest"]}
+    gone = ls(kv)[0]["model_digest"]
+    proc = cli("cache", "clear", "--disk-dir", kv, "--model-digest", gone[:10])
+    assert proc.returncode == 0 and "removed 1 prefix directory" in proc.stdout, proc.stderr
+    assert {d["model_digest"] for d in ls(kv)} == keep
+
+    proc = cli("cache", "clear", "--disk-dir", kv)
+    assert proc.returncode == 0 and "removed 1 prefix directory" in proc.stdout, proc.stderr
+    assert ls(kv) == [] and os.listdir(os.path.join(kv, "prefix")) == []
+    again = cli("cache", "ls", "--disk-dir", kv)
+    assert again.returncode == 0 and again.stdout.strip() == f"no prefix cache in {kv}"
+    stats = run(model, kv)
+    assert stats["reused_tokens"] == 0 and stats["prefill_tokens"] == PROMPT
+    assert one_line_error(cli("cache", "clear", "--disk-dir", kv, "--model-digest", "xyz")).startswith(
+        "tiercache: error: --model-digest: expected hex digits")
+
+
+HOLDER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from test_cache_admin import tiny_model, config, prompt_ids, NEW
+    from tiercache import TieredCache
+    model, ids = tiny_model(), prompt_ids()
+    with TieredCache(model, config({kv!r})) as cache, torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False, max_new_tokens=NEW)
+    print("published", flush=True)  # the prefix cache stays open (and locked) until exit
+    sys.stdin.read()
+""")
+
+
+def test_clear_is_refused_while_another_process_holds_the_directory(kv):
+    """A live process holds the prefix directory: ls still reads it (and names the holder);
+    clear says which pid holds it, exits 2 and touches nothing; once it exits, clear works."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(tests=os.path.dirname(__file__), kv=kv)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "published", holder.stderr.read()
+        (d,) = ls(kv)
+        assert d["num_blocks"] == BLOCKS and d["holder_pid"] == holder.pid
+        before = snapshot(kv)
+        line = one_line_error(cli("cache", "clear", "--disk-dir", kv))
+        assert f"in use by another tiercache process (pid {holder.pid})" in line and "nothing was removed" in line
+        assert snapshot(kv) == before
+    finally:
+        holder.communicate("", timeout=60)
+    assert cli("cache", "clear", "--disk-dir", kv).returncode == 0
+    assert ls(kv) == []
+
+
+def test_a_damaged_index_is_reported_not_fatal_and_rebuilt_by_the_next_run(kv):
+    model = tiny_model()
+    run(model, kv)
+    close_all()
+    (d,) = ls(kv)
+    index = os.path.join(d["path"], admin.INDEX_NAME)
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(index + suffix):
+            os.unlink(index + suffix)
+    with open(index, "r+b") as f:
+        f.write(b"this is not an sqlite database" * 40)
+    (d,) = ls(kv)
+    assert d["state"] == "damaged" and "index.sqlite" in d["error"] and d["num_blocks"] == 0
+    text = cli("cache", "ls", "--disk-dir", kv)
+    assert text.returncode == 0 and "damaged" in text.stdout and "rebuilds it" in text.stdout
+    assert json.loads(cli("cache", "stats", "--disk-dir", kv, "--json").stdout)["totals"]["damaged"] == 1
+    assert run(model, kv)["reused_tokens"] == WARM_HITS * BT  # rebuilt from the record headers
+    (d,) = ls(kv)
+    assert d["state"] == "ok" and d["num_blocks"] == BLOCKS
+
+
+def test_ls_leaves_no_files_behind(kv):
+    """Reading a closed index read-only creates no -wal/-shm files beside it."""
+    run(tiny_model(), kv)
+    close_all()
+    before = sorted(snapshot(kv))
+    ls(kv)
+    assert sorted(snapshot(kv)) == before
+
+
+@pytest.mark.parametrize("action", ["ls", "stats", "clear"])
+def test_a_missing_dir_is_one_line_and_exit_2_an_empty_one_says_so(tmp_path, action):
+    missing = str(tmp_path / "nope")
+    assert one_line_error(cli("cache", action, "--disk-dir", missing)) == \
+        f"tiercache: error: --disk-dir: {missing!r} does not exist"
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in one_line_error(cli("cache", action, "--disk-dir", str(tmp_path / "file")))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = cli("cache", action, "--disk-dir", str(empty))
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert f"no prefix cache in {empty}" in proc.stdout
+
+
+def test_bench_prefix_smoke(tmp_path):
+    """bench prefix end to end on a tiny random Llama with the default tokenizer: every
+    figure is there, warm runs load the prefix and match the cold logits."""
+    from tiercache.models import converted_dir
+
+    if not os.path.exists(os.path.join(converted_dir(), "tokenizer.json")):
+        pytest.skip("the default model's tokenizer is not converted on this machine")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(converted_dir())
+    model = tiny_model(vocab=len(tokenizer))
+    model.config.max_position_embeddings = 128
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "prefix", "--model", str(tmp_path / "model"),
+                           "--context", "200", "--turns", "2", "--answer-tokens", "4", "--block-tokens", "8",
+                           "--dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["context"] == 128 - 8  # clamped below the model's positions
+    for key in ("recompute_ttft_s", "warm_host_ttft_s", "warm_disk_ttft_s", "warm_disk_speedup", "disk_bytes_read"):
+        assert r[key] > 0, key
+    assert r["reused_tokens"] == (120 - 1) // 8 * 8 and r["computed_tokens"] == 120 - r["reused_tokens"]
+    assert r["loaded_kv_bytes"] == (120 - 1) // 8 * LAYERS * 2 * 2 * 8 * 16 * 4  # blocks x layers x block bytes
+    assert r["loaded_kv_bytes"] <= r["disk_bytes_read"] <= 2 * r["loaded_kv_bytes"]
+    assert r["warm_host_max_abs_diff"] <= 1e-5 and r["warm_disk_max_abs_diff"] <= 1e-5
+    conv = r["parts"]["conversation"]
+    assert len(conv["turns"]) == 2 and conv["turns"][1]["reused_tokens"] > 0 and conv["answers_match"]
+    assert os.listdir(tmp_path) and not [n for n in os.listdir(tmp_path) if n.startswith("tiercache-bench-prefix-")]
