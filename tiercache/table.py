@@ -70,22 +70,26 @@ class TableError(RuntimeError):
 
 
 class _Slots:
+    """Free slots: a stack (lowest slot on top at first) and a set. ``take`` of a given slot
+    (adopting records on open) only leaves the set; the stack drops stale entries lazily,
+    so opening a directory of n records is O(n), not O(n^2)."""
+
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._free_set = set(self._free)
 
     def alloc(self) -> Optional[int]:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._free_set.discard(slot)
-        return slot
+        while self._free:
+            slot = self._free.pop()
+            if slot in self._free_set:
+                self._free_set.discard(slot)
+                return slot
+        return None
 
     def take(self, slot: int) -> None:
         if slot not in self._free_set:
             raise TableError(f"slot {slot} is not free")
-        self._free.remove(slot)
         self._free_set.discard(slot)
 
     def release(self, slot: int) -> None:
@@ -96,7 +100,7 @@ class _Slots:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free_set)
 
     def is_free(self, slot: int) -> bool:
         return slot in self._free_set
