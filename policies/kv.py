@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
 from typing import Callable, Hashable, Mapping, Optional
 
-from .base import EvictionPolicy
-from .eviction import _first_n
+from .eviction import LRUPolicy, _first_n
 
 K = Hashable
 
@@ -19,7 +17,7 @@ def _block_coords(key: K) -> Optional[tuple]:
     return None
 
 
-class SinksRecentPolicy(EvictionPolicy):
+class SinksRecentPolicy(LRUPolicy):
     """Keep each layer's first ``sinks`` blocks and newest ``recent`` blocks (StreamingLLM).
 
     Keys are ``(seq_id, layer, index)`` tuples (``BlockKey`` or plain); any other key is a
@@ -35,9 +33,9 @@ class SinksRecentPolicy(EvictionPolicy):
     def __init__(self, sinks: int = 1, recent: int = 2) -> None:
         if sinks < 0 or recent < 0:
             raise ValueError(f"sinks-recent needs sinks >= 0 and recent >= 0, got {sinks!r}, {recent!r}")
+        super().__init__()
         self.sinks = sinks
         self.recent = recent
-        self._order: OrderedDict = OrderedDict()  # LRU first
         self._newest: dict = {}  # (seq_id, layer) -> [highest index inserted, resident keys]
 
     def insert(self, key: K) -> None:
@@ -47,12 +45,7 @@ class SinksRecentPolicy(EvictionPolicy):
                 group = self._newest.setdefault(coords[:2], [coords[2], 0])
                 group[0] = max(group[0], coords[2])
                 group[1] += 1
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def touch(self, key: K) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
+        super().insert(key)
 
     def remove(self, key: K) -> None:
         if key not in self._order:
@@ -96,11 +89,8 @@ class SinksRecentPolicy(EvictionPolicy):
         recent.sort(key=lambda r: r[:2])
         return _first_n(itertools.chain(middle, (r[2] for r in recent), sinks), n, is_evictable)
 
-    def __len__(self) -> int:
-        return len(self._order)
 
-
-class AttentionScorePolicy(EvictionPolicy):
+class AttentionScorePolicy(LRUPolicy):
     """Keep the blocks that recent decode steps attended to most (H2O-style heavy hitters).
 
     ``observe_scores`` takes the attention mass one decode step gave each block (summed
@@ -117,8 +107,8 @@ class AttentionScorePolicy(EvictionPolicy):
     def __init__(self, decay: float = 0.5) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"attention-score decay must be in [0, 1), got {decay!r}")
+        super().__init__()
         self.decay = decay
-        self._order: OrderedDict = OrderedDict()  # LRU first
         self._score: dict = {}  # scored resident key -> decayed attention mass
 
     def observe_scores(self, scores: Mapping[K, float]) -> None:
@@ -127,16 +117,8 @@ class AttentionScorePolicy(EvictionPolicy):
             if key in self._order:
                 self._score[key] = self.decay * self._score.get(key, 0.0) + float(mass)
 
-    def insert(self, key: K) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def touch(self, key: K) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
     def remove(self, key: K) -> None:
-        self._order.pop(key, None)
+        super().remove(key)
         self._score.pop(key, None)
 
     def evict(self, n: int, is_evictable: Callable[[K], bool]) -> Optional[list]:
@@ -147,6 +129,3 @@ class AttentionScorePolicy(EvictionPolicy):
         candidates = ((score(key, unscored), pos, key) for pos, key in enumerate(self._order) if is_evictable(key))
         victims = [key for _, _, key in heapq.nsmallest(n, candidates)]
         return victims if len(victims) == n else None
-
-    def __len__(self) -> int:
-        return len(self._order)
