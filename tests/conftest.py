@@ -14,6 +14,16 @@ from tiercache.tiers import BlockGeometry
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of small-model tests (they are faster that way and
+    leave the other core to parallel work); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def geometry() -> BlockGeometry:
     # 2 * 1 * 2 * 4 * 8 * 4 bytes = 512 bytes per block

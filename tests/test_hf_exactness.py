@@ -49,14 +49,7 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2"]
 MODES = ["prefill", "chunked", "batch2", "beam", "reuse", "assisted", "beam+batch2+chunked", "reuse+chunked"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls run ~10x faster on one thread when the 2 cores are shared with the
-    cache's I/O workers (and other processes); restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------

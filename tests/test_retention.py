@@ -27,12 +27,7 @@ REF = "tiercache_test_reference"
 BUDGET = 7  # tokens kept per full-attention layer (< PROMPT, so the prompt alone overflows it)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,12 +26,7 @@ from test_retention import Hidden, _reference_model, ATOL  # noqa: E402
 FULL_BUDGET = 64  # tokens: more than any context in these tests (assisted reaches ~33)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
