@@ -8,7 +8,10 @@ On the default model (or ``--model PATH``), for an N-token prompt, greedy, one n
 - warm from disk: a fresh process on the same directory, the page cache dropped when
   allowed (root) and the disk tier reading with O_DIRECT where the filesystem supports it;
 - a conversation of ``--turns`` turns, each prompt extending the previous prompt and its
-  answer: TTFT per turn with reuse and without.
+  answer: TTFT per turn with reuse and without;
+- with ``--remote URL``: the cold request also publishes to a Redis/Valkey server (a private
+  namespace, deleted at the end), and a fresh process on an empty disk_dir (another machine)
+  loads the prompt from the server: warm from remote, with the bytes it read.
 Each part runs in its own process. TTFT runs from creating the cache to the first token's
 logits (the prefix load included); writing the published blocks to disk happens when the
 cache closes, after the answer, and is reported apart (``flush_s``). Every process first
@@ -53,7 +56,8 @@ def _setup(args: argparse.Namespace) -> tuple:
     kv = kv_bytes_per_token(model) * (context + args.block_tokens)
     cfg = TierConfig(device_budget=max(int(kv * 1.2), 1 << 24), host_budget=max(int(kv * 1.2), 1 << 24),
                      disk_budget=max(3 * kv, 1 << 28), disk_dir=os.path.join(args.dir, "kv"),
-                     block_tokens=args.block_tokens, reuse_host_budget=max(int(kv * 1.5), 1 << 24))
+                     block_tokens=args.block_tokens, reuse_host_budget=max(int(kv * 1.5), 1 << 24),
+                     remote_url=args.remote, remote_namespace=args.remote_namespace or "tiercache")
     with torch.inference_mode():  # one short forward: kernels and allocators warmed up
         model(ids[:, :min(64, ids.shape[1])])
     return model, ids, cfg
@@ -98,6 +102,8 @@ def first_token(model: Any, ids, cfg, prefill_chunk: int) -> dict:
               "prompt_tokens": ids.shape[1], "prefill_tokens": stats["prefill_tokens"],
               "reused_tokens": stats["reused_tokens"], "published_blocks": stats["published_blocks"],
               "flush_s": flush_s, "logits": out.logits[0][0].float().cpu()}
+    if prefix is not None and prefix.remote is not None:  # after close: its writes were sent
+        result["remote"] = prefix.remote.stats()
     if pstats is not None:
         disk = prefix.store.disk
         block_bytes = prefix.geometry.block_bytes
@@ -239,7 +245,38 @@ def worker_conversation(args: argparse.Namespace) -> dict:
             "reuse_total_ttft_s": sum(r["reuse_ttft_s"] for r in rows)}
 
 
-WORKERS = {"cold": worker_cold, "disk": worker_disk, "conversation": worker_conversation}
+def worker_remote(args: argparse.Namespace) -> dict:
+    """Warm from the remote tier: a fresh process on an empty disk_dir (another machine)."""
+    import torch
+
+    from tiercache.prefix import close_all
+
+    model, ids, cfg = _setup(args)
+    cfg = cfg.replace(disk_dir=os.path.join(args.dir, "other-machine"))
+    warm = first_token(model, ids, cfg, args.prefill_chunk)
+    cold_logits = torch.load(os.path.join(args.dir, "cold_logits.pt"))
+    out = _public(warm)
+    out["max_abs_diff"] = _max_diff(warm["logits"], cold_logits)
+    close_all()
+    return out
+
+
+def _drop_namespace(url: str, namespace: str) -> int:
+    """Delete the bench's keys from the server; returns how many."""
+    import redis
+
+    from tiercache.config import remote_credentials
+
+    user, password = remote_credentials(url)
+    client = redis.Redis.from_url(url, username=user, password=password, socket_timeout=30)
+    keys = list(client.scan_iter(f"{namespace}:*", count=1000))
+    for i in range(0, len(keys), 500):
+        client.delete(*keys[i:i + 500])
+    client.close()
+    return len(keys)
+
+
+WORKERS = {"cold": worker_cold, "disk": worker_disk, "conversation": worker_conversation, "remote": worker_remote}
 
 
 # ---- the orchestrating process (no torch) ----------------------------------------------------------
@@ -253,13 +290,15 @@ def _spawn(part: str, args: argparse.Namespace, workdir: str) -> dict:
         cmd.append("--no-baseline")
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.remote:
+        cmd += ["--remote", args.remote, "--remote-namespace", args.remote_namespace]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench prefix: the {part} process failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def summarize(cold: dict, disk: dict, conversation: Optional[dict]) -> dict:
+def summarize(cold: dict, disk: dict, conversation: Optional[dict], remote: Optional[dict] = None) -> dict:
     """The headline figures (one flat object) with every part's details under ``parts``."""
     recompute = cold["cold"]["ttft_s"]
     out = {
@@ -287,7 +326,14 @@ def summarize(cold: dict, disk: dict, conversation: Optional[dict]) -> dict:
         out["conversation_no_reuse_ttft_s"] = [r["no_reuse_ttft_s"] for r in conversation["turns"]]
         out["conversation_reuse_ttft_s"] = [r["reuse_ttft_s"] for r in conversation["turns"]]
         out["conversation_speedup"] = conversation["no_reuse_total_ttft_s"] / conversation["reuse_total_ttft_s"]
-    out["parts"] = {"cold": cold, "warm_disk": disk, "conversation": conversation}
+    if remote is not None:
+        r = remote.get("remote") or {}
+        out.update(warm_remote_ttft_s=remote["ttft_s"], warm_remote_speedup=recompute / remote["ttft_s"],
+                   warm_remote_load_s=remote["load_s"], warm_remote_reused_tokens=remote["reused_tokens"],
+                   remote_bytes_read=r.get("bytes_read", 0),
+                   remote_bytes_written=(cold["cold"].get("remote") or {}).get("bytes_written", 0),
+                   remote_errors=r.get("errors"), warm_remote_max_abs_diff=remote["max_abs_diff"])
+    out["parts"] = {"cold": cold, "warm_disk": disk, "conversation": conversation, "warm_remote": remote}
     return out
 
 
@@ -312,6 +358,13 @@ def format_report(r: dict) -> str:
               f"    direct I/O: {'yes' if r['direct_io'] else 'no (filesystem does not support O_DIRECT)'}; "
               f"page cache dropped: {'yes' if r['page_cache_dropped'] else 'no (needs root)'}",
               f"  goal: warm from disk >= {r['goal_speedup']:.0f}x faster: {'met' if r['goal_met'] else 'MISSED'}"]
+    if "warm_remote_ttft_s" in r:
+        lines += [f"  warm from remote (new process, empty disk_dir) {r['warm_remote_ttft_s']:8.3f} s   "
+                  f"{r['warm_remote_speedup']:6.1f}x   max |logit diff| {r['warm_remote_max_abs_diff']:.2e}",
+                  f"    load {r['warm_remote_load_s']:.3f} s; {r['warm_remote_reused_tokens']} tokens loaded; "
+                  f"{r['remote_bytes_read'] / mib:.1f} MiB read from the server "
+                  f"({r['remote_bytes_written'] / mib:.1f} MiB written by the cold request); "
+                  f"errors {({k: n for k, n in (r['remote_errors'] or {}).items() if n}) or 'none'}"]
     conv = r["parts"]["conversation"]
     if conv is not None:
         lines.append(f"conversation of {len(conv['turns'])} turns ({conv['answer_tokens']}-token answers), TTFT:")
@@ -344,6 +397,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the reuse=False recompute (saves one prefill)")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir under .); the disk "
                    "tier's direct I/O depends on its filesystem")
+    p.add_argument("--remote", default=None, help="also measure warm from a Redis/Valkey server at this URL "
+                   "(keys in a private namespace, deleted at the end)")
+    p.add_argument("--remote-namespace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--worker", default=None, choices=sorted(WORKERS), help=argparse.SUPPRESS)
     return p
@@ -360,6 +416,13 @@ def run(argv: Optional[list] = None) -> int:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     if args.dir is not None and not os.path.isdir(args.dir):
         raise ValueError(f"--dir: {args.dir!r} is not a directory")
+    if args.remote:
+        import uuid
+
+        from tiercache.config import TierConfig
+
+        TierConfig(disk_dir=args.dir or ".", remote_url=args.remote)  # a bad URL fails now, by name
+        args.remote_namespace = f"tiercache-bench-{uuid.uuid4().hex[:12]}"
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-prefix-", dir=args.dir or ".") as workdir:
         os.chmod(workdir, 0o700)
         log = (lambda m: print(m, file=sys.stderr))
@@ -371,7 +434,14 @@ def run(argv: Optional[list] = None) -> int:
         if args.turns:
             log(f"bench prefix: a conversation of {args.turns} turns, without and with reuse ...")
             conversation = _spawn("conversation", args, workdir)
-    report = summarize(cold, disk, conversation)
+        remote = None
+        if args.remote:
+            log("bench prefix: warm from the remote tier in a fresh process on an empty disk_dir ...")
+            try:
+                remote = _spawn("remote", args, workdir)
+            finally:
+                _drop_namespace(args.remote, args.remote_namespace)
+    report = summarize(cold, disk, conversation, remote)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

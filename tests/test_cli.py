@@ -22,6 +22,9 @@ def cli(*args, input_text=None, timeout=600):
     (["--block-tokens", "0"], "block_tokens"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: cannot read"),
     (["--model", "/nonexistent/model"], "is not a local model folder"),
+    (["--remote-url", "http://cache:6379"], "remote_url: expected redis://host:port/db"),
+    (["--remote-url", "redis://127.0.0.1:1/0"], "remote_url: the remote tier shares prefix-cache blocks"),
+    (["--remote-url", "redis://127.0.0.1:1/0", "--remote-timeout", "0"], "remote_timeout"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     proc = cli("generate", "--prompt", "hi", *args) if "--prompt-file" not in args else cli("generate", *args)

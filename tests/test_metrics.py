@@ -279,16 +279,26 @@ def test_a_broken_event_never_reaches_the_store(make_cache):
     assert metrics_for(cache) is not metrics  # a closed exporter is replaced on next use
 
 
-def test_the_dashboard_and_the_docs_only_use_metrics_that_exist(make_cache):
+def test_the_dashboard_and_the_docs_only_use_metrics_that_exist(make_cache, tmp_path):
     import json
     import pathlib
     import re
 
+    from tiercache.disk import RecordCodec
+    from tiercache.metrics import _remote_families
+    from tiercache.remote import RemoteTier
+
     root = pathlib.Path(__file__).resolve().parent.parent
     dashboard = json.loads((root / "examples" / "grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    cache = make_cache()
     families = {f.name: f.type for f in text_string_to_metric_families(
-        generate_latest(metrics_for(make_cache()).registry).decode())}
+        generate_latest(metrics_for(cache).registry).decode())}
+    # the remote tier's series exist only with a remote tier (none is connected here)
+    remote = RemoteTier(TierConfig(disk_dir=str(tmp_path / "kv"), remote_url="redis://127.0.0.1:1/0"),
+                        RecordCodec(tiercache.BlockGeometry(1, 2, 4, 8, torch.float32)),
+                        "tag", 2)
+    families.update({f.name: f.type for f in _remote_families(remote.stats())})
     exported = {f"{n}_total" if t == "counter" else n for n, t in families.items()}
     exported |= {f"{n}{s}" for n, t in families.items() if t == "histogram" for s in ("_bucket", "_sum", "_count")}
     for text in (exprs, (root / "docs" / "metrics.md").read_text()):

@@ -299,3 +299,24 @@ def test_prefix_eviction_keeps_shared_prefixes_longest(tmp_path):
         _, stats = run(model, ids, cfg)
         if seed > 2:
             assert stats["reused_tokens"] >= 8, seed
+
+
+def test_every_file_of_the_prefix_cache_is_private(tmp_path):
+    """The directory is 0700 and every file in it 0600, SQLite's -wal and -shm included
+    (they take the database file's mode, so it is created 0600 before SQLite opens it)."""
+    import stat
+
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path)
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        cache.load_prefix(ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        root = os.path.join(cfg.disk_dir, "prefix")
+        seen = set()
+        for folder, dirs, files in os.walk(root):
+            assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
+            for name in files:
+                seen.add(name)
+                mode = stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode)
+                assert mode == 0o600, (name, oct(mode))
+    assert {INDEX_NAME, INDEX_NAME + "-wal", INDEX_NAME + "-shm"} <= seen, seen

@@ -34,6 +34,15 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
     g.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"])
     g.add_argument("--shared-dir", action="store_true",
                    help="accept a disk dir with looser permissions or another owner (default: refuse)")
+    r = p.add_argument_group("remote tier (Redis/Valkey; shares prefix-cache blocks between machines)")
+    r.add_argument("--remote-url", default=None, help="redis://host:port/db, rediss:// (TLS) or unix:///path; "
+                   "password from the URL or $TIERCACHE_REMOTE_PASSWORD (needs --disk-dir)")
+    r.add_argument("--remote-budget", default=None, help="bytes of this model's blocks on the server "
+                   "(default: the server's maxmemory decides)")
+    r.add_argument("--remote-namespace", default=TierConfig.remote_namespace, help="key prefix (default %(default)s)")
+    r.add_argument("--remote-cluster", action="store_true", help="the URL names a Redis/Valkey Cluster node")
+    r.add_argument("--remote-timeout", type=float, default=TierConfig.remote_timeout,
+                   help="seconds per server call (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> TierConfig:
@@ -41,7 +50,9 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
         return TierConfig(device_budget=args.device_budget, host_budget=args.host_budget,
                           disk_budget=args.disk_budget, disk_dir=args.disk_dir, block_tokens=args.block_tokens,
                           eviction=args.eviction, prefetch=args.prefetch, io_workers=args.io_workers,
-                          direct_io=args.direct_io, shared_dir=args.shared_dir)
+                          direct_io=args.direct_io, shared_dir=args.shared_dir, remote_url=args.remote_url,
+                          remote_budget=args.remote_budget, remote_namespace=args.remote_namespace,
+                          remote_cluster=args.remote_cluster, remote_timeout=args.remote_timeout)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 
@@ -72,6 +83,12 @@ def stats_table(stats: dict, seconds: dict) -> str:
         lines.append(f"  {name:<14} {m['blocks']:>7} blocks  {format_bytes(m['bytes']):>11}  {m['seconds']:.2f} s")
     lines.append(f"evictions: {stats['evictions']}   stall: {stats['stall_seconds']:.2f} s   "
                  f"prefetch: {stats['prefetch']}")
+    remote = stats.get("remote")
+    if remote is not None:
+        errors = {k: n for k, n in remote["errors"].items() if n}
+        lines.append(f"remote {remote['url']} ({remote['state']}): {remote['hits']} blocks hit, {remote['misses']} "
+                     f"missed, {format_bytes(remote['bytes_read'])} read, {format_bytes(remote['bytes_written'])} "
+                     f"written, {remote['writes_dropped']} writes dropped, errors {errors or 'none'}")
     pre, dec = stats["prefill_tokens"], stats["decode_tokens"]
     lines.append(f"prefill: {pre} tokens in {seconds['prefill']:.1f} s ({pre / max(seconds['prefill'], 1e-9):.1f} tok/s)"
                  f"   decode: {dec} tokens in {seconds['decode']:.1f} s ({dec / max(seconds['decode'], 1e-9):.2f} tok/s)")

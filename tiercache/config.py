@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional, Union
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES, SELECTION_POLICIES
 
@@ -20,6 +21,32 @@ _UNITS = {
 _BUDGET_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")
 REUSE_ADMISSIONS = ("always", "reused")
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+REMOTE_ENV_USERNAME = "TIERCACHE_REMOTE_USERNAME"
+REMOTE_ENV_PASSWORD = "TIERCACHE_REMOTE_PASSWORD"
+
+
+def redact_url(url: Optional[str]) -> Optional[str]:
+    """``url`` with its password replaced by ``***`` (for logs, stats and errors)."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit((parts.scheme, f"{user}:***@{host}{port}", parts.path, parts.query, parts.fragment))
+
+
+def remote_credentials(url: str) -> tuple:
+    """(username, password) for the remote tier: from the URL when it has them, else from
+    $TIERCACHE_REMOTE_USERNAME / $TIERCACHE_REMOTE_PASSWORD (None where neither says)."""
+    parts = urlsplit(url)
+    user = unquote(parts.username) if parts.username else os.environ.get(REMOTE_ENV_USERNAME) or None
+    password = unquote(parts.password) if parts.password else os.environ.get(REMOTE_ENV_PASSWORD) or None
+    return user, password
 
 
 def parse_bytes(value: Budget, field_name: str = "budget") -> int:
@@ -119,6 +146,13 @@ class TierConfig:
     reuse_host_budget: Budget = "1GiB"  # host memory of the prefix cache (warm prefixes)
     reuse_admission: str = "always"  # "always", or "reused": store a block once seen twice
     shared_dir: bool = False  # opt in: accept a disk_dir with looser permissions or another owner
+    # The remote tier (Redis/Valkey) beside the prefix cache; repr hides the URL's password.
+    remote_url: Optional[str] = field(default=None, repr=False)  # redis://, rediss:// (TLS), unix://
+    remote_budget: Optional[Budget] = None  # bytes of this model's blocks on the server; None: maxmemory decides
+    remote_namespace: str = "tiercache"  # key prefix: "<namespace>:<model digest>-<geometry>:..."
+    remote_cluster: bool = False  # Redis/Valkey Cluster (the URL names any one node)
+    remote_timeout: float = 0.5  # seconds per server call; a slower server counts as unavailable
+    remote_max_inflight: Budget = "256MiB"  # queued writes; beyond it writes are dropped, never waited for
 
     def __post_init__(self) -> None:
         for name in ("device_budget", "host_budget", "disk_budget"):
@@ -157,6 +191,41 @@ class TierConfig:
         if self.reuse_admission not in REUSE_ADMISSIONS:
             raise ValueError(f"reuse_admission: must be one of {', '.join(REUSE_ADMISSIONS)}, "
                              f"got {self.reuse_admission!r}")
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        object.__setattr__(self, "remote_max_inflight", parse_bytes(self.remote_max_inflight, "remote_max_inflight"))
+        if self.remote_budget is not None:
+            object.__setattr__(self, "remote_budget", parse_bytes(self.remote_budget, "remote_budget"))
+        if not isinstance(self.remote_namespace, str) or not _NAMESPACE_RE.match(self.remote_namespace):
+            raise ValueError(f"remote_namespace: 1-64 letters, digits, '_', '.' or '-', got {self.remote_namespace!r}")
+        if self.remote_cluster not in (True, False):
+            raise ValueError(f"remote_cluster: must be True or False, got {self.remote_cluster!r}")
+        if (isinstance(self.remote_timeout, bool) or not isinstance(self.remote_timeout, (int, float))
+                or not 0 < self.remote_timeout <= 600):
+            raise ValueError(f"remote_timeout: seconds in (0, 600], got {self.remote_timeout!r}")
+        if self.remote_url is None:
+            return
+        url = self.remote_url
+        scheme = urlsplit(url).scheme if isinstance(url, str) else ""
+        if scheme not in REMOTE_SCHEMES:
+            raise ValueError(f"remote_url: expected redis://host:port/db, rediss:// (TLS) or unix:///path, "
+                             f"got {redact_url(url) if isinstance(url, str) else url!r}")
+        if self.remote_cluster and scheme == "unix":
+            raise ValueError("remote_cluster: a cluster is reached over TCP (redis:// or rediss://), not unix://")
+        if not self.reuse_enabled:
+            raise ValueError("remote_url: the remote tier shares prefix-cache blocks; it needs the prefix cache "
+                             "(set disk_dir with a disk_budget > 0, and reuse not False)")
+        if self.remote_max_inflight < 1 << 20:
+            raise ValueError(f"remote_max_inflight: at least 1MiB, got {self.remote_max_inflight!r}")
+        import importlib.util
+
+        if importlib.util.find_spec("redis") is None:
+            raise ValueError("remote_url: the remote tier needs the redis client; pip install 'tiercache[remote]'")
+
+    @property
+    def remote_enabled(self) -> bool:
+        return self.remote_url is not None
 
     def _check_selection_and_retention(self) -> None:
         if self.selection not in SELECTION_POLICIES:

@@ -98,83 +98,20 @@ def _ptr_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGN == 0 and t.numel() % ALIGN == 0
 
 
-class DiskTier:
-    """Slots of ``record_bytes`` in one data file inside a private, locked directory."""
+class RecordCodec:
+    """The record format shared by the disk tier and the remote tier: a ``HEADER_BYTES``
+    header (format version, model digest, block key, token count, dtype, shape, payload
+    length and CRC32C, optional token ids with their own CRC32C, the header's CRC32C), then
+    the payload. Nothing is ever unpickled: a record is bytes checked field by field."""
 
-    def __init__(self, directory: str, geometry: BlockGeometry, num_slots: int, *,
-                 direct_io: str = "auto", model_digest: bytes = b"", persistent: bool = True,
-                 allow_shared_dir: bool = False) -> None:
-        self.directory = directory
+    def __init__(self, geometry: BlockGeometry, model_digest: bytes = b"") -> None:
         self.geometry = geometry
-        self.num_slots = num_slots
-        self.persistent = persistent
         self.model_digest = (model_digest or b"").ljust(16, b"\0")[:16]
         self.payload_bytes = geometry.block_bytes
-        self.record_bytes = HEADER_BYTES + align_up(self.payload_bytes)
-        ensure_private_dir(directory, allow_shared_dir)
-        self._lock_fd = self._take_lock()
-        supported = probe_direct_io(directory)
-        if direct_io == "on" and not supported:
-            os.close(self._lock_fd)
-            raise ValueError(f"direct_io: 'on' but the filesystem under {directory!r} does not support O_DIRECT")
-        self.direct_io = supported and direct_io != "off"
-        self.path = os.path.join(directory, DATA_NAME)
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        try:
-            self._fd = os.open(self.path, flags, 0o600)
-            self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
-        except OSError as exc:
-            os.close(self._lock_fd)
-            raise CacheDirError(f"disk_dir: cannot create the data file in {directory!r} ({exc.strerror})") from None
-        self._local = threading.local()
-        self._grow_lock = threading.Lock()
-        self._allocated = os.fstat(self._fd).st_size
-        self.closed = False
-
-    @staticmethod
-    def record_size(geometry: BlockGeometry) -> int:
-        """Bytes of one slot on disk: header plus padded payload."""
-        return HEADER_BYTES + align_up(geometry.block_bytes)
-
-    # ---- locking -------------------------------------------------------------------
-    def _take_lock(self) -> int:
-        path = os.path.join(self.directory, LOCK_NAME)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError as exc:
-            raise CacheDirError(f"disk_dir: cannot create {path!r} ({exc.strerror})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = ""
-            try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            except OSError:
-                pass
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache "
-                                    f"process{f' (pid {holder})' if holder else ''}; use another directory") from None
-            raise
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-        except OSError as exc:
-            os.close(fd)
-            raise CacheDirError(f"disk_dir: cannot write in {self.directory!r} ({exc.strerror})") from None
-        return fd
-
-    # ---- record codec ----------------------------------------------------------------
-    def _header_buf(self) -> tuple:
-        buf = getattr(self._local, "header", None)
-        if buf is None:
-            tensor, mm = aligned_buffer(HEADER_BYTES)
-            buf = self._local.header = (tensor, mm, memoryview(tensor.numpy()))
-        return buf
 
     MAX_TOKEN_IDS = (HEADER_BYTES - _HEADER.size - 8) // 3
 
-    def _encode_header(self, mv: memoryview, key: BlockKey, num_tokens: int, payload_crc: int,
+    def encode_header(self, mv: memoryview, key: BlockKey, num_tokens: int, payload_crc: int,
                        token_ids: bytes = b"") -> None:
         g = self.geometry
         shape = list(g.shape) + [0] * (6 - len(g.shape))
@@ -245,6 +182,104 @@ class DiskTier:
             raise RecordError(f"token count {num_tokens} out of range")
         return BlockKey(seq_id, layer, index), num_tokens, payload_crc
 
+    def encode(self, key: BlockKey, payload: memoryview, num_tokens: int, token_ids: bytes = b"") -> bytes:
+        """One whole record as bytes (header, then the unpadded payload)."""
+        if len(payload) != self.payload_bytes:
+            raise ValueError(f"payload of {len(payload)} bytes, expected {self.payload_bytes}")
+        head = bytearray(HEADER_BYTES)
+        self.encode_header(memoryview(head), key, num_tokens, crc32c.crc32c(payload), token_ids)
+        return bytes(head) + bytes(payload)
+
+    def decode(self, data: bytes, key: BlockKey, token_ids: bytes = b"") -> tuple:
+        """Check a whole record (``encode``'s bytes) written for ``key`` (and ``token_ids``
+        when given); return ``(num_tokens, payload memoryview)``. Raises RecordError, or
+        ForeignRecordError for an intact record of another format, model or geometry."""
+        if len(data) != HEADER_BYTES + self.payload_bytes:
+            raise RecordError(f"record of {len(data)} bytes, expected {HEADER_BYTES + self.payload_bytes}")
+        mv = memoryview(data)
+        found, num_tokens, crc = self.decode_header(mv[:HEADER_BYTES])
+        if found != key:
+            raise RecordError(f"record holds {found!r}, expected {key!r}")
+        if token_ids and self.decode_token_ids(mv[:HEADER_BYTES]) != token_ids:
+            raise RecordError("record holds other token ids")
+        payload = mv[HEADER_BYTES:]
+        if crc32c.crc32c(payload) != crc:
+            raise RecordError("payload checksum mismatch")
+        return num_tokens, payload
+
+
+class DiskTier(RecordCodec):
+    """Slots of ``record_bytes`` in one data file inside a private, locked directory."""
+
+    def __init__(self, directory: str, geometry: BlockGeometry, num_slots: int, *,
+                 direct_io: str = "auto", model_digest: bytes = b"", persistent: bool = True,
+                 allow_shared_dir: bool = False) -> None:
+        super().__init__(geometry, model_digest)
+        self.directory = directory
+        self.num_slots = num_slots
+        self.persistent = persistent
+        self.record_bytes = HEADER_BYTES + align_up(self.payload_bytes)
+        ensure_private_dir(directory, allow_shared_dir)
+        self._lock_fd = self._take_lock()
+        supported = probe_direct_io(directory)
+        if direct_io == "on" and not supported:
+            os.close(self._lock_fd)
+            raise ValueError(f"direct_io: 'on' but the filesystem under {directory!r} does not support O_DIRECT")
+        self.direct_io = supported and direct_io != "off"
+        self.path = os.path.join(directory, DATA_NAME)
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o600)
+            self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise CacheDirError(f"disk_dir: cannot create the data file in {directory!r} ({exc.strerror})") from None
+        self._local = threading.local()
+        self._grow_lock = threading.Lock()
+        self._allocated = os.fstat(self._fd).st_size
+        self.closed = False
+
+    @staticmethod
+    def record_size(geometry: BlockGeometry) -> int:
+        """Bytes of one slot on disk: header plus padded payload."""
+        return HEADER_BYTES + align_up(geometry.block_bytes)
+
+    # ---- locking -------------------------------------------------------------------
+    def _take_lock(self) -> int:
+        path = os.path.join(self.directory, LOCK_NAME)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as exc:
+            raise CacheDirError(f"disk_dir: cannot create {path!r} ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = ""
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache "
+                                    f"process{f' (pid {holder})' if holder else ''}; use another directory") from None
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise CacheDirError(f"disk_dir: cannot write in {self.directory!r} ({exc.strerror})") from None
+        return fd
+
+    # ---- record codec ----------------------------------------------------------------
+    def _header_buf(self) -> tuple:
+        buf = getattr(self._local, "header", None)
+        if buf is None:
+            tensor, mm = aligned_buffer(HEADER_BYTES)
+            buf = self._local.header = (tensor, mm, memoryview(tensor.numpy()))
+        return buf
+
     # ---- I/O -----------------------------------------------------------------------------
     def _fd_for(self, payload: torch.Tensor) -> int:
         if self._fd_direct is not None and _ptr_aligned(payload):
@@ -263,7 +298,7 @@ class DiskTier:
         _, _, hmv = self._header_buf()
         pmv = memoryview(payload.numpy())
         crc = crc32c.crc32c(pmv[:self.payload_bytes])
-        self._encode_header(hmv, key, num_tokens, crc, token_ids)
+        self.encode_header(hmv, key, num_tokens, crc, token_ids)
         fd = self._fd_for(payload)
         if fd == self._fd_direct:
             length = align_up(self.payload_bytes)

@@ -622,12 +622,16 @@ class TieredCache(Cache):
     def stats(self) -> dict:
         """Tier occupancy, moves, hits, misses, evictions, stall time and token counts."""
         if self.store is not None and not self.store.closed:
-            return self.store.stats()
-        cfg = self.tier_config
-        tiers = {name: {"budget_bytes": budget, "used_bytes": 0, "blocks": 0, "capacity_blocks": 0} for name, budget in (
-            ("device", cfg.device_budget), ("host", cfg.host_budget),
-            ("disk", cfg.disk_budget if cfg.disk_enabled else 0))}
-        snap = self.events.snapshot(getattr(self, "_last_tiers", tiers))
+            snap = self.store.stats()
+        else:
+            cfg = self.tier_config
+            tiers = {name: {"budget_bytes": budget, "used_bytes": 0, "blocks": 0, "capacity_blocks": 0}
+                     for name, budget in (("device", cfg.device_budget), ("host", cfg.host_budget),
+                                          ("disk", cfg.disk_budget if cfg.disk_enabled else 0))}
+            snap = self.events.snapshot(getattr(self, "_last_tiers", tiers))
+        remote = getattr(self.prefix, "remote", None)
+        if remote is not None:  # the process's remote tier of this model (shared by its caches)
+            snap["remote"] = remote.stats()
         return snap
 
     def close(self) -> None:

@@ -124,6 +124,7 @@ class CacheMetrics(Collector):
             _counter("tiercache_failed_moves_total", "Block moves that failed and were rolled back", [],
                      [((), s.get("failed_moves", 0))]),
         ]
+        out.extend(_remote_families(s.get("remote")))
         for hist in (self._move_seconds, self._stall_seconds):
             families = hist.collect() if stats is not None else hist.describe()
             for family in families:  # _created means little for a cache's lifetime: leave it out
@@ -164,6 +165,27 @@ class CacheMetrics(Collector):
         for reg in self._registries:
             reg.unregister(self)
         self._registries = []
+
+
+def _remote_families(remote: Optional[dict]) -> list:
+    """The remote tier's series (none without a remote tier)."""
+    if remote is None:
+        return []
+    up = GaugeMetricFamily("tiercache_remote_up", "1 while the remote tier (Redis/Valkey) answers, else 0")
+    up.add_metric([], 1 if remote["state"] == "up" else 0)
+    return [
+        up,
+        _counter("tiercache_remote_blocks_total", "Prefix blocks looked up on the remote tier, by result",
+                 ["result"], [(("hit",), remote["hits"]), (("miss",), remote["misses"])]),
+        _counter("tiercache_remote_bytes_total", "Bytes read from and written to the remote tier", ["direction"],
+                 [(("read",), remote["bytes_read"]), (("write",), remote["bytes_written"])]),
+        _counter("tiercache_remote_writes_dropped_total", "Remote writes dropped (server down or queue full)",
+                 [], [((), remote["writes_dropped"])]),
+        _counter("tiercache_remote_evictions_total", "Blocks deleted from the remote tier to keep remote_budget",
+                 [], [((), remote["evicted_blocks"])]),
+        _counter("tiercache_remote_errors_total", "Remote tier faults by kind (unavailable, timeout, auth, "
+                 "server, corrupt, foreign)", ["kind"], [((k,), n) for k, n in remote["errors"].items()]),
+    ]
 
 
 def _gauge(name: str, doc: str, items: Iterable) -> Metric:

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import logging
 import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from tiercache.config import TierConfig
+
+if TYPE_CHECKING:
+    from tiercache.remote import RemoteTier
 from tiercache.disk import DiskTier
 from tiercache.errors import BlockCorruptedError
 from tiercache.events import Events
@@ -61,8 +65,9 @@ def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(type(model).__name__.encode())
     config = getattr(model, "config", None)
-    if config is not None:
-        h.update(config.to_json_string(use_diff=False).encode())
+    if config is not None:  # where the model was loaded from does not name it: machines differ
+        fields = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+        h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     params = list(model.named_parameters()) if hasattr(model, "named_parameters") else []
     h.update(str(dtype or (params[0][1].dtype if params else "")).encode())
     with torch.no_grad():
@@ -119,6 +124,11 @@ class PrefixIndex:
 
     def _connect(self) -> sqlite3.Connection:
         fresh = not os.path.exists(self.path)
+        # Created 0600 first: SQLite gives its -wal and -shm files the database file's mode.
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600))
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.path + suffix):
+                os.chmod(self.path + suffix, 0o600)
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=WAL")
@@ -214,7 +224,12 @@ class PrefixCache:
                                 model_digest=digest, events=self.events)
         self.admission = config.reuse_admission
         self._lock = threading.RLock()
+        self.remote: Optional["RemoteTier"] = None
         try:
+            if config.remote_enabled:
+                from tiercache import remote as remote_tier
+                from tiercache.disk import RecordCodec
+                self.remote = remote_tier.RemoteTier(config, RecordCodec(geometry, digest), tag, num_layers)
             self.index = PrefixIndex(os.path.join(self.directory, INDEX_NAME))
             self.index.set_meta("model_digest", digest.hex())
             self.index.set_meta("layers", str(num_layers))
@@ -296,17 +311,39 @@ class PrefixCache:
     # ---- lookups --------------------------------------------------------------------------
     def match(self, token_ids: Sequence[int]) -> list:
         """The longest run of full blocks of ``token_ids``, from the first, stored for every
-        layer with exactly these tokens."""
+        layer with exactly these tokens. With a remote tier, the run goes on with the blocks
+        the server holds; those are fetched, checked and promoted into the local tiers."""
         rows = self.index.rows()
+        wanted = chain(token_ids, self.geometry.block_tokens, self.salt)
         hits = []
-        for block in chain(token_ids, self.geometry.block_tokens, self.salt):
+        for block in wanted:
             row = rows.get(block.h)
             if row is None or row[3] != block.token_ids or row[1] != block.index or row[4] < self.num_layers:
                 break
             if not all(k in self.store for k in self._keys(block.h, block.index)):
                 break
             hits.append(block)
+        if self.remote is not None and len(hits) < len(wanted):
+            hits.extend(self._from_remote(wanted[len(hits):]))
         return hits
+
+    def _from_remote(self, blocks: list) -> list:
+        """Fetch the leading ``blocks`` the remote tier holds and promote them into the local
+        tiers (without writing them back to the server); returns the blocks promoted."""
+        found = self.remote.lookup(blocks)
+        promoted: list = []
+
+        def take(block: ChainBlock, kvs: list) -> bool:
+            for layer, kv in enumerate(kvs):
+                self.publish(block, layer, kv, remote=False)
+            if not all(k in self.store for k in self._keys(block.h, block.index)):
+                return False  # the local tiers could not hold it: the run ends here
+            promoted.append(block)
+            return True
+
+        if found:
+            self.remote.fetch(blocks[:found], take)
+        return promoted
 
     def load(self, blocks: list) -> tuple:
         """Read the KV of ``blocks`` for every layer: ``(usable, tensors)`` where
@@ -342,8 +379,10 @@ class PrefixCache:
                 return False
             return True
 
-    def publish(self, block: ChainBlock, layer: int, kv: torch.Tensor) -> bool:
-        """Store one layer's record of ``block`` (False when it is already stored)."""
+    def publish(self, block: ChainBlock, layer: int, kv: torch.Tensor, remote: bool = True) -> bool:
+        """Store one layer's record of ``block`` (False when it is already stored); with a
+        remote tier (and ``remote``) also queue it for the server. ``kv`` must not change
+        afterwards (the remote writer sends it later)."""
         key = BlockKey(block.h, layer, block.index)
         with self._lock:
             if key in self.store:
@@ -356,7 +395,9 @@ class PrefixCache:
                     self.store.link(key, parent)
             layers = sum(1 for k in self._keys(block.h, block.index) if k in self.store)
             self.index.upsert(block, layers, seen=2)
-            return True
+        if remote and self.remote is not None:
+            self.remote.put(block, layer, kv)
+        return True
 
     def _room(self) -> None:
         """Before a put: when every tier is full, forget whole blocks (all layers), chosen by
@@ -386,8 +427,11 @@ class PrefixCache:
             return self.store.drop_copies(tier)
 
     def flush(self) -> None:
-        """Give every block a disk copy (blocks survive the process)."""
+        """Give every block a disk copy (blocks survive the process) and send the remote
+        tier's queued writes (bounded wait)."""
         self.store.flush()
+        if self.remote is not None:
+            self.remote.flush()
 
     def stats(self) -> dict:
         rows = self.index.rows()
@@ -396,13 +440,16 @@ class PrefixCache:
                 "dropped_on_open": self.store.dropped_on_open + self.dropped_incomplete,
                 "records": len(self.store), "bytes": len(self.store) * self.geometry.block_bytes,
                 "prefixes": sum(1 for h, r in rows.items() if r[4] and h not in children),
-                "hits": sum(r[5] for r in rows.values()), "tiers": self.store.tier_stats()}
+                "hits": sum(r[5] for r in rows.values()), "tiers": self.store.tier_stats(),
+                **({"remote": self.remote.stats()} if self.remote is not None else {})}
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
+            if self.remote is not None:
+                self.remote.close()
             self.store.close()
         finally:
             self.index.close()

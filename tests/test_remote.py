@@ -1,0 +1,660 @@
+"""The remote tier on a real Redis/Valkey server: processes share prefixes through it, and a
+server that is down, killed, paused, full, or holds damaged or foreign values never changes a
+token — generation goes on with the local tiers or recomputes, and every case is counted.
+
+Every test talks to a real server process on loopback: the one ``.ci/run`` starts
+(``TIERCACHE_TEST_REDIS_URL``) for tests that only need a server, or a private one for tests
+that stop, pause or reconfigure it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+import transformers
+
+from redis_server import SKIP_REASON, RedisServer, free_port, self_signed_cert, server_binary
+from test_prefix import BT, GEN, assert_same, prompt, reference, tiny_model
+from tiercache import TierConfig, TieredCache
+from tiercache.config import redact_url, remote_credentials
+from tiercache.disk import HEADER_BYTES, RecordCodec
+from tiercache.prefix import close_all, model_digest
+from tiercache.table import BlockKey
+
+pytest.importorskip("redis")
+needs_server = pytest.mark.skipif(server_binary() is None and not os.environ.get("TIERCACHE_TEST_REDIS_URL"),
+                                  reason=SKIP_REASON)
+needs_binary = pytest.mark.skipif(server_binary() is None, reason=SKIP_REASON)
+
+PROMPT_LEN = 30  # 7 whole blocks of BT=4 tokens are reusable (the last prompt token is always computed)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    close_all()
+    yield
+    close_all()
+
+
+@pytest.fixture(scope="module")
+def shared_url(tmp_path_factory):
+    """The CI's server when there is one, else a private server for this module."""
+    url = os.environ.get("TIERCACHE_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    if server_binary() is None:
+        pytest.skip(SKIP_REASON)
+    server = RedisServer(str(tmp_path_factory.mktemp("redis")))
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A private server this test may stop, pause or reconfigure."""
+    if server_binary() is None:
+        pytest.skip(SKIP_REASON)
+    srv = RedisServer(str(tmp_path / "redis"))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama saved once: every process (this one and its children) loads it."""
+    path = str(tmp_path_factory.mktemp("model"))
+    tiny_model().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+def cfg(tmp_path, url, name: str, **kw) -> TierConfig:
+    kw.setdefault("remote_namespace", f"t{uuid.uuid4().hex[:10]}")
+    return TierConfig(device_budget="24KiB", host_budget="32KiB", disk_dir=str(tmp_path / name), disk_budget="16MiB",
+                      block_tokens=BT, remote_url=url, **kw)
+
+
+def run(model, ids, config):
+    """One request in a fresh 'machine' (its own disk_dir, a new prefix cache); returns
+    (output, stats, tokens loaded)."""
+    close_all()
+    with TieredCache(model, config) as cache, torch.no_grad():
+        loaded = cache.load_prefix(ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        stats = cache.stats()
+    close_all()  # flushes the remote writes, as a process exit does
+    return out, stats, loaded
+
+
+def keys_of(client, namespace: str) -> list:
+    return sorted(k.decode() for k in client.scan_iter(f"{namespace}:*"))
+
+
+# ---- configuration ------------------------------------------------------------------------
+def test_config_names_every_bad_remote_setting(tmp_path):
+    good = dict(disk_dir=str(tmp_path / "kv"), remote_url="redis://127.0.0.1:6379/0")
+    for bad, field in [({"remote_url": "http://x"}, "remote_url"), ({"remote_budget": "-1"}, "remote_budget"),
+                       ({"remote_namespace": "a b"}, "remote_namespace"), ({"remote_timeout": 0}, "remote_timeout"),
+                       ({"remote_max_inflight": "12KiB"}, "remote_max_inflight"),
+                       ({"remote_cluster": "yes"}, "remote_cluster")]:
+        with pytest.raises(ValueError, match=field):
+            TierConfig(**{**good, **bad})
+    with pytest.raises(ValueError, match="remote_url.*prefix cache"):
+        TierConfig(remote_url="redis://127.0.0.1:6379/0")  # no disk_dir: no prefix cache to share
+    with pytest.raises(ValueError, match="remote_url.*prefix cache"):
+        TierConfig(**good, reuse=False)
+
+
+def test_password_never_shows_and_comes_from_the_environment(tmp_path, monkeypatch):
+    url = "rediss://alice:s3cret@cache.internal:6380/2"
+    config = TierConfig(disk_dir=str(tmp_path / "kv"), remote_url=url)
+    assert "s3cret" not in repr(config)
+    assert redact_url(url) == "rediss://alice:***@cache.internal:6380/2"
+    assert remote_credentials(url) == ("alice", "s3cret")
+    monkeypatch.setenv("TIERCACHE_REMOTE_USERNAME", "bob")
+    monkeypatch.setenv("TIERCACHE_REMOTE_PASSWORD", "from-env")
+    assert remote_credentials("redis://cache.internal:6379/0") == ("bob", "from-env")
+    assert remote_credentials(url) == ("alice", "s3cret")  # the URL wins
+
+
+def test_budget_smaller_than_one_block_is_refused_by_name(tmp_path, model, shared_url):
+    with pytest.raises(ValueError, match="remote_budget.*less than one block"):
+        run(model, prompt(length=PROMPT_LEN), cfg(tmp_path, shared_url, "a", remote_budget=1024))
+
+
+def test_model_digest_does_not_depend_on_where_the_model_was_loaded_from(tmp_path, model_dir, model):
+    """Two machines keep the same model in different folders; they must share its blocks."""
+    elsewhere = str(tmp_path / "copy")
+    shutil.copytree(model_dir, elsewhere)
+    other = transformers.AutoModelForCausalLM.from_pretrained(elsewhere).eval()
+    assert model_digest(other) == model_digest(model)
+
+
+# ---- sharing ------------------------------------------------------------------------------
+@needs_server
+def test_a_second_machine_loads_the_prefix_from_the_server_exactly(tmp_path, model, shared_url):
+    """Machine A computes a prompt and publishes its blocks; machine B (another disk_dir, so
+    a local miss) finds them on the server, promotes them into its local tiers and computes
+    only the rest: same tokens and logits as a cold run. A third run on B is a local hit."""
+    ids = prompt(length=PROMPT_LEN)
+    config_a = cfg(tmp_path, shared_url, "a")
+    out_a, stats_a, loaded_a = run(model, ids, config_a)
+    assert loaded_a == 0 and stats_a["remote"]["blocks_written"] >= 7
+    config_b = config_a.replace(disk_dir=str(tmp_path / "b"))
+    out_b, stats_b, loaded_b = run(model, ids, config_b)
+    assert loaded_b == 28 and stats_b["prefill_tokens"] == PROMPT_LEN - 28
+    assert stats_b["remote"]["hits"] == 7 and stats_b["remote"]["bytes_read"] > 0
+    ref = reference(model, ids)
+    assert_same(ref, out_a)
+    assert_same(ref, out_b)
+    out_c, stats_c, loaded_c = run(model, ids, config_b)
+    assert loaded_c == 28 and stats_c["remote"]["lookups"] == 0  # promoted: found locally
+    assert_same(ref, out_c)
+
+
+@needs_server
+def test_another_prompt_or_model_never_hits(tmp_path, model, shared_url):
+    ids = prompt(length=PROMPT_LEN)
+    config = cfg(tmp_path, shared_url, "a")
+    run(model, ids, config)
+    _, _, loaded = run(model, prompt(seed=9, length=PROMPT_LEN), config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 0
+    other = tiny_model(seed=5)  # same architecture, other weights: another namespace
+    out, stats, loaded = run(other, ids, config.replace(disk_dir=str(tmp_path / "c")))
+    assert loaded == 0 and stats["remote"]["hits"] == 0
+    assert_same(reference(other, ids), out)
+
+
+CHILD = textwrap.dedent("""
+    import json, sys, torch, transformers
+    from tiercache import TierConfig, TieredCache
+    args = json.loads(sys.argv[1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(args["model"]).eval()
+    ids = torch.tensor([args["ids"]])
+    config = TierConfig(device_budget="24KiB", host_budget="32KiB", disk_dir=args["disk_dir"],
+                        disk_budget="16MiB", block_tokens=args["bt"], remote_url=args["url"],
+                        remote_namespace=args["ns"])
+    with TieredCache(model, config) as cache, torch.no_grad():
+        loaded = cache.load_prefix(ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
+                             max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+        stats = cache.stats()
+    torch.save({"sequences": out.sequences, "logits": list(out.logits)}, args["out"])
+    print(json.dumps({"loaded": loaded, "remote": stats["remote"]}))
+""")
+
+
+def child(model_dir, ids, disk_dir, url, ns, out) -> subprocess.Popen:
+    args = json.dumps({"model": model_dir, "ids": ids[0].tolist(), "disk_dir": disk_dir, "url": url, "ns": ns,
+                       "bt": BT, "out": out})
+    return subprocess.Popen([sys.executable, "-c", CHILD, args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@needs_server
+@pytest.mark.slow
+def test_two_processes_share_a_prefix_through_the_server(tmp_path, model_dir, model, shared_url):
+    """Real processes: two writers publish the same prompt at the same time (duplicate writes
+    of one block are harmless), then a third process on a fresh disk_dir loads it from the
+    server; every process's logits equal a cold run's."""
+    ids = prompt(length=PROMPT_LEN)
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    writers = [child(model_dir, ids, str(tmp_path / f"w{i}"), shared_url, ns, str(tmp_path / f"w{i}.pt"))
+               for i in range(2)]
+    for proc in writers:
+        finish(proc)
+    reader = finish(child(model_dir, ids, str(tmp_path / "r"), shared_url, ns, str(tmp_path / "r.pt")))
+    assert reader["loaded"] == 28 and reader["remote"]["hits"] == 7
+    ref = reference(model, ids)
+    for name in ("w0", "w1", "r"):
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert torch.equal(got["sequences"], ref.sequences)
+        assert max((a - b).abs().max().item() for a, b in zip(ref.logits, got["logits"])) <= 1e-5
+
+
+# ---- faults -------------------------------------------------------------------------------
+@needs_binary
+def test_server_down_at_start_generation_runs_on_the_local_tiers(tmp_path, model, server):
+    url = server.url
+    server.stop()  # nothing listens on that port now
+    ids = prompt(length=PROMPT_LEN)
+    t0 = time.monotonic()
+    out, stats, loaded = run(model, ids, cfg(tmp_path, url, "a"))
+    assert time.monotonic() - t0 < 30
+    assert loaded == 0 and stats["remote"]["state"] == "down"
+    assert stats["remote"]["errors"]["unavailable"] >= 1 and stats["remote"]["writes_dropped"] >= 1
+    assert_same(reference(model, ids), out)
+
+
+class KillAt(transformers.LogitsProcessor):
+    """Runs inside generate(): does ``action`` once at decode step ``step``."""
+
+    def __init__(self, step: int, action) -> None:
+        self.step, self.action, self.calls = step, action, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.step:
+            self.action()
+        return scores
+
+
+@needs_binary
+def test_server_killed_mid_run_then_back(tmp_path, model, server):
+    """The server dies while a run is publishing: that run's tokens are unchanged; the next
+    machine recomputes (a plain local miss); once a server is back, sharing resumes."""
+    ids = prompt(length=PROMPT_LEN)
+    config = cfg(tmp_path, server.url, "a")
+    close_all()
+    with TieredCache(model, config) as cache, torch.no_grad():
+        cache.load_prefix(ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                             logits_processor=transformers.LogitsProcessorList([KillAt(2, server.stop)]), **GEN)
+        stats = cache.stats()
+    close_all()
+    ref = reference(model, ids)
+    assert_same(ref, out)
+    out_b, stats_b, loaded_b = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded_b == 0 and stats_b["remote"]["errors"]["unavailable"] >= 1
+    assert_same(ref, out_b)
+    server.start()  # same port, empty
+    _, stats_c, _ = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
+    assert stats_c["remote"]["state"] == "up" and stats_c["remote"]["blocks_written"] >= 7
+    out_d, stats_d, loaded_d = run(model, ids, config.replace(disk_dir=str(tmp_path / "d")))
+    assert loaded_d == 28
+    assert_same(ref, out_d)
+
+
+@needs_binary
+def test_a_paused_server_times_out_and_never_stalls_decode(tmp_path, model, server):
+    """SIGSTOP: the server accepts nothing and answers nothing. Lookups and writes time out
+    (remote_timeout), are counted, and the run finishes on the local tiers."""
+    ids = prompt(length=PROMPT_LEN)
+    config = cfg(tmp_path, server.url, "a", remote_timeout=0.2)
+    run(model, ids, config)
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+        elapsed = time.monotonic() - t0
+    finally:
+        server.resume()
+    assert loaded == 0 and stats["remote"]["errors"]["timeout"] >= 1
+    assert elapsed < 20, elapsed  # a timeout or two, then the server is left alone for a while
+    assert_same(reference(model, ids), out)
+
+
+@needs_binary
+def test_writes_are_dropped_not_waited_for_when_the_queue_is_full(tmp_path, model, server):
+    """With the server paused, the writer thread hangs on its batch; the compute thread's
+    writes fill remote_max_inflight and are then dropped (counted), never waited for; after
+    the timeout the writer gives up on that batch and no partial block is ever listed."""
+    from tiercache.prefix import chain
+
+    config = cfg(tmp_path, server.url, "a", remote_timeout=2.0, remote_max_inflight="1MiB")
+    close_all()
+    with TieredCache(model, config) as cache:
+        prefix = cache._ensure_prefix()
+        remote = prefix.remote
+        blocks = chain(list(range(1, 1 + 200 * BT)), BT, prefix.salt)
+        kv = torch.randn(prefix.geometry.shape)
+        assert remote.lookup(blocks[:1]) == 0  # connected
+        server.pause()
+        try:
+            slowest, accepted = 0.0, 0
+            for block in blocks:
+                for layer in range(prefix.num_layers):
+                    t0 = time.perf_counter()
+                    accepted += remote.put(block, layer, kv)
+                    slowest = max(slowest, time.perf_counter() - t0)
+            stats = remote.stats()
+            assert slowest < 0.25, slowest  # enqueueing, never a server round trip
+            assert stats["writes_dropped"] >= 1 and accepted * remote.record_bytes <= 1 << 20
+            assert remote.flush(timeout=10)  # the hung batch times out and is dropped
+        finally:
+            server.resume()
+        stats = remote.stats()
+        assert stats["errors"]["timeout"] >= 1
+    close_all()
+    # A batch that timed out may still be applied once the server runs again, but a manifest
+    # is only ever sent after (or with) all of its block's records: no manifest without them.
+    keys = set(keys_of(server.client(), config.remote_namespace))
+    for manifest in [k for k in keys if k.endswith(":m")]:
+        assert all(manifest[:-1] + str(layer) in keys for layer in range(prefix.num_layers)), manifest
+
+
+def corrupt(client, key: str, offset: int) -> None:
+    value = bytearray(client.get(key))
+    value[offset] ^= 0x40
+    client.set(key, bytes(value))
+
+
+@needs_binary
+@pytest.mark.parametrize("where", ["record payload", "record header", "manifest", "truncated record"])
+def test_a_corrupted_value_is_never_served(tmp_path, model, server, where):
+    """Block 3's value is damaged on the server: blocks 0-2 are served, block 3 and the rest
+    are recomputed, the bad value is counted and replaced; logits equal a cold run."""
+    ids = prompt(length=PROMPT_LEN)
+    config = cfg(tmp_path, server.url, "a")
+    run(model, ids, config)
+    client = server.client()
+    ns = config.remote_namespace
+    keys = keys_of(client, ns)
+    close_all()
+    with TieredCache(model, config.replace(disk_dir=str(tmp_path / "probe"), reuse=True)) as probe:
+        prefix = probe._ensure_prefix()
+        from tiercache.prefix import chain
+        block3 = chain(ids[0].tolist(), BT, prefix.salt)[3]
+        remote = prefix.remote
+        target = remote.manifest_key(block3.h) if where == "manifest" else remote.record_key(block3.h, 1)
+    close_all()
+    assert target in keys
+    if where == "record payload":
+        corrupt(client, target, HEADER_BYTES + 5)
+    elif where == "record header":
+        corrupt(client, target, 40)
+    elif where == "manifest":
+        corrupt(client, target, 30)
+    else:
+        client.set(target, client.get(target)[:-7])
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 3 * BT
+    assert stats["remote"]["errors"]["corrupt"] == 1 and stats["remote"]["hits"] == 3
+    ref = reference(model, ids)
+    assert_same(ref, out)
+    # The bad value was deleted and B, having recomputed block 3, wrote it again: a third
+    # machine gets the whole prefix, intact.
+    out_c, stats_c, loaded_c = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
+    assert loaded_c == 28 and stats_c["remote"]["errors"]["corrupt"] == 0
+    assert_same(ref, out_c)
+
+
+@needs_binary
+def test_a_value_from_another_model_or_format_is_refused(tmp_path, model, server):
+    ids = prompt(length=PROMPT_LEN)
+    config = cfg(tmp_path, server.url, "a")
+    run(model, ids, config)
+    client = server.client()
+    close_all()
+    with TieredCache(model, config.replace(disk_dir=str(tmp_path / "probe"))) as probe:
+        prefix = probe._ensure_prefix()
+        from tiercache.prefix import chain
+        blocks = chain(ids[0].tolist(), BT, prefix.salt)
+        remote = prefix.remote
+        geometry = prefix.geometry
+    close_all()
+    # block 2, layer 0: an intact record of the same key and tokens, written for another model
+    foreign = RecordCodec(geometry, b"another-model!!!")
+    payload = memoryview(bytes(geometry.block_bytes))
+    client.set(remote.record_key(blocks[2].h, 0),
+               foreign.encode(BlockKey(blocks[2].h, 0, 2), payload, BT, blocks[2].token_ids))
+    # block 5: an intact manifest of a future format version (a stray writer: keys carry the version)
+    import crc32c
+    body = bytearray(client.get(remote.manifest_key(blocks[5].h))[:-4])
+    body[4] = 99
+    client.set(remote.manifest_key(blocks[5].h), bytes(body) + crc32c.crc32c(bytes(body)).to_bytes(4, "little"))
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    errors = stats["remote"]["errors"]
+    assert loaded == 2 * BT and errors["foreign"] == 2 and errors["corrupt"] == 0
+    assert_same(reference(model, ids), out)
+    assert ":{v1.1-" in remote.manifest_key(blocks[0].h)
+
+
+@needs_binary
+def test_the_servers_own_eviction_is_a_plain_miss(tmp_path, model, server):
+    """maxmemory with allkeys-lru: the server drops values on its own; missing values are
+    misses (no error), what is left is served, and nothing wrong ever is."""
+    client = server.client()
+    ids = prompt(length=60)
+    config = cfg(tmp_path, server.url, "a")
+    run(model, ids, config)
+    stored = sum(client.memory_usage(k) or 0 for k in client.scan_iter("*"))
+    client.config_set("maxmemory-policy", "allkeys-random")
+    client.config_set("maxmemory", str(int(client.info("memory")["used_memory"] - stored // 2)))
+    client.set("filler", b"x" * 1024)  # a write makes the server evict down to maxmemory
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    remote = stats["remote"]
+    assert loaded < 14 * BT and remote["misses"] >= 1
+    assert remote["errors"]["corrupt"] == remote["errors"]["foreign"] == 0
+    assert_same(reference(model, ids), out)
+
+
+@needs_binary
+def test_remote_budget_is_never_exceeded(tmp_path, model, server):
+    """Budget of three blocks, two prompts of 14 whole blocks each: the namespace never holds
+    more than the budget (sampled from another thread while writes go on). Blocks that find
+    the budget full of blocks still being written are not sent (counted as dropped); the
+    second prompt's blocks push out the first's, least recently used first; what is left
+    still serves exact prefixes."""
+    client = server.client()
+    probe_cfg = cfg(tmp_path, server.url, "p")
+    close_all()
+    with TieredCache(model, probe_cfg) as probe:
+        remote = probe._ensure_prefix().remote
+        block_bytes, tag = remote.block_bytes, remote.namespace.split(":", 1)[1]
+    close_all()
+    budget = 3 * block_bytes
+    config = cfg(tmp_path, server.url, "a", remote_budget=budget)
+    ns = config.remote_namespace
+    peak, stop = [0], threading.Event()
+
+    # Summed inside the server by one script, so each sample is an atomic snapshot.
+    total = server.client().register_script("""
+        local s = 0
+        for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
+            if redis.call('TYPE', k).ok == 'string' and not string.find(k, ':bytes$') then
+                s = s + redis.call('STRLEN', k)
+            end
+        end
+        return s""")
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], int(total(args=[f"{ns}:*"])))
+            time.sleep(0.002)
+
+    first, second = prompt(seed=1, length=60), prompt(seed=2, length=60)
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        _, stats_1, _ = run(model, first, config)
+        _, stats_2, _ = run(model, second, config.replace(disk_dir=str(tmp_path / "a2")))
+    finally:
+        stop.set()
+        watcher.join()
+    assert stats_1["remote"]["writes_dropped"] >= 1
+    assert stats_2["remote"]["evicted_blocks"] >= 1
+    assert 0 < peak[0] <= budget, (peak[0], budget)
+    assert len([k for k in keys_of(client, ns) if k.endswith(":m")]) <= 3
+    assert int(client.get(f"{ns}:{{{tag}}}:bytes")) <= budget  # the shared counter agrees
+    out, stats, loaded = run(model, second, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded >= BT and stats["remote"]["hits"] >= 1  # the newest prompt's first blocks
+    assert_same(reference(model, second), out)
+
+
+@needs_binary
+def test_credentials_from_the_environment_and_a_wrong_password(tmp_path, model, server, monkeypatch):
+    client = server.client()
+    client.config_set("requirepass", "s3cret")
+    ids = prompt(length=PROMPT_LEN)
+    monkeypatch.setenv("TIERCACHE_REMOTE_PASSWORD", "s3cret")
+    config = cfg(tmp_path, server.url, "a")
+    run(model, ids, config)
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 28
+    monkeypatch.setenv("TIERCACHE_REMOTE_PASSWORD", "wrong")
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
+    assert loaded == 0 and stats["remote"]["errors"]["auth"] >= 1
+    assert_same(reference(model, ids), out)
+
+
+@needs_binary
+def test_an_acl_user_limited_to_its_namespace(tmp_path, model, server):
+    """The README's ACL works as written; a user whose keys pattern excludes the namespace is
+    refused by the server (NOPERM, counted as auth) and generation goes on locally."""
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "team-a", "on", ">secret", "~team-a:*", "+get", "+set", "+del",
+                          "+zadd", "+zpopmin", "+incrby", "+decrby", "+ping")
+    ids = prompt(length=PROMPT_LEN)
+    url = f"redis://team-a:secret@127.0.0.1:{server.port}/0"
+    config = cfg(tmp_path, url, "a", remote_namespace="team-a", remote_budget="64MiB")
+    run(model, ids, config)
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 28 and sum(stats["remote"]["errors"].values()) == 0
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "c"), remote_namespace="team-b"))
+    assert loaded == 0 and stats["remote"]["errors"]["auth"] >= 1
+    assert_same(reference(model, ids), out)
+
+
+@needs_binary
+def test_tls(tmp_path, model):
+    """rediss:// with the server's CA in the URL: sharing works over TLS. Without the CA the
+    certificate does not verify: counted as unavailable, generation goes on locally."""
+    ca = self_signed_cert(str(tmp_path / "tls"))
+    if ca is None:
+        pytest.skip("no openssl binary to make a test certificate")
+    srv = RedisServer(str(tmp_path / "redis"), tls_ca=ca)
+    try:
+        ids = prompt(length=PROMPT_LEN)
+        config = cfg(tmp_path, srv.url, "a")
+        run(model, ids, config)
+        out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+        assert loaded == 28 and stats["remote"]["hits"] == 7
+        unverified = f"rediss://127.0.0.1:{srv.port}/0"
+        out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "c"), remote_url=unverified))
+        assert loaded == 0 and stats["remote"]["errors"]["unavailable"] >= 1
+        assert_same(reference(model, ids), out)
+    finally:
+        srv.close()
+
+
+@needs_binary
+@pytest.mark.slow
+def test_cluster_mode(tmp_path, model):
+    """A three-node Redis Cluster: a block's keys share a hash tag (one slot), the blocks of
+    a prompt spread over the nodes, and the cluster client's pipelines reach all of them."""
+    nodes = []
+    try:
+        bus_ports = [free_port() for _ in range(3)]  # the default, port + 10000, may not exist
+        for i in range(3):
+            d = tmp_path / f"node{i}"
+            nodes.append(RedisServer(str(d), "--cluster-enabled", "yes", "--cluster-config-file",
+                                     str(d / "nodes.conf"), "--cluster-node-timeout", "2000",
+                                     "--cluster-port", str(bus_ports[i])))
+        ranges = [(0, 5460), (5461, 10922), (10923, 16383)]
+        for node, (low, high) in zip(nodes, ranges):
+            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+        for node, bus in zip(nodes[1:], bus_ports[1:]):
+            nodes[0].client().execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
+        deadline = time.monotonic() + 30
+        while not all(b"cluster_state:ok" in n.client().execute_command("CLUSTER", "INFO") for n in nodes):
+            assert time.monotonic() < deadline, "cluster did not become ok"
+            time.sleep(0.2)
+        ids = prompt(length=PROMPT_LEN)
+        config = cfg(tmp_path, nodes[1].url, "a", remote_cluster=True, remote_budget="64MiB")
+        run(model, ids, config)
+        holding = [n for n in nodes if n.client().dbsize() > 0]
+        assert len(holding) >= 2  # 7+ blocks over three nodes
+        out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+        assert loaded == 28 and stats["remote"]["cluster"] and stats["remote"]["hits"] == 7
+        assert_same(reference(model, ids), out)
+    finally:
+        for node in nodes:
+            node.close()
+
+
+@needs_server
+def test_metrics_show_the_remote_tier(tmp_path, model, shared_url):
+    """A real HTTP scrape: the remote tier's series agree with stats()."""
+    from tiercache.metrics import serve_metrics, stop_metrics
+
+    ids = prompt(length=PROMPT_LEN)
+    config = cfg(tmp_path, shared_url, "a")
+    run(model, ids, config)
+    close_all()
+    with TieredCache(model, config.replace(disk_dir=str(tmp_path / "b"))) as cache, torch.no_grad():
+        port = serve_metrics(cache)
+        cache.load_prefix(ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        stats = cache.stats()
+        stop_metrics(cache)
+    assert "tiercache_remote_up 1.0" in body
+    assert f'tiercache_remote_blocks_total{{result="hit"}} {float(stats["remote"]["hits"])}' in body
+    assert 'tiercache_remote_errors_total{kind="corrupt"} 0.0' in body
+
+
+@needs_server
+@pytest.mark.model
+@pytest.mark.slow
+def test_cli_two_machines_share_a_prompt_of_the_real_model(tmp_path, shared_url):
+    """`tiercache generate` twice with the default model, two disk dirs (two machines), one
+    server: the second run loads the prompt's blocks from the server and answers the same."""
+    from test_cli import cli
+
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    prompt_text = " ".join(f"Record {i}: the colour of box {i} is {['red', 'blue', 'green'][i % 3]}." for i in range(40))
+    prompt_text += " What is the colour of box 7?"
+    runs = []
+    for machine in ("a", "b"):
+        stats = tmp_path / f"{machine}.json"
+        proc = cli("generate", "--prompt", prompt_text, "--max-new-tokens", "8", "--block-tokens", "64",
+                   "--disk-dir", str(tmp_path / machine), "--remote-url", shared_url, "--remote-namespace", ns,
+                   "--stats-json", str(stats))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(stats.read_text()))
+    first, second = runs
+    assert first["stats"]["reused_tokens"] == 0 and first["stats"]["remote"]["blocks_written"] >= 5
+    assert second["stats"]["reused_tokens"] >= 5 * 64 and second["stats"]["remote"]["hits"] >= 5
+    assert second["text"] == first["text"]
+
+
+@needs_server
+@pytest.mark.slow
+def test_bench_prefix_remote_smoke(tmp_path, shared_url):
+    """`bench prefix --remote URL`: warm from the server in a fresh process on an empty
+    disk_dir, with the bytes read and written, exact logits, and its namespace deleted."""
+    import redis
+
+    from test_cache_admin import tiny_model as tiny_admin_model
+    from tiercache.models import converted_dir
+
+    if not os.path.exists(os.path.join(converted_dir(), "tokenizer.json")):
+        pytest.skip("the default model's tokenizer is not converted on this machine")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(converted_dir())
+    tiny = tiny_admin_model(vocab=len(tokenizer))
+    tiny.config.max_position_embeddings = 128
+    tiny.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "prefix", "--model", str(tmp_path / "model"),
+                           "--context", "200", "--turns", "0", "--block-tokens", "8", "--no-baseline",
+                           "--dir", str(tmp_path), "--remote", shared_url, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["warm_remote_ttft_s"] > 0 and r["warm_remote_reused_tokens"] == (120 - 1) // 8 * 8
+    assert r["remote_bytes_read"] > 0 and r["remote_bytes_written"] >= r["remote_bytes_read"]
+    assert r["warm_remote_max_abs_diff"] <= 1e-5 and not any(r["remote_errors"].values())
+    client = redis.Redis.from_url(shared_url)
+    assert not list(client.scan_iter("tiercache-bench-*"))

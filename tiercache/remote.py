@@ -1,0 +1,519 @@
+"""The remote tier: prefix-cache blocks in Redis or Valkey, shared by processes and machines.
+
+Beside the local prefix cache (host memory and disk), blocks are also kept in a server the
+user already runs. Keys are the prefix cache's content-addressed names, namespaced per
+model digest and block geometry::
+
+    (<tag> = v<record format>.<manifest format>-<model digest>-<geometry>)
+    <namespace>:{<tag>:<h>}:m        manifest of block h: index, parent, token ids, layers
+    <namespace>:{<tag>:<h>}:<layer>  one layer's record, in the disk tier's record format
+    <namespace>:{<tag>}:lru          sorted set of stored blocks by last use (remote_budget)
+    <namespace>:{<tag>}:bytes        bytes of the stored blocks (remote_budget)
+
+The ``{...}`` hash tags keep a block's keys on one cluster slot. Values are checked bytes,
+never pickled: a record carries its key, model digest, geometry, token ids and CRC32Cs, and
+a manifest its own CRC32C. A lookup reads the manifests of a whole prompt in one pipeline and
+the records in a few more; writes go through one background thread with bounded queued bytes,
+so the compute thread never waits for the server (over the bound, a write is dropped and
+counted). A manifest is written after its block's records, so a reader that sees it finds the
+records unless the server evicted them since (a plain miss).
+
+Faults never reach the caller: a server that is down, slow (``remote_timeout``), refuses the
+credentials or answers with an error is counted and skipped for a few seconds while
+generation continues on the local tiers; a value that fails its checks (corrupted, or written
+by another model or format version) is counted and never returned, and a corrupted one is
+deleted. Keys carry the record and manifest format versions, so workers of different
+versions share a server without meeting each other's values.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
+
+import crc32c
+import torch
+
+from tiercache.config import TierConfig, redact_url, remote_credentials
+from tiercache.disk import FORMAT_VERSION, HEADER_BYTES, ForeignRecordError, RecordCodec, RecordError
+from tiercache.table import BlockKey
+
+log = logging.getLogger("tiercache")
+
+MANIFEST_MAGIC = b"TCMF"
+MANIFEST_VERSION = 1
+_MANIFEST = struct.Struct("<4sHH16sQQqI")  # magic, version, layers, digest, h, index, parent (-1), ids length
+_CRC = struct.Struct("<I")
+ERROR_KINDS = ("unavailable", "timeout", "auth", "server", "corrupt", "foreign")
+RETRY_SECONDS = 5.0  # after a failure the server is left alone this long, then tried again
+BATCH_BYTES = 32 << 20  # bytes of values per pipeline (reads and writes)
+
+
+class RemoteTier:
+    """The prefix cache's blocks of one model and geometry on a Redis/Valkey server.
+
+    Args:
+        config: ``remote_url``, ``remote_budget``, ``remote_namespace``, ``remote_cluster``,
+            ``remote_timeout`` and ``remote_max_inflight`` are used.
+        codec: the record format of this model and geometry.
+        tag: the prefix directory's name (model digest and geometry).
+        num_layers: layers per block.
+    """
+
+    def __init__(self, config: TierConfig, codec: RecordCodec, tag: str, num_layers: int) -> None:
+        if config.remote_url is None:
+            raise ValueError("remote_url: not set")
+        self.url = config.remote_url
+        self.cluster = config.remote_cluster
+        self.timeout = float(config.remote_timeout)
+        self.budget = config.remote_budget
+        self.max_inflight = config.remote_max_inflight
+        self.codec, self.num_layers = codec, num_layers
+        # The formats are part of the keys: workers of another version never meet these values.
+        tag = f"v{FORMAT_VERSION}.{MANIFEST_VERSION}-{tag}"
+        self._ns, self._tag = config.remote_namespace, tag
+        self.namespace = f"{config.remote_namespace}:{tag}"
+        self.lru_key = f"{self._ns}:{{{tag}}}:lru"
+        self.bytes_key = f"{self._ns}:{{{tag}}}:bytes"
+        self.record_bytes = HEADER_BYTES + codec.payload_bytes
+        self.manifest_bytes = _MANIFEST.size + 3 * codec.geometry.block_tokens + _CRC.size
+        self.block_bytes = num_layers * self.record_bytes + self.manifest_bytes  # what one block occupies
+        if self.budget is not None and self.budget < self.block_bytes:
+            raise ValueError(f"remote_budget: {self.budget} bytes is less than one block of this model "
+                             f"({self.block_bytes} bytes: {num_layers} layers of {self.record_bytes}-byte records)")
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._down_until = 0.0
+        self._state = "unknown"
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue: deque = deque()
+        self._inflight = 0
+        self._busy = False
+        self._pending: dict = {}  # h -> layers queued for a block whose manifest is not queued yet
+        self._poisoned: set = set()  # blocks with a dropped or failed record: never get a manifest
+        self._reserved: set = set()  # blocks whose bytes the budget counter already includes (writer thread)
+        self._unlisted: set = set()  # reserved blocks whose manifest is not written yet (writer thread)
+        self._writer: Optional[threading.Thread] = None
+        self.closed = False
+        self._counts = {"lookups": 0, "hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0,
+                        "blocks_written": 0, "writes_dropped": 0, "evicted_blocks": 0}
+        self._errors = {k: 0 for k in ERROR_KINDS}
+
+    # ---- keys -------------------------------------------------------------------------------
+    def manifest_key(self, h: int) -> str:
+        return f"{self._ns}:{{{self._tag}:{h:016x}}}:m"
+
+    def record_key(self, h: int, layer: int) -> str:
+        return f"{self._ns}:{{{self._tag}:{h:016x}}}:{layer}"
+
+    def block_keys(self, h: int) -> list:
+        """Every key of block ``h``, the manifest first (one hash tag: one cluster slot)."""
+        return [self.manifest_key(h)] + [self.record_key(h, layer) for layer in range(self.num_layers)]
+
+    # ---- values -----------------------------------------------------------------------------
+    def encode_manifest(self, block: Any) -> bytes:
+        head = _MANIFEST.pack(MANIFEST_MAGIC, MANIFEST_VERSION, self.num_layers, self.codec.model_digest,
+                              block.h, block.index, -1 if block.parent is None else block.parent,
+                              len(block.token_ids))
+        body = head + block.token_ids
+        return body + _CRC.pack(crc32c.crc32c(body))
+
+    def check_manifest(self, value: bytes, block: Any) -> None:
+        """Raise RecordError unless ``value`` is ``block``'s manifest (ForeignRecordError when
+        it is intact but written by another format version or model)."""
+        if len(value) < _MANIFEST.size + 4 or value[:4] != MANIFEST_MAGIC:
+            raise RecordError("not a tiercache manifest")
+        body, (crc,) = value[:-4], _CRC.unpack(value[-4:])
+        if crc32c.crc32c(body) != crc:
+            raise RecordError("manifest checksum mismatch")
+        _, version, layers, digest, h, index, parent, length = _MANIFEST.unpack(body[:_MANIFEST.size])
+        if version != MANIFEST_VERSION:  # keys carry the version, so only a stray writer gets here
+            raise ForeignRecordError(f"manifest format version {version}; this one reads {MANIFEST_VERSION}")
+        if digest != self.codec.model_digest or layers != self.num_layers:
+            raise ForeignRecordError("manifest written for another model")
+        ids = body[_MANIFEST.size:]
+        if (h, index, None if parent < 0 else parent) != (block.h, block.index, block.parent) \
+                or length != len(ids) or ids != block.token_ids:
+            raise RecordError("manifest names another block or other token ids")
+
+    def _tensor(self, payload: memoryview) -> torch.Tensor:
+        g = self.codec.geometry
+        out = torch.empty(g.shape, dtype=g.dtype)
+        flat = out.view(-1).view(torch.uint8)
+        flat.numpy()[:] = memoryview(payload).cast("B")
+        return out
+
+    # ---- the connection -------------------------------------------------------------------
+    def _connection(self) -> Any:
+        """The client, connecting if needed; None while the server is counted as down."""
+        with self._client_lock:
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._down_until or self.closed:
+                return None
+            try:
+                client = self._connect()
+                client.ping()
+            except Exception as exc:  # noqa: BLE001 - any client failure means "no remote now"
+                self._failed_locked(exc, "connecting")
+                return None
+            if self._state != "up":
+                log.info("remote tier %s is up", redact_url(self.url))
+            self._client, self._state = client, "up"
+            return client
+
+    def _connect(self) -> Any:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        user, password = remote_credentials(self.url)
+        kwargs: dict = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
+                        "retry": Retry(NoBackoff(), 0), "username": user, "password": password}
+        if self.cluster:
+            from redis.cluster import RedisCluster
+            return RedisCluster.from_url(self.url, **kwargs)
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def _failed(self, exc: BaseException, doing: str) -> None:
+        with self._client_lock:
+            self._failed_locked(exc, doing)
+
+    def _failed_locked(self, exc: BaseException, doing: str) -> None:
+        kind = classify(exc)
+        with self._lock:
+            self._errors[kind] += 1
+        client, self._client = self._client, None
+        self._down_until = time.monotonic() + RETRY_SECONDS
+        if self._state != "down":
+            log.warning("remote tier %s unavailable while %s (%s: %s); going on with the local tiers, "
+                        "retrying in %.0f s", redact_url(self.url), doing, kind, exc, RETRY_SECONDS)
+        self._state = "down"
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client
+                pass
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counts[k] += v
+
+    def _bad_value(self, exc: RecordError, keys: Sequence[str]) -> None:
+        """A value failed its checks: count it; delete it when corrupt (best effort). An
+        intact foreign value is left alone: a machine that recomputes the block overwrites it."""
+        kind = "foreign" if isinstance(exc, ForeignRecordError) else "corrupt"
+        with self._lock:
+            self._errors[kind] += 1
+        log.warning("remote tier: refused a %s value (%s); its tokens will be recomputed", kind, exc)
+        if kind == "foreign":
+            return
+        client = self._connection()
+        if client is not None:
+            try:
+                client.delete(*keys)  # one block's keys share a hash tag: one slot
+            except Exception as err:  # noqa: BLE001
+                self._failed(err, "deleting a bad value")
+
+    def _pipeline_get(self, client: Any, keys: Sequence[str]) -> list:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        return pipe.execute()
+
+    # ---- reading ----------------------------------------------------------------------------
+    def lookup(self, blocks: Sequence[Any]) -> int:
+        """How many of ``blocks`` (a chain, from its first) the server holds: one round trip
+        for their manifests. Never raises."""
+        if not blocks:
+            return 0
+        client = self._connection()
+        self._count(lookups=1)
+        if client is None:
+            self._count(misses=len(blocks))
+            return 0
+        try:
+            values = self._pipeline_get(client, [self.manifest_key(b.h) for b in blocks])
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "looking up a prefix")
+            self._count(misses=len(blocks))
+            return 0
+        found = 0
+        try:
+            found = self._found(blocks, values)
+        finally:
+            self._count(misses=len(blocks) - found)
+        return found
+
+    def _found(self, blocks: Sequence[Any], values: list) -> int:
+        found = 0
+        for block, value in zip(blocks, values):
+            if value is None:
+                break
+            try:
+                self.check_manifest(value, block)
+            except RecordError as exc:
+                self._bad_value(exc, [self.manifest_key(block.h)])
+                break
+            found += 1
+        return found
+
+    def fetch(self, blocks: Sequence[Any], take: Callable[[Any, list], bool]) -> int:
+        """Read every layer of ``blocks`` (found by ``lookup``) in pipelines of at most 32 MiB,
+        handing each block's checked ``[2, B, H, T, D]`` tensors (one per layer) to
+        ``take(block, tensors)``, which returns False to stop. A missing or bad record ends
+        the run at its block. Returns the blocks taken; never raises."""
+        client = self._connection()
+        taken = 0
+        per_batch = max(1, BATCH_BYTES // self.block_bytes)
+        try:
+            for start in range(0, len(blocks), per_batch):
+                if client is None or taken < start:
+                    break
+                group = blocks[start:start + per_batch]
+                keys = [self.record_key(b.h, layer) for b in group for layer in range(self.num_layers)]
+                values = self._pipeline_get(client, keys)
+                for i, block in enumerate(group):
+                    layers = self._decode_block(block, values[i * self.num_layers:(i + 1) * self.num_layers])
+                    values[i * self.num_layers:(i + 1) * self.num_layers] = [None] * self.num_layers
+                    if layers is None or not take(block, layers):
+                        break
+                    taken += 1
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "reading a prefix")
+        self._count(hits=taken, misses=len(blocks) - taken, bytes_read=taken * self.num_layers * self.record_bytes)
+        if taken:
+            self.touch(blocks[:taken])
+        return taken
+
+    def _decode_block(self, block: Any, values: list) -> Optional[list]:
+        layers = []
+        for layer, value in enumerate(values):
+            if value is None:  # evicted by the server (maxmemory) or never written: a plain miss
+                return None
+            try:
+                _, payload = self.codec.decode(value, BlockKey(block.h, layer, block.index), block.token_ids)
+            except RecordError as exc:
+                self._bad_value(exc, [self.manifest_key(block.h), self.record_key(block.h, layer)])
+                return None
+            layers.append(self._tensor(payload))
+        return layers
+
+    # ---- writing ----------------------------------------------------------------------------
+    def put(self, block: Any, layer: int, kv: torch.Tensor) -> bool:
+        """Queue one layer's record of ``block`` (``kv`` is not modified afterwards by the
+        caller). Never waits: False when it is dropped (server down, or the queue full)."""
+        with self._cv:
+            if self.closed:
+                return False
+            if block.h in self._poisoned:
+                return False
+            if self._state == "down" and time.monotonic() < self._down_until \
+                    or self._inflight + self.record_bytes > self.max_inflight:
+                self._counts["writes_dropped"] += 1
+                self._poisoned.add(block.h)
+                self._pending.pop(block.h, None)
+                return False
+            self._inflight += self.record_bytes
+            self._queue.append(("record", block, layer, kv))
+            layers = self._pending.setdefault(block.h, set())
+            layers.add(layer)
+            if len(layers) == self.num_layers:
+                del self._pending[block.h]
+                self._queue.append(("manifest", block, -1, None))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="tiercache-remote", daemon=True)
+                self._writer.start()
+            self._cv.notify_all()
+            return True
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        """Mark ``blocks`` used now (their remote_budget eviction order); queued, never waits."""
+        if self.budget is None:
+            return
+        with self._cv:
+            if not self.closed and self._writer is not None:
+                self._queue.append(("touch", list(blocks), -1, None))
+                self._cv.notify_all()
+
+    def _score(self, block: Any) -> float:
+        # Least recently used first, by the minute; within a minute, longer extensions first,
+        # so a prefix leaves after the blocks that extend it.
+        return float(int(time.time() // 60) * 4096 - min(block.index, 4095))
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self.closed:
+                    self._cv.wait()
+                if not self._queue and self.closed:
+                    return
+                batch, size = [], 0
+                while self._queue and size < BATCH_BYTES:
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    size += self.record_bytes if item[0] == "record" else 0
+                self._busy = True
+            try:
+                self._write_batch(batch)
+            finally:
+                with self._cv:
+                    self._inflight -= size
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _write_batch(self, batch: list) -> None:
+        client = self._connection()
+        with self._lock:
+            poisoned = set(self._poisoned)
+        items = [it for it in batch if it[0] == "touch" or it[1].h not in poisoned]
+        if client is None:
+            self._drop(batch)
+            return
+        try:
+            items = self._reserve(client, items)
+            pipe = client.pipeline(transaction=False)
+            wrote_records = wrote_blocks = 0
+            for kind, block, layer, kv in items:
+                if kind == "record":
+                    key = BlockKey(block.h, layer, block.index)
+                    payload = memoryview(kv.contiguous().view(-1).view(torch.uint8).numpy())
+                    record = self.codec.encode(key, payload, self.codec.geometry.block_tokens, block.token_ids)
+                    pipe.set(self.record_key(block.h, layer), record)
+                    wrote_records += 1
+                elif kind == "manifest":  # after the block's records: a reader that sees it finds them
+                    pipe.set(self.manifest_key(block.h), self.encode_manifest(block))
+                    if self.budget is not None:
+                        pipe.zadd(self.lru_key, {f"{block.h:016x}": self._score(block)})
+                        self._unlisted.discard(block.h)
+                    wrote_blocks += 1
+                else:  # touch: only blocks still listed (XX), never resurrecting an evicted one
+                    pipe.zadd(self.lru_key, {f"{b.h:016x}": self._score(b) for b in block}, xx=True)
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "writing blocks")
+            self._drop(batch)
+            return
+        self._count(bytes_written=wrote_records * self.record_bytes, blocks_written=wrote_blocks)
+
+    def _reserve(self, client: Any, items: list) -> list:
+        """With remote_budget: count each new block's bytes before its first record is
+        written, deleting least recently used blocks until the count is within the budget, so
+        the namespace never holds more than remote_budget. A block that cannot get room is
+        not written (its records are dropped and counted). Returns the items to write."""
+        if self.budget is None:
+            return items
+        refused: set = set()
+        for kind, block, _layer, _kv in items:
+            if kind != "record" or block.h in self._reserved or block.h in refused:
+                continue
+            self._unlisted.add(block.h)
+            used = int(client.incrby(self.bytes_key, self.block_bytes))
+            if used > self.budget and not self._evict(client):
+                client.decrby(self.bytes_key, self.block_bytes)
+                self._unlisted.discard(block.h)
+                refused.add(block.h)
+                continue
+            self._reserved.add(block.h)
+        if not refused:
+            return items
+        kept = [it for it in items if it[0] == "touch" or it[1].h not in refused]
+        self._drop([it for it in items if it[0] != "touch" and it[1].h in refused])
+        return kept
+
+    def _drop(self, batch: list) -> None:
+        with self._lock:
+            for kind, block, _layer, _kv in batch:
+                if kind == "record":
+                    self._counts["writes_dropped"] += 1
+                    self._poisoned.add(block.h)
+                    self._pending.pop(block.h, None)
+
+    def _evict(self, client: Any) -> bool:
+        """Delete least recently used blocks until this namespace is within remote_budget;
+        False when that is not possible (every counted block is still being written)."""
+        while True:
+            used = int(client.get(self.bytes_key) or 0)
+            if used <= self.budget:
+                return True
+            popped = client.zpopmin(self.lru_key, 1)
+            if not popped:
+                # Nothing listed is left to delete: the counter holds blocks being written, or
+                # drifted (blocks evicted by the server, a worker that died mid-write). Resync it
+                # to what this process is writing; other workers' unlisted blocks are forgotten.
+                own = len(self._unlisted) * self.block_bytes
+                if used > own:
+                    client.set(self.bytes_key, own)
+                    continue
+                return False
+            h = int(popped[0][0], 16)
+            keys = self.block_keys(h)
+            pipe = client.pipeline(transaction=False)
+            pipe.delete(keys[0])  # the manifest first: readers stop seeing the block at once
+            pipe.delete(*keys[1:])
+            pipe.decrby(self.bytes_key, self.block_bytes)
+            pipe.execute()
+            self._count(evicted_blocks=1)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait (up to ``timeout`` seconds, default 20 server timeouts) until every queued
+        write has been sent; True when the queue drained."""
+        deadline = time.monotonic() + (timeout if timeout is not None else max(5.0, 20 * self.timeout))
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._counts)
+            out["errors"] = dict(self._errors)
+            out["queued_bytes"] = self._inflight
+        out.update(url=redact_url(self.url), state=self._state, namespace=self.namespace,
+                   budget_bytes=self.budget, cluster=self.cluster)
+        return out
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Send what is queued (bounded wait), stop the writer and disconnect."""
+        if self.closed:
+            return
+        drained = self.flush(timeout)
+        with self._cv:
+            self.closed = True
+            left = len(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        if not drained and left:
+            log.warning("remote tier %s: %d queued writes were not sent before close", redact_url(self.url), left)
+        if self._writer is not None:
+            self._writer.join(timeout=max(1.0, 2 * self.timeout))
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def classify(exc: BaseException) -> str:
+    """The error kind counted for a failed server call."""
+    import redis.exceptions as rx
+
+    if isinstance(exc, rx.TimeoutError) or isinstance(exc, TimeoutError):
+        return "timeout"
+    denied = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
+    if isinstance(exc, denied) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+        return "auth"
+    if isinstance(exc, (rx.ConnectionError, ConnectionError, OSError)):
+        return "unavailable"
+    return "server"
