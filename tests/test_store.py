@@ -359,3 +359,68 @@ def test_a_directory_owned_by_another_user_is_refused_unless_opted_in(tmp_path, 
     with BlockStore(cfg.replace(shared_dir=True), geometry) as store:
         store.put(BlockKey(0, 0, 0), torch.randn(geometry.shape))
         store.flush()
+
+
+def _scatter_target(geometry, n):
+    """A [2, B, H, n*T, D] tensor and the [2, B, H, T, D] slice of each of its n blocks."""
+    g = geometry
+    big = torch.full((2, g.batch, g.kv_heads, n * g.block_tokens, g.head_dim), float("nan"), dtype=g.dtype)
+    t = g.block_tokens
+    return big, [big[:, :, :, i * t:(i + 1) * t] for i in range(n)]
+
+
+def test_read_into_scatters_blocks_from_every_tier_into_one_tensor(make_store, geometry):
+    """read_into fills strided slices of one larger tensor from device, host and disk
+    copies alike, exactly, counting a hit per block on the tier it came from."""
+    store = make_store()
+    data = blocks(geometry, 12)
+    for key, block in data.items():
+        store.put(key, block)
+    store.wait_idle()
+    keys = list(data)
+    big, outs = _scatter_target(geometry, len(keys))
+    hits0 = dict(store.stats()["hits"])
+    assert store.read_into(keys, outs) == [None] * len(keys)
+    for out, key in zip(outs, keys):
+        assert torch.equal(out, data[key])
+    hits = store.stats()["hits"]
+    assert sum(hits[t] - hits0[t] for t in ("device", "host", "disk")) == len(keys)
+    assert hits["disk"] > hits0["disk"] and hits["device"] > hits0["device"]
+    errors = store.read_into([BlockKey(9, 9, 9)], outs[:1])
+    assert isinstance(errors[0], KeyError)
+    store.check()
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_read_into_checks_every_record_and_never_returns_a_corrupt_one(tmp_path, aligned):
+    """Records read straight into a caller's tensor (direct I/O when its planes are
+    page-aligned) are checked against their CRC32C: a flipped payload byte is reported as
+    BlockCorruptedError for that block only, counted, and the record is dropped."""
+    from tiercache.tiers import BlockGeometry, aligned_buffer
+
+    g = BlockGeometry(batch=1, kv_heads=2, block_tokens=16, head_dim=64, dtype=torch.float32)  # 4 KiB planes
+    cfg = tiny_config(tmp_path, g, device_blocks=1, host_blocks=1)
+    data = blocks(g, 6)
+    with BlockStore(cfg, g) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+        victim = BlockKey(0, 0, 3)
+    with BlockStore(cfg, g) as store:
+        slot = store.table.copy(victim, Tier.DISK).slot
+        _flip(os.path.join(cfg.disk_dir, DATA_NAME), slot * store.disk.record_bytes + HEADER_BYTES + 5000)
+    with BlockStore(cfg, g) as store:
+        keys = list(data)
+        n, t = len(keys), g.block_tokens
+        raw, _mm = aligned_buffer(n * g.block_bytes + (0 if aligned else 4))
+        big = raw[0 if aligned else 4:].view(torch.float32).view(2, 1, 2, n * t, 64)
+        outs = [big[:, :, :, i * t:(i + 1) * t] for i in range(n)]
+        errors = store.read_into(keys, outs)
+        assert isinstance(errors[3], BlockCorruptedError) and "index=3" in str(errors[3])
+        assert [e for i, e in enumerate(errors) if i != 3] == [None] * (n - 1)
+        for i, key in enumerate(keys):
+            if i != 3:
+                assert torch.equal(outs[i], data[key])
+        assert victim not in store and store.stats()["integrity_errors"] == 1
+        assert store.stats()["hits"]["disk"] == n - 1
+        store.check()

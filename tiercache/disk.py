@@ -94,6 +94,13 @@ def probe_direct_io(directory: str) -> bool:
             pass
 
 
+def _addr(mv: memoryview) -> int:
+    """The address of a memoryview's first byte."""
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if len(mv) else 0
+
+
 def _ptr_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGN == 0 and t.numel() % ALIGN == 0
 
@@ -348,22 +355,54 @@ class DiskTier(RecordCodec):
             raise RecordError("payload checksum mismatch")
         return num_tokens
 
+    def read_into(self, slot: int, key: BlockKey, parts: list) -> int:
+        """Read and verify the record in ``slot`` straight into ``parts``: writable byte
+        memoryviews whose lengths add up to the payload (a scattered destination, e.g. the
+        planes of a block inside a larger tensor). Returns the token count.
+
+        Direct I/O when every part is page-aligned in address and length. The payload's
+        CRC32C is checked over the parts; on any failure (``RecordError``) the parts hold
+        garbage and must not be used.
+        """
+        self._check_slot(slot)
+        if sum(len(p) for p in parts) != self.payload_bytes:
+            raise ValueError(f"parts hold {sum(len(p) for p in parts)} bytes; a payload is {self.payload_bytes}")
+        _, _, hmv = self._header_buf()
+        fd = self._fd
+        if self._fd_direct is not None and all(len(p) % ALIGN == 0 and _addr(p) % ALIGN == 0 for p in parts):
+            fd = self._fd_direct
+        got = os.preadv(fd, [hmv, *parts], slot * self.record_bytes)
+        if got < HEADER_BYTES + self.payload_bytes:
+            raise RecordError(f"truncated record ({got} bytes)")
+        found, num_tokens, crc = self.decode_header(hmv)
+        if found != key:
+            raise RecordError(f"slot holds {found!r}, expected {key!r}")
+        value = 0
+        for p in parts:
+            value = crc32c.crc32c(p, value)
+        if value != crc:
+            raise RecordError("payload checksum mismatch")
+        return num_tokens
+
     def tombstone(self, slot: int) -> None:
         """Invalidate the record in ``slot`` (only needed when the tier persists)."""
         if self.persistent:
             os.pwrite(self._fd, bytes(_HEADER.size + 4), slot * self.record_bytes)
 
+    SCAN_THREADS = 8  # header reads in flight while scanning (they are small and random)
+    SCAN_CHUNK = 32  # slots per read job
+
     def scan(self, with_token_ids: bool = False) -> Iterator[tuple]:
         """Yield (slot, key, num_tokens) of every valid header, plus its token ids (bytes)
         when ``with_token_ids``; a header that fails its checks gives key None.
 
-        Only headers are checked here; payloads are checked when read.
+        Only headers are checked here; payloads are checked when read. The headers are read
+        by a few threads at once (a header is one 4 KiB read per record: serial reads wait
+        on the disk's latency), with direct I/O where available (no readahead of payloads).
         """
         size = os.fstat(self._fd).st_size
         last = min(self.num_slots, size // self.record_bytes + (1 if size % self.record_bytes else 0))
-        want = HEADER_BYTES if with_token_ids else _HEADER.size + 4
-        for slot in range(last):
-            head = os.pread(self._fd, want, slot * self.record_bytes)
+        for slot, head in self._read_headers(last):
             if len(head) < _HEADER.size + 4 or head[:4] != MAGIC:
                 continue
             mv = memoryview(head + bytes(HEADER_BYTES - len(head)))
@@ -377,6 +416,38 @@ class DiskTier(RecordCodec):
                 yield (slot, None, 0, None) if with_token_ids else (slot, None, 0)
                 continue
             yield (slot, key, num_tokens, ids) if with_token_ids else (slot, key, num_tokens)
+
+    def _read_headers(self, last: int) -> Iterator[tuple]:
+        """(slot, header bytes) of slots ``0 .. last-1`` in order (short at the end of the file)."""
+        if last <= 0:
+            return
+
+        def job(lo: int, hi: int) -> list:
+            out = []
+            if self._fd_direct is not None:
+                _, _, hmv = self._header_buf()
+                for slot in range(lo, hi):
+                    got = os.preadv(self._fd_direct, [hmv], slot * self.record_bytes)
+                    out.append(bytes(hmv[:got]))
+            else:
+                for slot in range(lo, hi):
+                    out.append(os.pread(self._fd, HEADER_BYTES, slot * self.record_bytes))
+            return out
+
+        chunks = [(lo, min(lo + self.SCAN_CHUNK, last)) for lo in range(0, last, self.SCAN_CHUNK)]
+        if len(chunks) == 1:
+            yield from zip(range(last), job(0, last))
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(self.SCAN_THREADS, len(chunks)), thread_name_prefix="tiercache-scan") as pool:
+            futures = [pool.submit(job, lo, hi) for lo, hi in chunks]
+            try:
+                for (lo, hi), future in zip(chunks, futures):
+                    yield from zip(range(lo, hi), future.result())
+            finally:
+                for future in futures:
+                    future.cancel()
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

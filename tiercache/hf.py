@@ -273,7 +273,22 @@ class TieredCache(Cache):
             return 0
         ids = input_ids[0].tolist()
         blocks = prefix.match(ids[:len(ids) - 1])
-        usable, tensors = prefix.load(blocks) if blocks else (0, None)
+        usable, kv = 0, []
+        if blocks:
+            kv_heads, head_dim, dtype, device = self._geometry_of_model()
+            opening = None
+            if self.store is None:  # the cache's own store is built (pools allocated) while the reads run
+                from concurrent.futures import ThreadPoolExecutor
+
+                template = torch.empty(1, kv_heads, 0, head_dim, dtype=dtype, device=device)
+                pool = ThreadPoolExecutor(1, thread_name_prefix="tiercache-open")
+                opening = pool.submit(self._open_store, template)
+                pool.shutdown(wait=False)
+            try:
+                usable, kv = prefix.load(blocks)  # kv[layer]: [2, 1, H, usable*bt, D]
+            finally:
+                if opening is not None:
+                    self.store = opening.result()
         self._token_ids = []
         if not usable:
             return 0
@@ -283,11 +298,18 @@ class TieredCache(Cache):
         try:
             with torch.no_grad():
                 for layer_idx in range(self.num_layers):
-                    kv = torch.cat(tensors[layer_idx][:usable], dim=3).to(device)  # [2, 1, H, usable*bt, D]
-                    self.update(kv[0], kv[1], layer_idx)
-                    tensors[layer_idx] = None
+                    layer_kv = kv[layer_idx].to(device)
+                    kv[layer_idx] = None
+                    if self.store is None:
+                        self.store = self._open_store(layer_kv[0])
+                    # The loaded blocks have their copy in the prefix cache: no write-behind
+                    # (a block is written down only if it is ever evicted).
+                    self.store.write_behind_enabled = False
+                    self.update(layer_kv[0], layer_kv[1], layer_idx)
         finally:
             self._injecting = False
+            if self.store is not None:
+                self.store.write_behind_enabled = True
         self._token_ids = ids[:usable * bt]
         self._chain = list(blocks[:usable])
         self.events.reused(tokens=usable * bt)

@@ -39,7 +39,7 @@ from tiercache.errors import BlockCorruptedError
 from tiercache.events import Events
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey, Tier
-from tiercache.tiers import BlockGeometry
+from tiercache.tiers import ALIGN, BlockGeometry
 
 log = logging.getLogger("tiercache")
 
@@ -78,6 +78,13 @@ def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
             h.update(str(tuple(p.shape)).encode())
             h.update(sample.float().cpu().numpy().tobytes())
     return h.digest()
+
+
+def _aligned_empty(num_bytes: int) -> torch.Tensor:
+    """An uninitialised CPU byte tensor of ``num_bytes`` starting on a page boundary."""
+    raw = torch.empty(num_bytes + ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % ALIGN
+    return raw[start:start + num_bytes]
 
 
 @dataclass(frozen=True)
@@ -346,26 +353,44 @@ class PrefixCache:
         return promoted
 
     def load(self, blocks: list) -> tuple:
-        """Read the KV of ``blocks`` for every layer: ``(usable, tensors)`` where
-        ``tensors[layer][i]`` is block i's ``[2, B, H, T, D]``; a block that fails its
-        checksum ends the run there (it and its extensions are dropped and recomputed)."""
-        keys = [k for b in blocks for k in self._keys(b.h, b.index)]
-        self.store.prefetch(keys, dst=Tier.HOST)  # disk reads start in parallel
-        out = [[] for _ in range(self.num_layers)]
-        usable = len(blocks)
-        for i, block in enumerate(blocks):
-            try:
-                got = [self.store.get(BlockKey(block.h, layer, block.index)) for layer in range(self.num_layers)]
-            except (BlockCorruptedError, KeyError, OSError) as exc:
-                log.warning("prefix block %d of a cached prompt is unreadable (%s); recomputing from there", i, exc)
-                self.forget(blocks[i:])
-                usable = i
-                break
-            for layer, t in enumerate(got):
-                out[layer].append(t)
-        if usable:
-            self.index.hit([b.h for b in blocks[:usable]])
-        return usable, out
+        """Read the KV of ``blocks`` for every layer: ``(usable, kv)`` where ``kv[layer]`` is
+        one CPU tensor ``[2, B, H, usable * T, D]``: K and V of the first ``usable`` blocks of
+        that layer, in order (what ``TieredCache.update`` takes for a layer). The records are
+        read in parallel straight into these tensors (page-aligned), each checked
+        against its CRC32C. A block that fails its check or cannot be read ends the run
+        there: it and its extensions are forgotten and their tokens recomputed
+        (``usable`` counts the blocks before it; ``kv`` is [] when it is 0).
+        """
+        g, n, layers = self.geometry, len(blocks), self.num_layers
+        if not n:
+            return 0, []
+        t = g.block_tokens
+        # One page-aligned buffer per layer (direct I/O reads land in it), from torch's
+        # allocator: the caller frees each as it is consumed.
+        kv = [_aligned_empty(n * g.block_bytes).view(g.dtype).view(2, g.batch, g.kv_heads, n * t, g.head_dim)
+              for _ in range(layers)]
+        keys, outs = [], []
+        for layer in range(layers):  # layer by layer: the order update() consumes them
+            for i, block in enumerate(blocks):
+                keys.append(BlockKey(block.h, layer, block.index))
+                outs.append(kv[layer][:, :, :, i * t:(i + 1) * t])
+        errors = self.store.read_into(keys, outs)
+        usable, reason = n, None
+        for j, exc in enumerate(errors):
+            if exc is None:
+                continue
+            if not isinstance(exc, (BlockCorruptedError, KeyError, OSError)):
+                raise exc
+            if j % n < usable:
+                usable, reason = j % n, exc
+        if usable < n:
+            log.warning("prefix block %d of a cached prompt is unreadable (%s); recomputing from there",
+                        usable, reason)
+            self.forget(blocks[usable:])
+        if not usable:
+            return 0, []
+        self.index.hit([b.h for b in blocks[:usable]])
+        return usable, [x if usable == n else x[:, :, :, :usable * t] for x in kv]
 
     # ---- writing ----------------------------------------------------------------------------
     def admit(self, block: ChainBlock) -> bool:
