@@ -146,8 +146,8 @@ def worker_cold(args: argparse.Namespace) -> dict:
     model, ids, cfg = _setup(args)
     out: dict = {"context": ids.shape[1], "block_tokens": cfg.block_tokens, "threads": torch.get_num_threads()}
     if not args.no_baseline:
-        base = first_token(model, ids, cfg.replace(reuse=False, disk_dir=os.path.join(args.dir, "plain")),
-                           args.prefill_chunk)
+        plain = cfg.replace(reuse=False, remote_url=None, disk_dir=os.path.join(args.dir, "plain"))
+        base = first_token(model, ids, plain, args.prefill_chunk)
         out["no_reuse"] = _public(base)
     cold = first_token(model, ids, cfg, args.prefill_chunk)
     torch.save(cold["logits"], os.path.join(args.dir, "cold_logits.pt"))
@@ -223,7 +223,7 @@ def worker_conversation(args: argparse.Namespace) -> dict:
     part = (ids.shape[1] - turns * answer) // turns
     if part < 1:
         raise ValueError(f"--context {ids.shape[1]} is too short for {turns} turns of {answer}-token answers")
-    plain = cfg.replace(reuse=False, disk_dir=os.path.join(args.dir, "plain"))
+    plain = cfg.replace(reuse=False, remote_url=None, disk_dir=os.path.join(args.dir, "plain"))
     reuse = cfg.replace(disk_dir=os.path.join(args.dir, "conversation"))
     prompts, rows = [], []
     history = ids[:, :0]

@@ -648,7 +648,7 @@ def test_bench_prefix_remote_smoke(tmp_path, shared_url):
     tiny.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "prefix", "--model", str(tmp_path / "model"),
-                           "--context", "200", "--turns", "0", "--block-tokens", "8", "--no-baseline",
+                           "--context", "200", "--turns", "2", "--answer-tokens", "4", "--block-tokens", "8",
                            "--dir", str(tmp_path), "--remote", shared_url, "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
