@@ -320,3 +320,19 @@ def test_every_file_of_the_prefix_cache_is_private(tmp_path):
                 mode = stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode)
                 assert mode == 0o600, (name, oct(mode))
     assert {INDEX_NAME, INDEX_NAME + "-wal", INDEX_NAME + "-shm"} <= seen, seen
+
+
+@pytest.mark.parametrize("warm_from", ["host", "disk"])
+def test_a_warm_load_under_inference_mode(tmp_path, warm_from):
+    """Users wrap generation in torch.inference_mode(): the prefix is then loaded into
+    inference tensors by the I/O threads, which must be allowed to write them."""
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path)
+    run(model, ids, cfg)
+    if warm_from == "disk":
+        close_all()  # a new process: the prefix comes back from the data file
+    with TieredCache(model, cfg) as cache, torch.inference_mode():
+        loaded = cache.load_prefix(ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+    assert loaded == (PROMPT - 1) // BT * BT
+    assert_same(reference(model, ids), out)

@@ -356,6 +356,7 @@ class BlockStore:
                 errors[i] = exc
         return errors
 
+    @torch.inference_mode()  # ``outs`` may be inference tensors (a caller under inference_mode)
     def _read_chunk(self, chunk: list, outs: list) -> dict:
         """On an I/O thread: read each held copy of ``chunk`` into its tensor of ``outs``."""
         got: dict = {}
