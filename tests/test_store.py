@@ -42,6 +42,29 @@ def test_reads_return_exactly_what_was_written_across_all_tiers(make_store, geom
     assert moves["device->host"]["blocks"] > 0 and moves["host->disk"]["blocks"] > 0
 
 
+def test_a_put_to_the_host_tier_skips_the_device_and_spills_to_disk(make_store, geometry):
+    """The prefix cache keeps blocks, nothing attends to them: put(tier=HOST) writes them on
+    the host tier (no device slot, no demotion to wait for); past 3 host slots the older ones
+    are written down to disk; every read is exact and no tier is ever over its budget."""
+    store = make_store()
+    data = blocks(geometry, 12, seed=3)
+    for key, block in data.items():
+        store.put(key, block, tier=Tier.HOST)
+        store.check()
+    store.wait_idle()
+    tiers, moves = store.stats()["tiers"], store.stats()["moves"]
+    assert tiers["device"]["blocks"] == 0 and tiers["host"]["blocks"] == 3 and tiers["disk"]["blocks"] >= 9
+    assert "device->host" not in moves and moves["host->disk"]["blocks"] >= 9
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+    first = next(iter(data))
+    for tier in (Tier.HOST, None):  # a key is stored once: its copies never disagree
+        with pytest.raises(ValueError, match="already stored"):
+            store.put(first, torch.zeros(geometry.shape), tier=tier)
+    assert torch.equal(store.get(first), data[first])
+    store.check()
+
+
 def test_budgets_are_never_exceeded_under_promotion_churn(make_store, geometry):
     """Promote random blocks to the device while checking budgets after every step."""
     store = make_store()

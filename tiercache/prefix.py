@@ -413,7 +413,7 @@ class PrefixCache:
             if key in self.store:
                 return False
             self._room()
-            self.store.put(key, kv, self.geometry.block_tokens, token_ids=block.token_ids)
+            self.store.put(key, kv, self.geometry.block_tokens, token_ids=block.token_ids, tier=Tier.HOST)
             if block.parent is not None:
                 parent = BlockKey(block.parent, layer, block.index - 1)
                 if parent in self.store:

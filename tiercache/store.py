@@ -178,14 +178,20 @@ class BlockStore:
 
     # ---- generic block API -------------------------------------------------------------
     def put(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int] = None,
-            token_ids: bytes = b"") -> None:
-        """Store a new block (``[2, B, H, T, D]``) on the device tier, evicting as needed.
+            token_ids: bytes = b"", tier: Optional[Tier] = None) -> None:
+        """Store a new block (``[2, B, H, T, D]``) on the device tier (or on ``tier=Tier.HOST``
+        when the store has a host tier), evicting as needed.
 
         ``token_ids`` (``DiskTier.pack_token_ids``) travel with the block into its disk
         record header, so a reopened store knows which tokens it holds (``token_ids_of``).
         """
         if tuple(block.shape) != self.geometry.shape:
             raise ValueError(f"block shape {tuple(block.shape)} != {self.geometry.shape}")
+        if key in self:  # another copy with other bytes would make its copies disagree
+            raise ValueError(f"block {key!r} is already stored; delete it first")
+        if tier is Tier.HOST and Tier.HOST in self.tiers:
+            self._put_on_host(key, block, num_tokens, token_ids)
+            return
         (slot,) = self.new_blocks([key])
         try:
             self.device_pool.write_block(slot, block.to(self.geometry.dtype))
@@ -194,6 +200,33 @@ class BlockStore:
                 self._token_ids[key] = token_ids
         finally:
             self.unpin([key])
+
+    def _put_on_host(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int], token_ids: bytes) -> None:
+        """``put`` straight into the host tier: a store that only keeps blocks (the prefix
+        cache) skips the device slot and the synchronous demotion out of it."""
+        stall = 0.0
+        while True:
+            with self._lock:
+                moves = self._room(Tier.HOST, 1, {key}, allow_writeback=True)
+                if self.table.num_free(Tier.HOST) < 1 and not moves:
+                    raise CapacityError(self._full_message(1))
+                if self.table.num_free(Tier.HOST) >= 1 and not moves:
+                    slot = self.table.allocate(key, Tier.HOST)  # FILLING: nobody reads or evicts it
+                    break
+            stall += self._wait_moves(moves, raise_io=True)
+        try:
+            self.host_pool.view(slot).copy_(block.to(self.geometry.dtype))
+        except BaseException:
+            with self._lock:
+                self._released(key, Tier.HOST, self.table.abort(key, Tier.HOST))
+            raise
+        with self._lock:
+            self.table.commit(key, Tier.HOST)
+            self.policies[Tier.HOST].insert(key)
+            self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
+            if token_ids:
+                self._token_ids[key] = token_ids
+            self._stalled(stall)
 
     def token_ids_of(self, key: Hashable) -> bytes:
         """The packed token ids stored with ``key`` (b"" when none were)."""
