@@ -239,9 +239,9 @@ def test_a_missing_dir_is_one_line_and_exit_2_an_empty_one_says_so(tmp_path, act
     assert f"no prefix cache in {empty}" in proc.stdout
 
 
-def test_bench_prefix_smoke(tmp_path):
-    """bench prefix end to end on a tiny random Llama with the default tokenizer: every
-    figure is there, warm runs load the prefix and match the cold logits."""
+def tiny_bench_model(folder) -> str:
+    """A tiny random Llama with the default model's tokenizer (128 positions) saved in
+    ``folder``: what ``bench prefix --model`` loads quickly. Skips without the tokenizer."""
     from tiercache.models import converted_dir
 
     if not os.path.exists(os.path.join(converted_dir(), "tokenizer.json")):
@@ -249,8 +249,15 @@ def test_bench_prefix_smoke(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(converted_dir())
     model = tiny_model(vocab=len(tokenizer))
     model.config.max_position_embeddings = 128
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_bench_prefix_smoke(tmp_path):
+    """bench prefix end to end on a tiny random Llama with the default tokenizer: every
+    figure is there, warm runs load the prefix and match the cold logits."""
+    tiny_bench_model(tmp_path / "model")
     proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "prefix", "--model", str(tmp_path / "model"),
                            "--context", "200", "--turns", "2", "--answer-tokens", "4", "--block-tokens", "8",
                            "--dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
