@@ -34,6 +34,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.model: dict = {}
         self.pins: dict = {}
         self.futures: list = []
+        self.views: list = []  # (keys, K, V, expected K, expected V) of the last read with hold=True
         self.counter = 0
 
     def teardown(self) -> None:
@@ -52,7 +53,8 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             self.store.put(key, block)
         except CapacityError:
-            assert len(self.model) >= 3 + 2 + 6 - sum(1 for k in self.pins if self.pins[k]) - 3
+            held = sum(len(v[0]) for v in self.views)  # held blocks: not evictable, maybe deleted
+            assert len(self.model) >= 3 + 2 + 6 - sum(1 for k in self.pins if self.pins[k]) - 3 - 2 * held
             return
         self.model[key] = block
 
@@ -102,6 +104,30 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.delete(key)
             del self.model[key]
 
+    @rule(first=KEYS, n=st.integers(min_value=1, max_value=2))
+    def read_held(self, first, n):
+        """read_layer(hold=True): the K/V (views of the device pool when the blocks sit in
+        adjacent device slots) hold exactly the blocks' bytes until release_views or the
+        next such read."""
+        keys = [BlockKey(0, 0, first.index + i) for i in range(n)]
+        if any(k not in self.model for k in keys):
+            return
+        self.views.clear()  # the read lets the previous one go
+        t = GEOMETRY.block_tokens
+        try:
+            k, v = self.store.read_layer(keys, n * t - 1, 1, hold=True)
+        except CapacityError:
+            return
+        want_k = torch.cat([self.model[key][0] for key in keys], dim=-2)[:, :, 1:]
+        want_v = torch.cat([self.model[key][1] for key in keys], dim=-2)[:, :, 1:]
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        self.views.append((keys, k, v, want_k, want_v))
+
+    @rule()
+    def release_views(self):
+        self.store.release_views()
+        self.views.clear()
+
     @rule()
     def settle(self):
         for f in self.futures:
@@ -115,6 +141,8 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def consistent_and_within_budget(self):
         self.store.check()
+        for _, k, v, want_k, want_v in self.views:  # nothing held was freed or overwritten
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
         assert len(self.store) == len(self.model)
         for key, n in self.pins.items():
             if n:

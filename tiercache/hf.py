@@ -186,10 +186,17 @@ class TieredCache(Cache):
         if self._reuse:  # the hook holds the cache weakly: an unclosed cache can still be collected
             ref = weakref.ref(self)
 
-            def observe(module: Any, args: tuple, kwargs: dict) -> None:
+            def observe(module: Any, args: tuple, kwargs: Optional[dict] = None) -> None:
                 cache = ref()
-                if cache is not None:
-                    cache._observe_inputs(module, args, kwargs)
+                if cache is None:
+                    return
+                if kwargs is None:
+                    # torch may call a hook without its kwargs while other threads register
+                    # hooks on the same model: the tokens of this forward are unknown, so
+                    # this cache publishes nothing more (a block named by wrong ids never).
+                    cache._token_ids = None
+                    return
+                cache._observe_inputs(module, args, kwargs)
             self._hook = self._model.register_forward_pre_hook(observe, with_kwargs=True)
         self.closed = False
 
@@ -431,6 +438,7 @@ class TieredCache(Cache):
             self._step_tokens = q
         store.note_compute()
         store.unpin(self._pinned)  # attention of the previous layer is done
+        store.release_views()
         self._pinned = []
         retention = self.retention_state
         if retention is not None and layer_idx == 0:
@@ -448,7 +456,7 @@ class TieredCache(Cache):
             write_keys.append(tail)
         fresh = [self._key(layer_idx, i) for i in range(first_new, (end + bt - 1) // bt)]
         if fresh:
-            store.new_blocks(fresh, protect=write_keys)
+            store.new_blocks(fresh, protect=write_keys, near=self._slot_hint(layer_idx, first_new))
             self._pinned.extend(fresh)
             write_keys.extend(fresh)
         for key, slot in zip(write_keys, store.device_slots(write_keys)):
@@ -482,7 +490,9 @@ class TieredCache(Cache):
             from tiercache.selection import SelectionPlan
 
             return SelectionPlan(self, layer_idx, needed, end - read_from).placeholder(key_states)
-        keys, values = store.read_layer(needed, end - read_from, offset)
+        # Views of the device pool when the blocks are adjacent there (held until the next
+        # update); a copy with retention, which rewrites blocks while attention still runs.
+        keys, values = store.read_layer(needed, end - read_from, offset, hold=not retained)
         keys, values = self._after_read(layer_idx, needed, offset, keys, values)
         if retained:
             from tiercache.attention import PLAN_ATTR
@@ -490,6 +500,16 @@ class TieredCache(Cache):
 
             setattr(keys, PLAN_ATTR, RetentionPlan(self, layer_idx, start, values))
         return keys, values
+
+    def _slot_hint(self, layer_idx: int, index: int) -> Optional[int]:
+        """Where block ``index`` of the layer should go on the device: right after the
+        layer's previous block, or for its first block at the start of the layer's share of
+        the slots. A layer whose blocks sit in adjacent slots is read without a copy."""
+        store = self.store
+        if index > self.layers[layer_idx].first_block:
+            prev = store.device_slot(self._key(layer_idx, index - 1))
+            return None if prev is None else prev + 1
+        return layer_idx * (store.num_slots(store.tiers[0]) // self.num_layers)
 
     def _make_selection_and_retention(self) -> tuple:
         cfg = self.tier_config

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future
 from typing import Hashable, Iterable, Optional
 
+import numpy as np
 import torch
 
 from tiercache.config import TierConfig, format_bytes
@@ -79,6 +80,9 @@ class BlockStore:
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
         self._token_ids: dict = {}  # key -> packed token ids (prefix-cache blocks)
         self._prefetched: dict = {}  # key -> tier a prefetch brought it to
+        self._np_pools: Optional[tuple] = None  # see _byte_pools
+        self._gather_buf: Optional[tuple] = None  # see _gather_mixed(reuse=True)
+        self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
         self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
         self._parent: dict = {}
         with torch.inference_mode(False):
@@ -534,8 +538,13 @@ class BlockStore:
             self._wait_moves(moves, raise_io=True)
 
     # ---- the decode path -----------------------------------------------------------------
-    def new_blocks(self, keys: list, protect: Iterable[Hashable] = ()) -> list:
-        """Allocate device slots for new blocks; they come back READY and pinned."""
+    def new_blocks(self, keys: list, protect: Iterable[Hashable] = (), near: Optional[int] = None) -> list:
+        """Allocate device slots for new blocks; they come back READY and pinned.
+
+        ``near``: the slot to try for the first key; each later key tries the slot after the
+        previous one. Blocks that attention reads together in adjacent slots are read in
+        place, without a gather copy (``read_layer``).
+        """
         protect = set(protect) | set(keys)
         stall = 0.0
         while True:
@@ -545,8 +554,11 @@ class BlockStore:
                     raise CapacityError(self._full_message(len(keys)))
                 if self.table.num_free(Tier.DEVICE) >= len(keys) and not moves:
                     slots = []
+                    prefer = near
                     for key in keys:
-                        slots.append(self.table.allocate(key, Tier.DEVICE))
+                        slot = self.table.allocate(key, Tier.DEVICE, prefer)
+                        slots.append(slot)
+                        prefer = None if near is None else slot + 1
                         self.table.commit(key, Tier.DEVICE)
                         self.table.pin(key)
                         self.policies[Tier.DEVICE].insert(key)
@@ -664,32 +676,66 @@ class BlockStore:
         """Where attention reads blocks from: the device, or on CPU the device or the host."""
         return Tier.HOST if self.device.type == "cpu" and Tier.HOST in self.tiers else Tier.DEVICE
 
-    def read_layer(self, keys: list, num_tokens: int, start_token: int = 0) -> tuple:
+    def read_layer(self, keys: list, num_tokens: int, start_token: int = 0, hold: bool = False) -> tuple:
         """K and V of ``keys`` in order as [B, H, num_tokens, D], for attention.
 
         On CUDA every block is made resident on the device and gathered there. On CPU the
         device and host tiers are the same memory, so blocks are gathered from whichever of
         the two holds them (disk blocks are first read up to the host): a promotion copy
         would only repeat the gather's own copy.
+
+        With ``hold`` (one layer read at a time, as attention reads them), blocks that sit
+        on the device in adjacent slots, in order, are not copied: K and V are views of the
+        device pool, and their copies stay held (never freed, evicted or demoted) until
+        ``release_views``; other reads land in a buffer the store reuses. Either way the
+        result is valid until ``release_views`` or the next ``read_layer(hold=True)``
+        (which lets the previous one go). The caller must let go before it writes to those
+        blocks again (``begin_write`` does).
         """
+        if hold:
+            self.release_views()
         if self.device.type != "cpu" or Tier.HOST not in self.tiers:
             self.ensure_device(keys)
             try:
-                out = self.device_pool.gather(self.device_slots(keys), num_tokens, start_token)
+                with self._lock:
+                    copies = [self.table.copy(k, Tier.DEVICE) for k in keys]
+                    slots = [c.slot for c in copies]
+                    if hold and DevicePool.consecutive(slots):
+                        for key, copy in zip(keys, copies):
+                            copy.readers += 1
+                            self._views.append((self.table.get(key), copy))
+                        return self.device_pool.view(slots[0], len(slots), num_tokens, start_token)
+                out = self.device_pool.gather(slots, num_tokens, start_token)
                 self.note_compute()  # later copies into these slots wait for the gather
                 return out
             finally:
                 self.unpin(keys)
         held = self._hold_in_memory(keys)
-        try:
-            return self._gather_mixed(held, num_tokens, start_token)
-        finally:
+        if hold and all(c is e.copies.get(Tier.DEVICE) for e, c in held) \
+                and DevicePool.consecutive([c.slot for _, c in held]):
             with self._lock:
-                for entry, copy in held:
-                    copy.readers -= 1
-                    if entry.deleted:
-                        for t, slot in self.table._collect(entry):
-                            self._released(entry.key, t, slot)
+                self._views.extend(held)
+            return self.device_pool.view(held[0][1].slot, len(held), num_tokens, start_token)
+        try:
+            return self._gather_mixed(held, num_tokens, start_token, reuse=hold)
+        finally:
+            self._let_go(held)
+
+    def _let_go(self, held: list) -> None:
+        """Drop the readers ``held`` took ([(entry, copy)]); free what was deleted meanwhile."""
+        with self._lock:
+            for entry, copy in held:
+                copy.readers -= 1
+                if entry.deleted:
+                    for t, slot in self.table._collect(entry):
+                        self._released(entry.key, t, slot)
+
+    def release_views(self) -> None:
+        """Attention is done with the views ``read_layer(hold=True)`` returned: let their
+        blocks go (they may be written, moved or freed again)."""
+        if self._views:
+            held, self._views = self._views, []
+            self._let_go(held)
 
     def _hold_in_memory(self, keys: list) -> list:
         """CPU path: wait until every key has a READY device or host copy; hold each such
@@ -775,29 +821,63 @@ class BlockStore:
             raise self._io_error("reading blocks for attention", io[0])
         return failures + 1
 
-    def _gather_mixed(self, held: list, num_tokens: int, start_token: int) -> tuple:
+    def _gather_mixed(self, held: list, num_tokens: int, start_token: int, reuse: bool = False) -> tuple:
+        """CPU: copy the held blocks ([(entry, copy)], device or host) into one K and one V.
+
+        ``reuse``: into the store's one gather buffer (the result is valid until the next
+        such read: ``read_layer(hold=True)`` results live until ``release_views``), which
+        saves a fresh allocation, and its page faults, per layer and step.
+
+        The copies are numpy copies of bytes (a plain single-threaded memcpy per run of
+        adjacent device slots or per host block): torch's ``copy_`` of a block this size
+        starts an OpenMP parallel region, which cost ~8 ms per copy instead of ~0.1 ms on
+        this 2-core machine whenever the other core was busy.
+        """
         g = self.geometry
         rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
-        out_k = torch.empty(rows, n, width, dtype=g.dtype, device=self.device)
-        out_v = torch.empty_like(out_k)
-        dev = [(i, c.slot) for i, (e, c) in enumerate(held) if c is e.copies.get(Tier.DEVICE)]
-        host = [(i, c.slot) for i, (e, c) in enumerate(held) if c is not e.copies.get(Tier.DEVICE)]
-        if dev:
-            pos = torch.tensor([i for i, _ in dev], dtype=torch.long)
-            slots = torch.tensor([s for _, s in dev], dtype=torch.long)
-            for out, pool in ((out_k, self.device_pool.k), (out_v, self.device_pool.v)):
-                picked = pool.index_select(1, slots)  # [rows, m, width]
-                if len(dev) == n:
-                    out.copy_(picked)
-                else:
-                    out.index_copy_(1, pos, picked)
-        for i, slot in host:  # each host slot is one contiguous [2, B, H, T, D] block
-            block = self.host_pool.view(slot)
-            out_k[:, i].copy_(block[0].reshape(rows, width))
-            out_v[:, i].copy_(block[1].reshape(rows, width))
+        if reuse:
+            if self._gather_buf is None or self._gather_buf[0].shape[1] < n:
+                with torch.inference_mode(False):
+                    buf = torch.empty(2, rows, n + n // 4 + 1, width, dtype=g.dtype, device=self.device)
+                self._gather_buf = (buf[0], buf[1])
+            out_k, out_v = (t[:, :n] for t in self._gather_buf)
+        else:
+            out_k = torch.empty(rows, n, width, dtype=g.dtype, device=self.device)
+            out_v = torch.empty_like(out_k)
+        outs = (out_k.view(torch.uint8).numpy(), out_v.view(torch.uint8).numpy())
+        dev_k, dev_v, host_k, host_v = self._byte_pools()
+        i = 0
+        while i < n:
+            entry, copy = held[i]
+            if copy is entry.copies.get(Tier.DEVICE):
+                j = i + 1  # a run of adjacent device slots: one copy
+                while (j < n and held[j][1] is held[j][0].copies.get(Tier.DEVICE)
+                       and held[j][1].slot == copy.slot + (j - i)):
+                    j += 1
+                np.copyto(outs[0][:, i:j], dev_k[:, copy.slot:copy.slot + j - i])
+                np.copyto(outs[1][:, i:j], dev_v[:, copy.slot:copy.slot + j - i])
+                i = j
+            else:  # each host slot is one contiguous [2, B, H, T, D] block
+                np.copyto(outs[0][:, i], host_k[:, copy.slot])
+                np.copyto(outs[1][:, i], host_v[:, copy.slot])
+                i += 1
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
         return k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens]
+
+    def _byte_pools(self) -> tuple:
+        """numpy byte views of K and V of the device and host pools, [B*H, slots, T*D*itemsize]."""
+        if self._np_pools is None:
+            host_k, host_v = self.host_pool.kv_rows()
+            self._np_pools = tuple(t.view(torch.uint8).numpy() for t in
+                                   (self.device_pool.k, self.device_pool.v, host_k, host_v))
+        return self._np_pools
+
+    def device_slot(self, key: Hashable) -> Optional[int]:
+        """The device slot of ``key``'s copy there, or None."""
+        with self._lock:
+            copy = self.table.copy(key, Tier.DEVICE)
+            return None if copy is None else copy.slot
 
     def device_slots(self, keys: list) -> list:
         with self._lock:
@@ -806,8 +886,10 @@ class BlockStore:
     def begin_write(self, key: Hashable) -> int:
         """Before appending to ``key``'s device copy: wait for moves reading it, drop stale copies.
 
-        The block must be pinned on the device. Returns its device slot.
+        The block must be pinned on the device. Returns its device slot. Views that
+        ``read_layer`` returned are let go first (whoever writes is done reading them).
         """
+        self.release_views()
         while True:
             with self._lock:
                 entry = self.table.get(key)
@@ -872,6 +954,7 @@ class BlockStore:
 
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Permute the batch rows of every block (beam search); lower copies are refreshed."""
+        self.release_views()
         self.wait_idle()
         rows = rows.to(torch.long).cpu()
         with self._lock:
@@ -918,6 +1001,7 @@ class BlockStore:
             return
         self.closed = True
         try:
+            self.release_views()
             self.wait_idle()
             if self.disk is not None and self.disk.persistent:
                 self.flush()

@@ -189,12 +189,18 @@ class BlockTable:
         return not (tier is Tier.DEVICE and entry.pins)
 
     # ---- mutations -----------------------------------------------------------------
-    def allocate(self, key: Hashable, tier: Tier) -> int:
-        """Reserve a slot on ``tier`` for a new copy of ``key`` (FILLING)."""
+    def allocate(self, key: Hashable, tier: Tier, prefer: Optional[int] = None) -> int:
+        """Reserve a slot on ``tier`` for a new copy of ``key`` (FILLING): ``prefer`` when
+        that slot is free, else any."""
         entry = self._blocks.get(key)
         if entry is not None and tier in entry.copies:
             raise TableError(f"block {key!r} already has a copy on {tier.label}")
-        slot = self._slots[tier].alloc()
+        slots = self._slots[tier]
+        if prefer is not None and slots.is_free(prefer):
+            slots.take(prefer)
+            slot = prefer
+        else:
+            slot = slots.alloc()
         if slot is None:
             raise TableError(f"no free slot on {tier.label}")
         if entry is None:

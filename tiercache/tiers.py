@@ -74,8 +74,10 @@ class DevicePool:
         self.device = torch.device(device)
         rows, width = g.batch * g.kv_heads, g.block_tokens * g.head_dim
         # k, v: [B*H, num_slots, T*D]  (block s of row r holds tokens s*T .. s*T+T-1)
-        self.k = torch.zeros(rows, num_slots, width, dtype=g.dtype, device=self.device)
-        self.v = torch.zeros_like(self.k)
+        # Not zero-filled: every read is sliced to the tokens written (a slot's unwritten
+        # tail is never part of what attention sees), and untouched pages cost no RAM.
+        self.k = torch.empty(rows, num_slots, width, dtype=g.dtype, device=self.device)
+        self.v = torch.empty_like(self.k)
 
     @property
     def nbytes(self) -> int:
@@ -98,21 +100,41 @@ class DevicePool:
 
     def write_tokens(self, slot: int, offset: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         # k_new, v_new: [B, H, n, D] -> tokens [offset, offset + n) of the slot
-        d = self.geometry.head_dim
+        # One strided copy each (no reshape of a strided slice into a temporary first).
+        g = self.geometry
+        d = g.head_dim
         n = k_new.shape[-2]
-        self.k[:, slot, offset * d:(offset + n) * d].copy_(self._rows(k_new))
-        self.v[:, slot, offset * d:(offset + n) * d].copy_(self._rows(v_new))
+        shape = (g.batch, g.kv_heads, n, d)
+        self.k[:, slot, offset * d:(offset + n) * d].view(shape).copy_(k_new)
+        self.v[:, slot, offset * d:(offset + n) * d].view(shape).copy_(v_new)
 
     def gather(self, slots: list, num_tokens: int, start_token: int = 0) -> tuple:
-        """K and V of ``slots`` in order, as [B, H, num_tokens, D] (tokens from ``start_token``)."""
+        """K and V of ``slots`` in order, as [B, H, num_tokens, D] (tokens from ``start_token``).
+
+        Always a copy: the result does not alias the pool (see ``view`` for the no-copy read).
+        """
         g = self.geometry
         n = len(slots)
-        # Always a copy: the result must not alias slots that may be reused once unpinned.
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         k = self.k.index_select(1, index)
         v = self.v.index_select(1, index)
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = k.reshape(shape), v.reshape(shape)
+        return (k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens])
+
+    @staticmethod
+    def consecutive(slots: list) -> bool:
+        """Are ``slots`` adjacent and in ascending order (so that ``view`` can read them)?"""
+        return bool(slots) and slots[-1] - slots[0] == len(slots) - 1 and all(
+            b == a + 1 for a, b in zip(slots, slots[1:]))
+
+    def view(self, first_slot: int, num_slots: int, num_tokens: int, start_token: int = 0) -> tuple:
+        """K and V of the adjacent slots ``first_slot ..`` as [B, H, num_tokens, D] views of
+        the pool (no copy): valid only while those slots are held and not written."""
+        g = self.geometry
+        shape = (g.batch, g.kv_heads, num_slots * g.block_tokens, g.head_dim)
+        k = self.k[:, first_slot:first_slot + num_slots].view(shape)
+        v = self.v[:, first_slot:first_slot + num_slots].view(shape)
         return (k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens])
 
     def reorder_rows(self, slots: list, rows: torch.Tensor) -> None:

@@ -1,0 +1,133 @@
+"""Reads without copies: a layer whose blocks sit in adjacent device slots is returned as
+views of the device pool (held until ``release_views``); other layers are gathered. Both
+must give exactly the bytes written, and a held block must never be freed or reused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiercache import BlockKey, Tier, TierConfig, TieredCache
+from tiercache.store import BlockStore
+from tiercache.tiers import BlockGeometry, DevicePool
+
+from conftest import tiny_config
+from test_hf_exactness import assert_same, generate, prompt_ids, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _aliases_pool(store: BlockStore, t: torch.Tensor) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return ptr in (store.device_pool.k.untyped_storage().data_ptr(), store.device_pool.v.untyped_storage().data_ptr())
+
+
+def _fill(store: BlockStore, keys: list, near=None, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    data = {}
+    slots = store.new_blocks(keys, near=near)
+    for key, slot in zip(keys, slots):
+        block = torch.randn(store.geometry.shape, generator=g).to(store.geometry.dtype)
+        store.device_pool.write_block(slot, block)
+        data[key] = block
+    store.unpin(keys)
+    return data
+
+
+def _expected(data: dict, keys: list, num_tokens: int, start: int) -> tuple:
+    k = torch.cat([data[key][0] for key in keys], dim=-2)[:, :, start:start + num_tokens]
+    v = torch.cat([data[key][1] for key in keys], dim=-2)[:, :, start:start + num_tokens]
+    return k, v
+
+
+def test_consecutive():
+    assert DevicePool.consecutive([3]) and DevicePool.consecutive([4, 5, 6])
+    assert not DevicePool.consecutive([]) and not DevicePool.consecutive([5, 4])
+    assert not DevicePool.consecutive([1, 3]) and not DevicePool.consecutive([1, 2, 2, 3])
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_adjacent_device_blocks_are_read_in_place_and_held_until_released(tmp_path, geometry, host):
+    cfg = tiny_config(tmp_path, geometry, device_blocks=6, host_blocks=3 if host else 0, disk_blocks=20)
+    with BlockStore(cfg, geometry) as store:
+        keys = [BlockKey(0, 0, i) for i in range(3)]
+        data = _fill(store, keys, near=2)
+        assert store.device_slots(keys) == [2, 3, 4]
+        k, v = store.read_layer(keys, 3 * geometry.block_tokens - 3, 1, hold=True)
+        assert _aliases_pool(store, k) and _aliases_pool(store, v)
+        want_k, want_v = _expected(data, keys, 3 * geometry.block_tokens - 3, 1)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        # Held: deleting them frees nothing, and new blocks never land in their slots.
+        for key in keys:
+            store.delete(key)
+        store.check()
+        assert store.table.num_free(Tier.DEVICE) == 3
+        others = [BlockKey(1, 0, i) for i in range(3)]
+        _fill(store, others, near=2, seed=1)
+        assert not set(store.device_slots(others)) & {2, 3, 4}
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        store.release_views()
+        store.check()
+        assert store.table.num_free(Tier.DEVICE) == 3
+        # Without hold, or when the slots are not in order: a copy.
+        k2, _ = store.read_layer(others, 2, 0)
+        assert not _aliases_pool(store, k2)
+        k3, _ = store.read_layer(list(reversed(others)), 2, 0, hold=True)
+        assert not _aliases_pool(store, k3)
+        assert not store._views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype):
+    geometry = BlockGeometry(batch=2, kv_heads=2, block_tokens=4, head_dim=8, dtype=dtype)
+    cfg = tiny_config(tmp_path, geometry, device_blocks=4, host_blocks=8, disk_blocks=20)
+    with BlockStore(cfg, geometry) as store:
+        keys = [BlockKey(0, 0, i) for i in range(8)]
+        data = {}
+        for i, key in enumerate(keys):  # later blocks push earlier ones down to the host
+            data.update(_fill(store, [key], seed=i))
+        store.wait_idle()
+        store.ensure_device([keys[1], keys[2]], pin=False)  # a run of device blocks amid host ones
+        tiers = [store.tiers_of(key)[0] for key in keys]
+        assert Tier.HOST in tiers and Tier.DEVICE in tiers
+        order = [keys[3], keys[1], keys[2], keys[0], keys[7], keys[5]]
+        for start, n in ((0, 24), (3, 17)):
+            k, v = store.read_layer(order, n, start, hold=True)
+            want_k, want_v = _expected(data, order, n, start)
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+            store.release_views()
+        store.check()
+
+
+def test_write_tokens_from_a_strided_slice(geometry):
+    pool = DevicePool(geometry, 3, "cpu")
+    g = geometry
+    src = torch.randn(g.batch, g.kv_heads, 10, g.head_dim)
+    pool.write_tokens(1, 1, src[:, :, 4:7], src[:, :, 2:5] * 2)
+    k, v = pool.view(1, 1, 3, 1)
+    assert torch.equal(k, src[:, :, 4:7]) and torch.equal(v, src[:, :, 2:5] * 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("mode", ["greedy", "beam", "batch2"])
+def test_a_roomy_device_tier_reads_layers_in_place_and_stays_exact(family, mode, monkeypatch):
+    """Blocks of a layer go to adjacent slots, so attention reads them in place; logits are
+    still DynamicCache's (sliding layers free blocks while their views are held)."""
+    model = tiny_model(family)
+    batch = 2 if mode == "batch2" else 1
+    ids = prompt_ids(batch)
+    kwargs = dict(max_new_tokens=10, num_beams=2 if mode == "beam" else 1)
+    ref = generate(model, ids, **kwargs)
+    reads = {"view": 0, "copy": 0}
+    original = BlockStore.read_layer
+
+    def counting(self, *args, **kw):
+        k, v = original(self, *args, **kw)
+        reads["view" if _aliases_pool(self, k) else "copy"] += 1
+        return k, v
+
+    monkeypatch.setattr(BlockStore, "read_layer", counting)
+    with TieredCache(model, TierConfig(device_budget="1MiB", host_budget=0, block_tokens=4)) as cache:
+        out = generate(model, ids, cache=cache, **kwargs)
+        cache.store.check()
+    assert_same(ref, out, f"{family} {mode}")
+    assert reads["view"] > 0 and reads["view"] >= reads["copy"], reads
