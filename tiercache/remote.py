@@ -326,19 +326,23 @@ class RemoteTier:
             if len(layers) == self.num_layers:
                 del self._pending[block.h]
                 self._queue.append(("manifest", block, -1, None))
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop, name="tiercache-remote", daemon=True)
-                self._writer.start()
+            self._start_writer_locked()
             self._cv.notify_all()
             return True
+
+    def _start_writer_locked(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="tiercache-remote", daemon=True)
+            self._writer.start()
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """Mark ``blocks`` used now (their remote_budget eviction order); queued, never waits."""
         if self.budget is None:
             return
         with self._cv:
-            if not self.closed and self._writer is not None:
+            if not self.closed:  # a worker that only reads still keeps the eviction order
                 self._queue.append(("touch", list(blocks), -1, None))
+                self._start_writer_locked()
                 self._cv.notify_all()
 
     def _score(self, block: Any) -> float:
