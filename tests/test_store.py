@@ -447,3 +447,42 @@ def test_read_into_checks_every_record_and_never_returns_a_corrupt_one(tmp_path,
         assert victim not in store and store.stats()["integrity_errors"] == 1
         assert store.stats()["hits"]["disk"] == n - 1
         store.check()
+
+
+def test_read_layer_queues_the_next_layers_prefetch_before_waiting(make_store, geometry):
+    """Decode reads layer after layer; the disk must never idle between two of them. With
+    one I/O worker held busy, read_layer(A, ahead=B) queues A's reads and then B's prefetch
+    before it waits: B's host copies are reserved (in flight) while A's reads cannot have
+    finished. Once the worker runs, A comes back exactly and B lands on the host."""
+    from tiercache.transfer import Priority
+
+    store = make_store(device_blocks=2, host_blocks=8, io_workers=1)
+    data = blocks(geometry, 6, seed=5)
+    for key, block in data.items():
+        store.put(key, block)
+        while store.tiers_of(key) != [Tier.DISK]:  # written down to disk, the host left empty
+            store.demote(key).result()
+    a, b = list(data)[:3], list(data)[3:]
+
+    gate = threading.Event()
+    store.engine.submit(gate.wait, Priority.DEMAND)  # the only worker waits on the gate
+    result: dict = {}
+    reader = threading.Thread(target=lambda: result.update(kv=store.read_layer(a, 3 * geometry.block_tokens,
+                                                                                ahead=b)))
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not all(store.table.copy(k, Tier.HOST) is not None for k in a + b) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    queued = all(store.table.copy(k, Tier.HOST) is not None for k in a + b)
+    a_ready = any(store.table.is_ready(k, Tier.HOST) for k in a)
+    gate.set()
+    reader.join(10)
+    assert queued and not a_ready, "the next layer's prefetch must be queued before this layer's wait"
+    k, v = result["kv"]
+    for i, key in enumerate(a):
+        t = geometry.block_tokens
+        assert torch.equal(k[:, :, i * t:(i + 1) * t], data[key][0])
+        assert torch.equal(v[:, :, i * t:(i + 1) * t], data[key][1])
+    store.wait_idle()
+    assert all(store.table.is_ready(key, Tier.HOST) for key in b)
+    store.check()

@@ -492,8 +492,11 @@ class TieredCache(Cache):
             return SelectionPlan(self, layer_idx, needed, end - read_from).placeholder(key_states)
         # Views of the device pool when the blocks are adjacent there (held until the next
         # update); a copy with retention, which rewrites blocks while attention still runs.
-        keys, values = store.read_layer(needed, end - read_from, offset, hold=not retained)
-        keys, values = self._after_read(layer_idx, needed, offset, keys, values)
+        # The prefetch plan is queued behind this layer's own reads, before waiting for them.
+        self.prefetch_policy.observe(layer_idx, needed)
+        ahead = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
+        keys, values = store.read_layer(needed, end - read_from, offset, hold=not retained, ahead=ahead)
+        keys, values = self._after_read(layer_idx, needed, offset, keys, values, planned=True)
         if retained:
             from tiercache.attention import PLAN_ATTR
             from tiercache.retention import RetentionPlan
@@ -554,15 +557,17 @@ class TieredCache(Cache):
             self._pending_read = (keys, self._pending_read[1])
 
     def _after_read(self, layer_idx: int, needed: list, offset: int, keys: torch.Tensor,
-                    values: torch.Tensor) -> tuple:
-        """After a layer's blocks were read: scores hook, prefetch, sliding frees, stall time."""
+                    values: torch.Tensor, planned: bool = False) -> tuple:
+        """After a layer's blocks were read: scores hook, prefetch (unless ``planned``: the
+        read already queued it), sliding frees, stall time."""
         store, layer, bt = self.store, self.layers[layer_idx], self.tier_config.block_tokens
         if self.wants_scores or self.trace is not None:
             setattr(keys, SCORES_ATTR, self._scores_hook(needed, offset))
-        self.prefetch_policy.observe(layer_idx, needed)  # with selection: the pages chosen
-        plan = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
-        if plan:
-            store.prefetch(plan, protect=needed, dst=store.attention_tier)
+        if not planned:
+            self.prefetch_policy.observe(layer_idx, needed)  # with selection: the pages chosen
+            plan = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
+            if plan:
+                store.prefetch(plan, protect=needed, dst=store.attention_tier)
         if layer.is_sliding and not layer.record_past:
             self._free_before(layer, max(layer.num_tokens - layer.sliding_window + 1, 0) // bt)
         stall = store.take_stall()

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -567,8 +567,12 @@ class BlockStore:
                     return slots
             stall += self._wait_moves(moves, raise_io=True)
 
-    def ensure_device(self, keys: list, pin: bool = True) -> float:
-        """Make every block of ``keys`` READY on the device and pin it; returns seconds waited."""
+    def ensure_device(self, keys: list, pin: bool = True, ahead: Sequence[Hashable] = ()) -> float:
+        """Make every block of ``keys`` READY on the device and pin it; returns seconds waited.
+
+        ``ahead``: blocks to prefetch to the device once the fetches of ``keys`` are queued
+        (behind them), before waiting for those: the next layer's reads then follow this
+        layer's without a gap."""
         keys = list(keys)
         protect = set(keys)
         pinned: list = []
@@ -624,6 +628,7 @@ class BlockStore:
                     if not submit and not waits:  # nothing to fetch into, nothing to wait for
                         raise CapacityError(self._capacity_message(len(keys)))
                 futures = [self._submit(m, Priority.DEMAND) for m in submit] + waits
+                ahead = self._prefetch_ahead(ahead, protect, Tier.DEVICE)
                 t0 = time.perf_counter()
                 errors = wait_all(futures)
                 stall += time.perf_counter() - t0
@@ -636,6 +641,7 @@ class BlockStore:
                     elif not isinstance(exc, (OSError, RecordError)):
                         raise exc
                 io_failures = self._count_io(errors, io_failures)
+            self._prefetch_ahead(ahead, protect, Tier.DEVICE)
         except BaseException:
             self.unpin(pinned)
             raise
@@ -643,6 +649,12 @@ class BlockStore:
             self.unpin(pinned)
         self._stalled(stall)
         return stall
+
+    def _prefetch_ahead(self, ahead: Sequence[Hashable], protect: set, dst: Tier) -> tuple:
+        """Start prefetching ``ahead`` (once: returns the empty tuple to carry on with)."""
+        if ahead:
+            self.prefetch(list(ahead), protect=protect, dst=dst)
+        return ()
 
     def prefetch(self, keys: list, protect: Iterable[Hashable] = (), dst: Tier = Tier.DEVICE) -> int:
         """Start bringing ``keys`` up to ``dst`` without waiting; only clean copies are evicted."""
@@ -676,7 +688,8 @@ class BlockStore:
         """Where attention reads blocks from: the device, or on CPU the device or the host."""
         return Tier.HOST if self.device.type == "cpu" and Tier.HOST in self.tiers else Tier.DEVICE
 
-    def read_layer(self, keys: list, num_tokens: int, start_token: int = 0, hold: bool = False) -> tuple:
+    def read_layer(self, keys: list, num_tokens: int, start_token: int = 0, hold: bool = False,
+                   ahead: Sequence[Hashable] = ()) -> tuple:
         """K and V of ``keys`` in order as [B, H, num_tokens, D], for attention.
 
         On CUDA every block is made resident on the device and gathered there. On CPU the
@@ -691,11 +704,15 @@ class BlockStore:
         result is valid until ``release_views`` or the next ``read_layer(hold=True)``
         (which lets the previous one go). The caller must let go before it writes to those
         blocks again (``begin_write`` does).
+
+        ``ahead`` (the prefetch policy's plan, e.g. the next layer's blocks) is prefetched to
+        the attention tier as soon as the fetches of ``keys`` are queued, before waiting for
+        them: the transfer queue then never runs dry between two layers.
         """
         if hold:
             self.release_views()
         if self.device.type != "cpu" or Tier.HOST not in self.tiers:
-            self.ensure_device(keys)
+            self.ensure_device(keys, ahead=ahead)
             try:
                 with self._lock:
                     copies = [self.table.copy(k, Tier.DEVICE) for k in keys]
@@ -710,7 +727,7 @@ class BlockStore:
                 return out
             finally:
                 self.unpin(keys)
-        held = self._hold_in_memory(keys)
+        held = self._hold_in_memory(keys, ahead)
         if hold and all(c is e.copies.get(Tier.DEVICE) for e, c in held) \
                 and DevicePool.consecutive([c.slot for _, c in held]):
             with self._lock:
@@ -737,9 +754,10 @@ class BlockStore:
             held, self._views = self._views, []
             self._let_go(held)
 
-    def _hold_in_memory(self, keys: list) -> list:
+    def _hold_in_memory(self, keys: list, ahead: Sequence[Hashable] = ()) -> list:
         """CPU path: wait until every key has a READY device or host copy; hold each such
-        copy with a reader so nothing frees it. Returns [(entry, copy)] in key order."""
+        copy with a reader so nothing frees it. Returns [(entry, copy)] in key order.
+        ``ahead`` is prefetched to the host once the reads of ``keys`` are queued."""
         counted: set = set()
         stall = 0.0
         io_failures = 0
@@ -794,12 +812,12 @@ class BlockStore:
                         copy = entry.copies[tier]
                         copy.readers += 1
                         held.append((entry, copy))
-                    self._stalled(stall)
-                    return held
+                    break
                 if not submit and not waits:
                     raise CapacityError(f"the host tier holds {self.table.num_slots(Tier.HOST)} blocks but this "
                                         f"step reads {len(keys)} and the rest are busy; raise host_budget")
             futures = [self._submit(m, Priority.DEMAND) for m in submit] + waits
+            ahead = self._prefetch_ahead(ahead, set(keys), Tier.HOST)
             t0 = time.perf_counter()
             errors = wait_all(futures)
             stall += time.perf_counter() - t0
@@ -809,6 +827,13 @@ class BlockStore:
                 if not isinstance(exc, (OSError, RecordError)):
                     raise exc
             io_failures = self._count_io(errors, io_failures)
+        try:
+            self._prefetch_ahead(ahead, set(keys), Tier.HOST)
+        except BaseException:
+            self._let_go(held)
+            raise
+        self._stalled(stall)
+        return held
 
     _IO_RETRIES = 3
 
