@@ -10,7 +10,12 @@ context length:
 - quest:   the disk set-up with Quest page selection (``--selection quest``, budget
            ``--selection-budget`` tokens per KV head) and history prefetch (last step's
            selection): scored against exact disk streaming.
-Ratios are measured in the same run. The disk set-up is scored against its bound: the
+Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
+``--new-tokens`` steps of every set-up in turn; the median per set-up): on a shared machine a
+slow spell then slows every set-up alike, where separate processes minutes apart can differ
+by 30% for nothing. The ratios come from the side-by-side run; the separate processes give
+each set-up's peak RSS and its tokens/s alone. Every timing starts after two untimed decode
+steps. The disk set-up is scored against its bound: the
 slower of DynamicCache's tokens/s and the disk's read bandwidth over the bytes read from
 disk per token, so a perfect overlap of I/O and compute scores 1.0.
 """
@@ -27,6 +32,7 @@ import time
 from typing import Optional
 
 SETUPS = ("dynamic", "fits", "host", "disk", "quest")
+SIDE_BY_SIDE = "side-by-side"  # the worker that runs every set-up in one process
 
 
 def kv_bytes_per_token(model) -> int:
@@ -48,58 +54,131 @@ def make_prompt_ids(tokenizer, context: int):
     return torch.cat([ids] * reps)[:context].unsqueeze(0)
 
 
-def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
-           prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = 4096,
-           device_fraction: float = 0.25, host_fraction: float = 0.25) -> dict:
-    """Prefill ``context`` tokens, then time ``new_tokens`` greedy decode steps."""
-    import torch
+WARMUP_STEPS = 2  # untimed decode steps first: kernels for the one-token shapes, allocator
+
+
+def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: int, workdir: str,
+                selection: Optional[str], selection_budget: int, device_fraction: float,
+                host_fraction: float, extra_tokens: int = 0):
     from transformers import DynamicCache
 
     from tiercache import TierConfig, TieredCache
+
+    if setup == "dynamic":
+        return DynamicCache(config=model.config)
+    kv = kv_bytes_per_token(model) * (context + new_tokens + extra_tokens + block_tokens)
+    budgets = {
+        "fits": dict(device_budget=int(kv * 1.2), host_budget=0),
+        "host": dict(device_budget=kv // 4, host_budget=int(kv * 1.0)),
+        "disk": dict(device_budget=int(kv * device_fraction), host_budget=int(kv * host_fraction),
+                     disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, f"kv-{setup}"), direct_io="auto"),
+    }["disk" if setup == "quest" else setup]
+    if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
+        budgets.update(selection=selection or "quest", selection_budget=selection_budget, prefetch="history")
+    return TieredCache(model, TierConfig(block_tokens=block_tokens, **budgets))
+
+
+def _prefill(model, cache, ids, chunk: int):
+    """Prefill ``ids`` in chunks, then ``WARMUP_STEPS`` untimed decode steps; the next token."""
+    for start in range(0, ids.shape[1], chunk):
+        out = model(ids[:, start:start + chunk], cache=cache, use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    for _ in range(WARMUP_STEPS):
+        nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return nxt
+
+
+def _decode(model, cache, nxt, steps: int) -> tuple:
+    """Time ``steps`` greedy decode steps: (seconds, the next token)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return time.perf_counter() - t0, nxt
+
+
+def _moved_since(cache, before: dict) -> dict:
+    after = cache.stats()
+    return {name: m["bytes"] - before["moves"].get(name, {}).get("bytes", 0) for name, m in after["moves"].items()}
+
+
+def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
+           prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = 4096,
+           device_fraction: float = 0.25, host_fraction: float = 0.25) -> dict:
+    """One set-up alone in this process: prefill ``context`` tokens, ``WARMUP_STEPS``
+    untimed steps, then time ``new_tokens`` greedy decode steps; peak RSS is this set-up's."""
+    import torch
+
     from tiercache.models import load_model
 
     model, tokenizer = load_model()
     ids = make_prompt_ids(tokenizer, context)
-    kv = kv_bytes_per_token(model) * (context + new_tokens + block_tokens)
-    if setup == "dynamic":
-        cache = DynamicCache(config=model.config)
-    else:
-        budgets = {
-            "fits": dict(device_budget=int(kv * 1.2), host_budget=0),
-            "host": dict(device_budget=kv // 4, host_budget=int(kv * 1.0)),
-            "disk": dict(device_budget=int(kv * device_fraction), host_budget=int(kv * host_fraction),
-                         disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, "kv"), direct_io="auto"),
-        }["disk" if setup == "quest" else setup]
-        if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
-            budgets.update(selection=selection or "quest", selection_budget=selection_budget, prefetch="history")
-        cache = TieredCache(model, TierConfig(block_tokens=block_tokens, **budgets))
+    cache = _make_cache(setup, model, context, new_tokens, block_tokens, workdir, selection, selection_budget,
+                        device_fraction, host_fraction, extra_tokens=WARMUP_STEPS)
+    tiered = setup != "dynamic"
     with torch.inference_mode():
         t0 = time.perf_counter()
-        for start in range(0, context, prefill_chunk):
-            out = model(ids[:, start:start + prefill_chunk], cache=cache, use_cache=True)
+        nxt = _prefill(model, cache, ids, prefill_chunk)
         prefill_s = time.perf_counter() - t0
-        nxt = out.logits[:, -1:].argmax(-1)
-        before = cache.stats() if setup != "dynamic" else None
-        t0 = time.perf_counter()
-        for _ in range(new_tokens):
-            out = model(nxt, cache=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-        decode_s = time.perf_counter() - t0
+        before = cache.stats() if tiered else None
+        decode_s, _ = _decode(model, cache, nxt, new_tokens)
     result = {"setup": setup, "context": context, "new_tokens": new_tokens, "tps": new_tokens / decode_s,
-              "prefill_s": prefill_s, "kv_bytes": kv,
+              "prefill_s": prefill_s, "kv_bytes": kv_bytes_per_token(model) * context,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if setup != "dynamic":
-        after = cache.stats()
-        moved = {}
-        for name, m in after["moves"].items():
-            moved[name] = m["bytes"] - before["moves"].get(name, {}).get("bytes", 0)
+    if tiered:
+        moved = _moved_since(cache, before)
         result["decode_bytes_moved"] = moved
         result["disk_read_bytes_per_token"] = sum(v for k, v in moved.items() if k.startswith("disk->")) / new_tokens
+        after = cache.stats()
         result["stall_s"] = after["stall_seconds"] - before["stall_seconds"]
         result["tiers"] = after["tiers"]
         result["attention"] = cache.attention_stats()
         cache.close()
     return result
+
+
+def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int, block_tokens: int,
+                        workdir: str, prefill_chunk: int, selection: Optional[str] = None,
+                        selection_budget: int = 4096, device_fraction: float = 0.25,
+                        host_fraction: float = 0.25) -> dict:
+    """Every set-up in this one process, each prefilled once; then ``rounds`` rounds, each
+    timing ``new_tokens`` steps of every set-up in turn. A slow spell of the machine (this
+    one is shared) then slows every set-up alike, so the ratios hold; each set-up's tokens/s
+    is its median over the rounds."""
+    import statistics
+
+    import torch
+
+    from tiercache.models import load_model
+
+    model, tokenizer = load_model()
+    ids = make_prompt_ids(tokenizer, context)
+    caches, nxt = {}, {}
+    with torch.inference_mode():
+        for setup in setups:
+            print(f"bench decode: side by side: prefilling {setup} ...", file=sys.stderr)
+            caches[setup] = _make_cache(setup, model, context, new_tokens * rounds, block_tokens, workdir,
+                                        selection, selection_budget, device_fraction, host_fraction,
+                                        extra_tokens=WARMUP_STEPS)
+            nxt[setup] = _prefill(model, caches[setup], ids, prefill_chunk)
+        tps = {s: [] for s in setups}
+        disk_read = {s: 0 for s in setups}
+        for _ in range(rounds):
+            for setup in setups:
+                cache = caches[setup]
+                before = cache.stats() if setup != "dynamic" else None
+                seconds, nxt[setup] = _decode(model, cache, nxt[setup], new_tokens)
+                tps[setup].append(new_tokens / seconds)
+                if before is not None:
+                    disk_read[setup] += sum(v for k, v in _moved_since(cache, before).items() if k.startswith("disk->"))
+    out = {}
+    for setup in setups:
+        out[setup] = {"tps": statistics.median(tps[setup]), "tps_rounds": tps[setup],
+                      "disk_read_bytes_per_token": disk_read[setup] / (new_tokens * rounds)}
+        if setup == "quest":
+            out[setup]["attention"] = caches[setup].attention_stats()
+        if setup != "dynamic":
+            caches[setup].close()
+    return out
 
 
 def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
@@ -108,9 +187,12 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
            "--prefill-chunk", str(args.prefill_chunk), "--dir", workdir,
            "--selection", args.selection, "--selection-budget", str(args.selection_budget),
            "--device-fraction", str(args.device_fraction), "--host-fraction", str(args.host_fraction)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if setup == SIDE_BY_SIDE:
+        cmd += ["--setups", ",".join(args.setup_list), "--rounds", str(args.rounds)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if setup == SIDE_BY_SIDE else subprocess.PIPE,
+                          text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench decode {setup} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"bench decode {setup} failed" + (f":\n{proc.stderr[-3000:]}" if proc.stderr else ""))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -126,7 +208,10 @@ def disk_read_gbps(directory: str, size: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiercache bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=8192, help="prompt tokens (default %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per set-up and round "
+                   "(default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="side-by-side rounds (default %(default)s); 0 skips "
+                   "the side-by-side run and takes the ratios from the separate processes")
     p.add_argument("--block-tokens", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--setups", default=",".join(SETUPS), help="comma list of %s" % ", ".join(SETUPS))
@@ -148,11 +233,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(argv: Optional[list] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.context, args.new_tokens, args.block_tokens, args.dir,
-                                args.prefill_chunk, args.selection, args.selection_budget,
-                                args.device_fraction, args.host_fraction)))
+    common = (args.block_tokens, args.dir, args.prefill_chunk, args.selection, args.selection_budget,
+              args.device_fraction, args.host_fraction)
+    if args.worker == SIDE_BY_SIDE:
+        print(json.dumps(worker_side_by_side(args.setups.split(","), args.context, args.new_tokens, args.rounds,
+                                             *common)))
         return 0
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.context, args.new_tokens, *common)))
+        return 0
+    if args.new_tokens < 1 or args.rounds < 0:
+        raise ValueError(f"--new-tokens must be >= 1 and --rounds >= 0, got {args.new_tokens} and {args.rounds}")
     from tiercache.config import TierConfig
 
     for flag, value in (("--device-fraction", args.device_fraction), ("--host-fraction", args.host_fraction)):
@@ -165,19 +256,32 @@ def run(argv: Optional[list] = None) -> int:
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:
         raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}")
+    args.setup_list = setups
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-", dir=args.dir or ".") as workdir:
-        results = {}
+        isolated = {}
         for setup in setups:
-            print(f"bench decode: {setup} at {args.context} tokens ...", file=sys.stderr)
-            results[setup] = _spawn(setup, args, workdir)
+            print(f"bench decode: {setup} alone at {args.context} tokens ...", file=sys.stderr)
+            isolated[setup] = _spawn(setup, args, workdir)
+        together = None
+        if args.rounds and len(setups) > 1:
+            print(f"bench decode: every set-up side by side, {args.rounds} rounds ...", file=sys.stderr)
+            together = _spawn(SIDE_BY_SIDE, args, workdir)
         gbps = args.disk_gbps
-        if "disk" in results and gbps is None:
+        if "disk" in isolated and gbps is None:
             gbps = disk_read_gbps(workdir, args.io_size)
-    out: dict = {"context": args.context, "new_tokens": args.new_tokens, "block_tokens": args.block_tokens}
-    for setup, r in results.items():
-        out[f"{setup}_tps"] = r["tps"]
-        out.setdefault("peak_rss_bytes", {})[setup] = r["peak_rss_bytes"]
-        out.setdefault("setups", {})[setup] = r
+    # The ratios come from the side-by-side run when there is one (same process, interleaved
+    # rounds); the separate processes give each set-up's peak RSS and its tokens/s alone.
+    results = together or isolated
+    out: dict = {"context": args.context, "new_tokens": args.new_tokens, "block_tokens": args.block_tokens,
+                 "rounds": args.rounds if together else 0,
+                 "ratios_from": "side-by-side" if together else "separate processes"}
+    for setup in setups:
+        out[f"{setup}_tps"] = results[setup]["tps"]
+        out.setdefault("isolated_tps", {})[setup] = isolated[setup]["tps"]
+        out.setdefault("peak_rss_bytes", {})[setup] = isolated[setup]["peak_rss_bytes"]
+        out.setdefault("setups", {})[setup] = isolated[setup]
+    if together:
+        out["side_by_side"] = together
     dyn = results.get("dynamic", {}).get("tps")
     if dyn:
         for setup in ("fits", "host"):
@@ -197,10 +301,13 @@ def run(argv: Optional[list] = None) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"decode tokens/s at {args.context} tokens of context ({args.new_tokens} steps):")
-        for setup, r in results.items():
-            extra = f"  ratio {out.get(setup + '_ratio', out.get('disk_bound_ratio', 1.0) if setup == 'disk' else 1.0):.2f}"
-            print(f"  {setup:<8} {r['tps']:6.2f} tok/s  peak RSS {r['peak_rss_bytes'] / 2**20:7.0f} MiB{extra}")
+        how = (f"median of {args.rounds} side-by-side rounds of {args.new_tokens} steps" if together
+               else f"{args.new_tokens} steps")
+        print(f"decode tokens/s at {args.context} tokens of context ({how}; alone: each set-up in its own process):")
+        for setup in setups:
+            ratio = out.get(setup + "_ratio", out.get("disk_bound_ratio", 1.0) if setup == "disk" else 1.0)
+            print(f"  {setup:<8} {results[setup]['tps']:6.2f} tok/s  ratio {ratio:.2f}   alone "
+                  f"{isolated[setup]['tps']:6.2f} tok/s  peak RSS {isolated[setup]['peak_rss_bytes'] / 2**20:7.0f} MiB")
         if "quest_vs_disk_ratio" in out:
             print(f"  quest / disk streaming: {out['quest_vs_disk_ratio']:.2f}x (read "
                   f"{100 * out.get('quest_pages_read_fraction', 1.0):.0f}% of the pages per decode step)")

@@ -1,0 +1,47 @@
+"""``tiercache bench decode`` end to end on the default model, small: every set-up in its
+own process, then all of them side by side in one process; the ratios come from the latter."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
+    from tiercache.models import ModelNotFoundError, load_model
+
+    try:
+        load_model(device="cpu")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model unavailable: {exc}")
+    cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "96", "--new-tokens", "2",
+           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk", "--disk-gbps", "1.0",
+           "--dir", str(tmp_path), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert r["ratios_from"] == "side-by-side" and r["rounds"] == 2
+    for setup in ("dynamic", "fits", "host", "disk"):
+        assert r[f"{setup}_tps"] > 0 and r["isolated_tps"][setup] > 0
+        assert r["peak_rss_bytes"][setup] > 100 << 20
+        assert len(r["side_by_side"][setup]["tps_rounds"]) == 2
+    assert r["fits_ratio"] == pytest.approx(r["fits_tps"] / r["dynamic_tps"])
+    assert r["host_ratio"] == pytest.approx(r["host_tps"] / r["dynamic_tps"])
+    # the disk set-up read from disk while decoding, and its bound is the slower of the two
+    assert r["disk_read_bytes_per_token"] > 0
+    assert r["disk_bound_tps"] == pytest.approx(min(r["dynamic_tps"], 1e9 / r["disk_read_bytes_per_token"]))
+    assert r["disk_bound_ratio"] == pytest.approx(r["disk_tps"] / r["disk_bound_tps"])
+    assert list(tmp_path.iterdir()) == []  # the work directory is removed
+
+
+def test_bench_decode_refuses_bad_arguments():
+    from tiercache.bench.decode import run
+
+    with pytest.raises(ValueError, match="--rounds"):
+        run(["--rounds", "-1"])
+    with pytest.raises(ValueError, match="--setups"):
+        run(["--setups", "dynamic,warp"])
