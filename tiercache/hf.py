@@ -289,7 +289,7 @@ class TieredCache(Cache):
 
                 template = torch.empty(1, kv_heads, 0, head_dim, dtype=dtype, device=device)
                 pool = ThreadPoolExecutor(1, thread_name_prefix="tiercache-open")
-                opening = pool.submit(self._open_store, template)
+                opening = pool.submit(self._open_store_for, template, len(blocks) * self.num_layers)
                 pool.shutdown(wait=False)
             try:
                 usable, kv = prefix.load(blocks)  # kv[layer]: [2, 1, H, usable*bt, D]
@@ -321,6 +321,13 @@ class TieredCache(Cache):
         self._chain = list(blocks[:usable])
         self.events.reused(tokens=usable * bt)
         return usable * bt
+
+    def _open_store_for(self, template: torch.Tensor, num_blocks: int) -> BlockStore:
+        """Open this cache's store with the first ``num_blocks`` device slots paged in (the
+        prefix load fills them next; on CPU each page would otherwise fault in then)."""
+        store = self._open_store(template)
+        store.device_pool.prefault(num_blocks)
+        return store
 
     def _publish(self, key: BlockKey, slot: int) -> None:
         """A block of ``key.layer`` just filled up: store it in the prefix cache by content."""
