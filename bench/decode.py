@@ -74,7 +74,8 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
                      disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, f"kv-{setup}"), direct_io="auto"),
     }["disk" if setup == "quest" else setup]
     if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
-        budgets.update(selection=selection or "quest", selection_budget=selection_budget, prefetch="history")
+        budgets.update(selection=selection if selection not in (None, "full") else "quest",
+                       selection_budget=selection_budget, prefetch="history")
     return TieredCache(model, TierConfig(block_tokens=block_tokens, **budgets))
 
 

@@ -18,14 +18,14 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
         load_model(device="cpu")
     except ModelNotFoundError as exc:
         pytest.skip(f"default model unavailable: {exc}")
-    cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "96", "--new-tokens", "2",
-           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk", "--disk-gbps", "1.0",
-           "--dir", str(tmp_path), "--json"]
+    cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "256", "--new-tokens", "2",
+           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest",
+           "--selection-budget", "96", "--disk-gbps", "1.0", "--dir", str(tmp_path), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["ratios_from"] == "side-by-side" and r["rounds"] == 2
-    for setup in ("dynamic", "fits", "host", "disk"):
+    for setup in ("dynamic", "fits", "host", "disk", "quest"):
         assert r[f"{setup}_tps"] > 0 and r["isolated_tps"][setup] > 0
         assert r["peak_rss_bytes"][setup] > 100 << 20
         assert len(r["side_by_side"][setup]["tps_rounds"]) == 2
@@ -35,6 +35,8 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     assert r["disk_read_bytes_per_token"] > 0
     assert r["disk_bound_tps"] == pytest.approx(min(r["dynamic_tps"], 1e9 / r["disk_read_bytes_per_token"]))
     assert r["disk_bound_ratio"] == pytest.approx(r["disk_tps"] / r["disk_bound_tps"])
+    # the quest set-up selects pages (it is not exact streaming under another name)
+    assert 0 < r["quest_pages_read_fraction"] < 0.9 and r["quest_vs_disk_ratio"] > 0
     assert list(tmp_path.iterdir()) == []  # the work directory is removed
 
 
