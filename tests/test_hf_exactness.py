@@ -542,6 +542,25 @@ def test_minimum_device_budget_is_enough(family, prefetch, tmp_path):
     assert_all_tiers_used(stats)
 
 
+def slow_device_reads(monkeypatch, seconds: float) -> None:
+    """Every read of a device slot (a busy copy engine) takes ``seconds`` longer: the torch
+    path (``read_block``: staging for disk, CUDA) and the CPU device->host move (``read_rows``)."""
+    from tiercache.tiers import DevicePool
+
+    read_block, read_rows = DevicePool.read_block, DevicePool.read_rows
+
+    def slow_read_block(self, slot, out, non_blocking=False):
+        time.sleep(seconds)
+        return read_block(self, slot, out, non_blocking=non_blocking)
+
+    def slow_read_rows(self, slot, k_out, v_out):
+        time.sleep(seconds)
+        return read_rows(self, slot, k_out, v_out)
+
+    monkeypatch.setattr(DevicePool, "read_block", slow_read_block)
+    monkeypatch.setattr(DevicePool, "read_rows", slow_read_rows)
+
+
 @pytest.mark.parametrize("family,block_tokens,slack", [("llama", BT, 0), ("mistral", BT, 0), ("llama", 1, None)])
 def test_slow_transfers_only_stall(family, block_tokens, slack, monkeypatch, tmp_path):
     """Slow device reads (a busy copy engine; here 50 ms per block) only add stall time.
@@ -549,15 +568,7 @@ def test_slow_transfers_only_stall(family, block_tokens, slack, monkeypatch, tmp
     must be waited for, not reported as a CapacityError -- neither at the minimum device
     budget (slack 0: the error would contradict its own stated minimum) nor at twice the
     minimum with 1-token blocks (slack None), where a prefill seals many blocks at once."""
-    from tiercache.tiers import DevicePool
-
-    read_block = DevicePool.read_block
-
-    def slow_read_block(self, slot, out, non_blocking=False):
-        time.sleep(0.05)
-        return read_block(self, slot, out, non_blocking=non_blocking)
-
-    monkeypatch.setattr(DevicePool, "read_block", slow_read_block)
+    slow_device_reads(monkeypatch, 0.05)
     if slack is None:
         slack = working_set_blocks(layer_windows(tiny_model(family)), [PROMPT] + [1] * (NEW - 1), block_tokens)
     # A roomy host tier: every sealed block gets a write-behind copy, so device slots are busy.
@@ -578,7 +589,7 @@ def test_device_slots_being_written_behind_are_waited_for(path, monkeypatch, tmp
     ``update`` does for new tokens) and fetching a host block (what attention needs)."""
     from tiercache import BlockKey
     from tiercache.store import BlockStore
-    from tiercache.tiers import BlockGeometry, DevicePool
+    from tiercache.tiers import BlockGeometry
 
     geometry = BlockGeometry(batch=1, kv_heads=2, block_tokens=4, head_dim=8, dtype=torch.float32)
     cfg = TierConfig(device_budget=2 * geometry.block_bytes, host_budget=8 * geometry.padded_bytes,
@@ -590,13 +601,7 @@ def test_device_slots_being_written_behind_are_waited_for(path, monkeypatch, tmp
         store.demote(on_host).result()
         assert store.tiers_of(on_host)[0] is tiercache.Tier.HOST
 
-        read_block = DevicePool.read_block
-
-        def slow_read_block(self, slot, out, non_blocking=False):
-            time.sleep(0.3)
-            return read_block(self, slot, out, non_blocking=non_blocking)
-
-        monkeypatch.setattr(DevicePool, "read_block", slow_read_block)
+        slow_device_reads(monkeypatch, 0.3)
         for index in range(2):
             store.put(BlockKey(1, 0, index), torch.randn(geometry.shape))
             store.write_behind(BlockKey(1, 0, index))  # sealed: a clean host copy is on its way

@@ -1282,15 +1282,12 @@ class BlockStore:
                     self._from_device_slot(move.src_slot, self._as_block(buf), compute_event)
                     self.disk.write(move.dst_slot, move.key, buf, self._tokens.get(move.key, 0),
                                     self._token_ids.get(move.key, b""))
-        elif not self._cuda:  # device and host are both RAM: two plain memcpys (numpy: no
-            # OpenMP region, the GIL released while copying, ~1 us of Python per call)
-            dev_k, dev_v, host_k, host_v = self._byte_pools()
+        elif not self._cuda:  # device and host are both RAM: plain memcpys of byte rows
+            _, _, host_k, host_v = self._byte_pools()
             if src is Tier.HOST and dst is Tier.DEVICE:
-                np.copyto(dev_k[:, move.dst_slot], host_k[:, move.src_slot])
-                np.copyto(dev_v[:, move.dst_slot], host_v[:, move.src_slot])
+                self.device_pool.write_rows(move.dst_slot, host_k[:, move.src_slot], host_v[:, move.src_slot])
             elif src is Tier.DEVICE and dst is Tier.HOST:
-                np.copyto(host_k[:, move.dst_slot], dev_k[:, move.src_slot])
-                np.copyto(host_v[:, move.dst_slot], dev_v[:, move.src_slot])
+                self.device_pool.read_rows(move.src_slot, host_k[:, move.dst_slot], host_v[:, move.dst_slot])
             else:  # pragma: no cover - the store never plans other moves
                 raise RuntimeError(f"unsupported move {src.label}->{dst.label}")
         elif src is Tier.HOST and dst is Tier.DEVICE:
