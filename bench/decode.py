@@ -70,8 +70,11 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
     budgets = {
         "fits": dict(device_budget=int(kv * 1.2), host_budget=0),
         "host": dict(device_budget=kv // 4, host_budget=int(kv * 1.0)),
+        # reuse=False: this measures decode streaming; the prefix cache (on by default with a
+        # disk_dir) would copy every sealed block into its own host tier and write it to disk.
         "disk": dict(device_budget=int(kv * device_fraction), host_budget=int(kv * host_fraction),
-                     disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, f"kv-{setup}"), direct_io="auto"),
+                     disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, f"kv-{setup}"), direct_io="auto",
+                     reuse=False),
     }["disk" if setup == "quest" else setup]
     if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
         budgets.update(selection=selection if selection not in (None, "full") else "quest",
