@@ -894,8 +894,8 @@ class BlockStore:
         """numpy byte views of K and V of the device and host pools, [B*H, slots, T*D*itemsize]."""
         if self._np_pools is None:
             host_k, host_v = self.host_pool.kv_rows()
-            self._np_pools = tuple(t.view(torch.uint8).numpy() for t in
-                                   (self.device_pool.k, self.device_pool.v, host_k, host_v))
+            self._np_pools = (*self.device_pool.byte_rows(), host_k.view(torch.uint8).numpy(),
+                              host_v.view(torch.uint8).numpy())
         return self._np_pools
 
     def device_slot(self, key: Hashable) -> Optional[int]:

@@ -115,17 +115,18 @@ class DevicePool:
         """CPU: copy the slot's K and V into ``k_out``, ``v_out`` (numpy byte arrays
         [B*H, T*D*itemsize], e.g. a host slot's rows): two plain memcpys (numpy releases the
         GIL while copying and starts no OpenMP region; ~1 us of Python each)."""
-        k, v = self._byte_rows()
+        k, v = self.byte_rows()
         np.copyto(k_out, k[:, slot])
         np.copyto(v_out, v[:, slot])
 
     def write_rows(self, slot: int, k_src, v_src) -> None:
         """CPU: the reverse of ``read_rows``."""
-        k, v = self._byte_rows()
+        k, v = self.byte_rows()
         np.copyto(k[:, slot], k_src)
         np.copyto(v[:, slot], v_src)
 
-    def _byte_rows(self) -> tuple:
+    def byte_rows(self) -> tuple:
+        """numpy byte views of K and V, [B*H, num_slots, T*D*itemsize] (CPU pools)."""
         if self._np_rows is None:
             self._np_rows = (self.k.view(torch.uint8).numpy(), self.v.view(torch.uint8).numpy())
         return self._np_rows
