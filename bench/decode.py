@@ -83,13 +83,10 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
 
 
 def _prefill(model, cache, ids, chunk: int):
-    """Prefill ``ids`` in chunks, then ``WARMUP_STEPS`` untimed decode steps; the next token."""
+    """Prefill ``ids`` in chunks; the next token."""
     for start in range(0, ids.shape[1], chunk):
         out = model(ids[:, start:start + chunk], cache=cache, use_cache=True)
-    nxt = out.logits[:, -1:].argmax(-1)
-    for _ in range(WARMUP_STEPS):
-        nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    return nxt
+    return out.logits[:, -1:].argmax(-1)
 
 
 def _decode(model, cache, nxt, steps: int) -> tuple:
@@ -103,6 +100,10 @@ def _decode(model, cache, nxt, steps: int) -> tuple:
 def _moved_since(cache, before: dict) -> dict:
     after = cache.stats()
     return {name: m["bytes"] - before["moves"].get(name, {}).get("bytes", 0) for name, m in after["moves"].items()}
+
+
+def _disk_read(moved: dict) -> int:
+    return sum(v for k, v in moved.items() if k.startswith("disk->"))
 
 
 def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
@@ -123,6 +124,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         t0 = time.perf_counter()
         nxt = _prefill(model, cache, ids, prefill_chunk)
         prefill_s = time.perf_counter() - t0
+        _, nxt = _decode(model, cache, nxt, WARMUP_STEPS)
         before = cache.stats() if tiered else None
         decode_s, _ = _decode(model, cache, nxt, new_tokens)
     result = {"setup": setup, "context": context, "new_tokens": new_tokens, "tps": new_tokens / decode_s,
@@ -131,7 +133,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
     if tiered:
         moved = _moved_since(cache, before)
         result["decode_bytes_moved"] = moved
-        result["disk_read_bytes_per_token"] = sum(v for k, v in moved.items() if k.startswith("disk->")) / new_tokens
+        result["disk_read_bytes_per_token"] = _disk_read(moved) / new_tokens
         after = cache.stats()
         result["stall_s"] = after["stall_seconds"] - before["stall_seconds"]
         result["tiers"] = after["tiers"]
@@ -164,6 +166,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                                         selection, selection_budget, device_fraction, host_fraction,
                                         extra_tokens=WARMUP_STEPS)
             nxt[setup] = _prefill(model, caches[setup], ids, prefill_chunk)
+            _, nxt[setup] = _decode(model, caches[setup], nxt[setup], WARMUP_STEPS)
         tps = {s: [] for s in setups}
         disk_read = {s: 0 for s in setups}
         for _ in range(rounds):
@@ -173,7 +176,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                 seconds, nxt[setup] = _decode(model, cache, nxt[setup], new_tokens)
                 tps[setup].append(new_tokens / seconds)
                 if before is not None:
-                    disk_read[setup] += sum(v for k, v in _moved_since(cache, before).items() if k.startswith("disk->"))
+                    disk_read[setup] += _disk_read(_moved_since(cache, before))
     out = {}
     for setup in setups:
         out[setup] = {"tps": statistics.median(tps[setup]), "tps_rounds": tps[setup],
