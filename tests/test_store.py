@@ -486,3 +486,52 @@ def test_read_layer_queues_the_next_layers_prefetch_before_waiting(make_store, g
     store.wait_idle()
     assert all(store.table.is_ready(key, Tier.HOST) for key in b)
     store.check()
+
+
+def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_store, geometry):
+    """On CPU a host<->device move is one memcpy, so moves started together run as a few
+    chunks, one I/O job each, not one job per block. With both workers held on a gate, 12
+    demotions are 2 queued jobs; every block is in flight, and deleting one then frees
+    nothing under the copy. A move that fails inside a chunk is rolled back alone: its
+    waiter gets the error, the others land. Everything else comes back exact, both ways."""
+    from tiercache.transfer import Priority
+
+    store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
+    data = blocks(geometry, 12, seed=9)
+    for key, block in data.items():
+        store.put(key, block)
+    keys = list(data)
+    broken_key = keys[5]
+    broken_slot = store.table.copy(broken_key, Tier.DEVICE).slot
+    read_rows = store.device_pool.read_rows
+
+    def read_rows_failing_once(slot, k_out, v_out):  # a copy that fails (a bug, say)
+        if slot == broken_slot:
+            raise RuntimeError("copy failed")
+        read_rows(slot, k_out, v_out)
+
+    store.device_pool.read_rows = read_rows_failing_once
+    gate = threading.Event()
+    for _ in range(2):
+        store.engine.submit(gate.wait, Priority.DEMAND)
+    deadline = time.monotonic() + 10
+    while store.engine._queue.qsize() and time.monotonic() < deadline:  # both workers hold a gate
+        time.sleep(0.01)
+    futures = store.demote_many(keys)
+    assert store.engine._queue.qsize() == 2, "12 copies should be 2 chunked jobs, not 12"
+    assert all(store.table.copy(k, Tier.HOST) is not None for k in keys)  # all in flight
+    store.delete(keys[0])  # its slots are freed only when its move completes
+    store.check()
+    gate.set()
+    errors = [f.exception(timeout=30) for f in futures]
+    store.device_pool.read_rows = read_rows
+    assert [str(e) for e in errors if e is not None] == ["copy failed"]
+    store.wait_idle()
+    store.check()
+    assert store.tiers_of(broken_key) == [Tier.DEVICE]  # rolled back: still where it was
+    survivors = keys[1:]
+    assert all(Tier.HOST in store.tiers_of(k) for k in survivors if k != broken_key)
+    store.ensure_device(survivors, pin=False)
+    for key in survivors:
+        assert torch.equal(store.get(key), data[key])
+    assert store.stats()["moves"]["device->host"]["blocks"] == 11
