@@ -9,7 +9,9 @@ context length:
            ``--host-fraction`` change the shares of this set-up);
 - quest:   the disk set-up with Quest page selection (``--selection quest``, budget
            ``--selection-budget`` tokens per KV head) and history prefetch (last step's
-           selection): scored against exact disk streaming.
+           selection): scored against exact disk streaming;
+- host_inplace, disk_inplace: the host and disk set-ups with ``attend_in_place=True``
+           (decode attention over the blocks where they lie, no gather copy; off by default).
 Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
 ``--new-tokens`` steps of every set-up in turn; the median per set-up): on a shared machine a
 slow spell then slows every set-up alike, where separate processes minutes apart can differ
@@ -31,7 +33,8 @@ import tempfile
 import time
 from typing import Optional
 
-SETUPS = ("dynamic", "fits", "host", "disk", "quest")
+SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace")
+IN_PLACE = "_inplace"  # suffix: the set-up without it, with attend_in_place=True
 SIDE_BY_SIDE = "side-by-side"  # the worker that runs every set-up in one process
 
 
@@ -66,6 +69,7 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
 
     if setup == "dynamic":
         return DynamicCache(config=model.config)
+    base = setup[:-len(IN_PLACE)] if setup.endswith(IN_PLACE) else setup
     kv = kv_bytes_per_token(model) * (context + new_tokens + extra_tokens + block_tokens)
     budgets = {
         "fits": dict(device_budget=int(kv * 1.2), host_budget=0),
@@ -75,7 +79,9 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
         "disk": dict(device_budget=int(kv * device_fraction), host_budget=int(kv * host_fraction),
                      disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, f"kv-{setup}"), direct_io="auto",
                      reuse=False),
-    }["disk" if setup == "quest" else setup]
+    }["disk" if base == "quest" else base]
+    if setup != base:
+        budgets["attend_in_place"] = True
     if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
         budgets.update(selection=selection if selection not in (None, "full") else "quest",
                        selection_budget=selection_budget, prefetch="history")
@@ -274,7 +280,7 @@ def run(argv: Optional[list] = None) -> int:
             print(f"bench decode: every set-up side by side, {args.rounds} rounds ...", file=sys.stderr)
             together = _spawn(SIDE_BY_SIDE, args, workdir)
         gbps = args.disk_gbps
-        if "disk" in isolated and gbps is None:
+        if any(s.startswith("disk") for s in isolated) and gbps is None:
             gbps = disk_read_gbps(workdir, args.io_size)
     # The ratios come from the side-by-side run when there is one (same process, interleaved
     # rounds); the separate processes give each set-up's peak RSS and its tokens/s alone.
@@ -291,15 +297,17 @@ def run(argv: Optional[list] = None) -> int:
         out["side_by_side"] = together
     dyn = results.get("dynamic", {}).get("tps")
     if dyn:
-        for setup in ("fits", "host"):
+        for setup in ("fits", "host", "host" + IN_PLACE):
             if setup in results:
                 out[f"{setup}_ratio"] = results[setup]["tps"] / dyn
-    if "disk" in results and dyn:
-        per_token = results["disk"]["disk_read_bytes_per_token"]
-        disk_tps = gbps * 1e9 / per_token if per_token else float("inf")
-        bound = min(dyn, disk_tps)
-        out.update(disk_read_gbps=gbps, disk_read_bytes_per_token=per_token, disk_bound_tps=bound,
-                   disk_bound_ratio=results["disk"]["tps"] / bound, disk_ratio=results["disk"]["tps"] / dyn)
+    for setup in ("disk", "disk" + IN_PLACE):
+        if setup in results and dyn:
+            per_token = results[setup]["disk_read_bytes_per_token"]
+            disk_tps = gbps * 1e9 / per_token if per_token else float("inf")
+            bound = min(dyn, disk_tps)
+            out.update({f"{setup}_read_bytes_per_token": per_token, f"{setup}_bound_tps": bound,
+                        f"{setup}_bound_ratio": results[setup]["tps"] / bound,
+                        f"{setup}_ratio": results[setup]["tps"] / dyn}, disk_read_gbps=gbps)
     if "quest" in results and "disk" in results:
         out["quest_vs_disk_ratio"] = out["quest_ratio"] = results["quest"]["tps"] / results["disk"]["tps"]
         sel = results["quest"].get("attention", {}).get("selection") or {}
@@ -312,15 +320,17 @@ def run(argv: Optional[list] = None) -> int:
                else f"{args.new_tokens} steps")
         print(f"decode tokens/s at {args.context} tokens of context ({how}; alone: each set-up in its own process):")
         for setup in setups:
-            ratio = out.get(setup + "_ratio", out.get("disk_bound_ratio", 1.0) if setup == "disk" else 1.0)
-            print(f"  {setup:<8} {results[setup]['tps']:6.2f} tok/s  ratio {ratio:.2f}   alone "
+            ratio = out.get(setup + "_bound_ratio", out.get(setup + "_ratio", 1.0))
+            print(f"  {setup:<12} {results[setup]['tps']:6.2f} tok/s  ratio {ratio:.2f}   alone "
                   f"{isolated[setup]['tps']:6.2f} tok/s  peak RSS {isolated[setup]['peak_rss_bytes'] / 2**20:7.0f} MiB")
         if "quest_vs_disk_ratio" in out:
             print(f"  quest / disk streaming: {out['quest_vs_disk_ratio']:.2f}x (read "
                   f"{100 * out.get('quest_pages_read_fraction', 1.0):.0f}% of the pages per decode step)")
-        if "disk_bound_tps" in out:
-            print(f"  disk bound {out['disk_bound_tps']:.2f} tok/s ({out['disk_read_gbps']:.2f} GB/s over "
-                  f"{out['disk_read_bytes_per_token'] / 2**20:.1f} MiB read from disk per token)")
+        for setup in ("disk", "disk" + IN_PLACE):
+            if f"{setup}_bound_tps" in out:
+                print(f"  {setup} bound {out[setup + '_bound_tps']:.2f} tok/s ({out['disk_read_gbps']:.2f} GB/s "
+                      f"over {out[setup + '_read_bytes_per_token'] / 2**20:.1f} MiB read from disk per token; "
+                      f"ratio = tok/s over bound)")
     return 0
 
 

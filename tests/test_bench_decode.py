@@ -19,13 +19,13 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     except ModelNotFoundError as exc:
         pytest.skip(f"default model unavailable: {exc}")
     cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "256", "--new-tokens", "2",
-           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest",
+           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest,host_inplace,disk_inplace",
            "--selection-budget", "96", "--disk-gbps", "1.0", "--dir", str(tmp_path), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["ratios_from"] == "side-by-side" and r["rounds"] == 2
-    for setup in ("dynamic", "fits", "host", "disk", "quest"):
+    for setup in ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace"):
         assert r[f"{setup}_tps"] > 0 and r["isolated_tps"][setup] > 0
         assert r["peak_rss_bytes"][setup] > 100 << 20
         assert len(r["side_by_side"][setup]["tps_rounds"]) == 2
@@ -35,6 +35,13 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     assert r["disk_read_bytes_per_token"] > 0
     assert r["disk_bound_tps"] == pytest.approx(min(r["dynamic_tps"], 1e9 / r["disk_read_bytes_per_token"]))
     assert r["disk_bound_ratio"] == pytest.approx(r["disk_tps"] / r["disk_bound_tps"])
+    # the in-place set-ups attend over the blocks in place; the others gather
+    assert r["host_inplace_ratio"] == pytest.approx(r["host_inplace_tps"] / r["dynamic_tps"])
+    assert r["disk_inplace_bound_ratio"] == pytest.approx(r["disk_inplace_tps"] / r["disk_inplace_bound_tps"])
+    for setup in ("host_inplace", "disk_inplace"):
+        assert r["setups"][setup]["attention"]["in_place_layer_steps"] > 0
+    for setup in ("host", "disk"):
+        assert r["setups"][setup]["attention"]["in_place_layer_steps"] == 0
     # the quest set-up selects pages (it is not exact streaming under another name)
     assert 0 < r["quest_pages_read_fraction"] < 0.9 and r["quest_vs_disk_ratio"] > 0
     assert list(tmp_path.iterdir()) == []  # the work directory is removed

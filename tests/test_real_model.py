@@ -97,6 +97,31 @@ def test_real_model_matches_dynamic_cache(real_model, tmp_path):
     assert stats["prefill_tokens"] == PROMPT_TOKENS and stats["decode_tokens"] == NEW - 1
 
 
+def test_real_model_attending_in_place_matches_dynamic_cache(real_model, tmp_path):
+    """The same run with ``attend_in_place``: decode attention reads each block where it
+    lies (device run, host slot; disk blocks read up to the host first). Same tokens as
+    DynamicCache, logits within float rounding of SDPA's (1e-4; a wrong block or order moves
+    them by far more), and every layer of every decode step attended in place but the first
+one (layer 0 of the first decode step gathers, and shows that the hook sees the keys)."""
+    model, tokenizer = real_model
+    ids = _prompt(tokenizer, PROMPT_TOKENS)
+    ref = _generate(model, ids)
+    block_bytes = BT * KV_BYTES_PER_TOKEN_PER_LAYER
+    layer_blocks = math.ceil((PROMPT_TOKENS + NEW - 1) / BT)
+    cfg = tiercache.TierConfig(
+        device_budget=(layer_blocks + 1) * block_bytes, host_budget=(layer_blocks + 1) * block_bytes,
+        disk_budget=(layer_blocks * 30 + 16) * (4096 + block_bytes), disk_dir=str(tmp_path / "kv"),
+        block_tokens=BT, attend_in_place=True)
+    with tiercache.TieredCache(model, cfg) as cache:
+        out = _generate(model, ids, cache=cache)
+        stats, steps = cache.stats(), cache.attention_stats()["in_place_layer_steps"]
+    assert torch.equal(ref.sequences, out.sequences), (ref.sequences[0, -NEW:], out.sequences[0, -NEW:])
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
+    assert diff <= 1e-4, f"max abs logit difference {diff:.3g}"
+    assert steps == 30 * (NEW - 1) - 1, steps  # 7 decode steps of 30 layers; layer 0 of the first probes the hook
+    assert stats["hits"]["disk"] > 0 and stats["moves"]["disk->host"]["blocks"] > 0, stats["moves"]
+
+
 def test_real_model_prefix_reuse_matches_a_cold_run(real_model, tmp_path):
     """The default model: a second request with the same ~300-token prompt loads 18 full
     16-token blocks (288 tokens) from the prefix cache, computes the last 12, and gives the

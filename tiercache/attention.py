@@ -12,7 +12,9 @@ Selection and retention (``tiercache.selection``, ``tiercache.retention``) hang 
 the key tensor (attribute ``_tiercache_plan``). The hook calls ``plan.prepare(...)`` before
 attention -- it may swap in other K/V and a per-head mask (Quest reads only the chosen
 pages: ``update`` never sees the query, this function does) -- and ``plan.finish(...)``
-afterwards (retention recomputes the attention weights it scores tokens by).
+afterwards (retention recomputes the attention weights it scores tokens by). A plan with an
+``attend`` method (``tiercache.streaming``: exact decode attention over the blocks where they
+lie) computes the whole SDPA call itself when ``streaming.plain`` says it can.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ NAME = "tiercache"
 _INNER = "_tiercache_inner_attention"
 SCORES_ATTR = "_tiercache_on_scores"
 PLAN_ATTR = "_tiercache_plan"
+PROBE_ATTR = "_tiercache_probe"  # called when the hook sees this key tensor (TieredCache checks routing)
 
 
 def _inner_name(config: Any) -> str:
@@ -40,7 +43,15 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
     else:
         fn = ALL_ATTENTION_FUNCTIONS[inner]
+    probe = getattr(key, PROBE_ATTR, None)
+    if probe is not None:
+        probe()
     plan = getattr(key, PLAN_ATTR, None)
+    if plan is not None and hasattr(plan, "attend") and inner == "sdpa":
+        from tiercache.streaming import plain
+
+        if plain(module, query, kwargs):
+            return plan.attend(query, key, attention_mask, kwargs.get("scaling"))
     if plan is not None:
         key, value, attention_mask = plan.prepare(module, query, key, value, attention_mask,
                                                   eager=inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS)

@@ -34,6 +34,9 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
     g.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"])
     g.add_argument("--shared-dir", action="store_true",
                    help="accept a disk dir with looser permissions or another owner (default: refuse)")
+    g.add_argument("--attend-in-place", action="store_true",
+                   help="CPU with a host tier: decode attention reads each block where it lies, no gather "
+                        "copy (faster; equal to SDPA to float rounding, not bit for bit)")
     r = p.add_argument_group("remote tier (Redis/Valkey; shares prefix-cache blocks between machines)")
     r.add_argument("--remote-url", default=None, help="redis://host:port/db, rediss:// (TLS) or unix:///path; "
                    "password from the URL or $TIERCACHE_REMOTE_PASSWORD (needs --disk-dir)")
@@ -50,7 +53,8 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
         return TierConfig(device_budget=args.device_budget, host_budget=args.host_budget,
                           disk_budget=args.disk_budget, disk_dir=args.disk_dir, block_tokens=args.block_tokens,
                           eviction=args.eviction, prefetch=args.prefetch, io_workers=args.io_workers,
-                          direct_io=args.direct_io, shared_dir=args.shared_dir, remote_url=args.remote_url,
+                          direct_io=args.direct_io, shared_dir=args.shared_dir,
+                          attend_in_place=args.attend_in_place, remote_url=args.remote_url,
                           remote_budget=args.remote_budget, remote_namespace=args.remote_namespace,
                           remote_cluster=args.remote_cluster, remote_timeout=args.remote_timeout)
     except ValueError as exc:

@@ -146,6 +146,10 @@ class TierConfig:
     reuse_host_budget: Budget = "1GiB"  # host memory of the prefix cache (warm prefixes)
     reuse_admission: str = "always"  # "always", or "reused": store a block once seen twice
     shared_dir: bool = False  # opt in: accept a disk_dir with looser permissions or another owner
+    # CPU, host tier: decode attention reads each block where it lies instead of gathering the
+    # layer into one K and V first (tiercache.streaming): faster, and as close to the exact
+    # result as SDPA is, but not bit for bit SDPA's, so off by default.
+    attend_in_place: bool = False
     # The remote tier (Redis/Valkey) beside the prefix cache; repr hides the URL's password.
     remote_url: Optional[str] = field(default=None, repr=False)  # redis://, rediss:// (TLS), unix://
     remote_budget: Optional[Budget] = None  # bytes of this model's blocks on the server; None: maxmemory decides
@@ -199,6 +203,8 @@ class TierConfig:
             object.__setattr__(self, "remote_budget", parse_bytes(self.remote_budget, "remote_budget"))
         if not isinstance(self.remote_namespace, str) or not _NAMESPACE_RE.match(self.remote_namespace):
             raise ValueError(f"remote_namespace: 1-64 letters, digits, '_', '.' or '-', got {self.remote_namespace!r}")
+        if self.attend_in_place not in (True, False):
+            raise ValueError(f"attend_in_place: must be True or False, got {self.attend_in_place!r}")
         if self.remote_cluster not in (True, False):
             raise ValueError(f"remote_cluster: must be True or False, got {self.remote_cluster!r}")
         if (isinstance(self.remote_timeout, bool) or not isinstance(self.remote_timeout, (int, float))

@@ -24,9 +24,9 @@ from tiercache.disk import ensure_private_dir
 from tiercache.errors import CapacityError, UnsupportedModelError
 from tiercache.events import Events
 from tiercache.policies import make_eviction, make_prefetch
-from tiercache.attention import SCORES_ATTR
+from tiercache.attention import PROBE_ATTR, SCORES_ATTR, _inner_name
 from tiercache.store import BlockStore
-from tiercache.table import BlockKey
+from tiercache.table import BlockKey, Tier
 from tiercache.tiers import BlockGeometry
 
 if TYPE_CHECKING:
@@ -164,10 +164,15 @@ class TieredCache(Cache):
         self._pending_scores: Optional[dict] = None
         self.selection_state, self.retention_state = self._make_selection_and_retention()
         self._attn_config = text  # selection/retention need tiercache's attention hook on this config
+        self._hook_seen = False  # the hook ran for this cache's keys (block attention relies on it)
+        self.in_place_steps = 0  # layer-steps of decode attention computed in place (attend_in_place)
         if (self.wants_scores or self.trace is not None or self.selection_state is not None
-                or self.retention_state is not None) and hasattr(model, "config") and hasattr(model, "forward"):
+                or self.retention_state is not None or self._streams_on_cpu(model)) \
+                and hasattr(model, "config") and hasattr(model, "forward"):
             from tiercache.attention import install
-            install(model)  # same outputs; adds per-block attention mass, selection and retention
+            # Same outputs; adds per-block attention mass, selection, retention and (CPU, host
+            # tier) decode attention over the blocks in place (tiercache.streaming).
+            install(model)
         self.store: Optional[BlockStore] = None
         self._pinned: list = []
         self._session_dir: Optional[str] = None
@@ -502,8 +507,14 @@ class TieredCache(Cache):
         # The prefetch plan is queued behind this layer's own reads, before waiting for them.
         self.prefetch_policy.observe(layer_idx, needed)
         ahead = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
+        if q == 1 and not retained and self._attends_in_place():
+            from tiercache.streaming import BlockAttentionPlan
+
+            return BlockAttentionPlan(self, layer_idx, needed, end - read_from, offset, ahead).placeholder(key_states)
         keys, values = store.read_layer(needed, end - read_from, offset, hold=not retained, ahead=ahead)
         keys, values = self._after_read(layer_idx, needed, offset, keys, values, planned=True)
+        if q == 1 and not self._hook_seen:
+            setattr(keys, PROBE_ATTR, self._saw_hook)
         if retained:
             from tiercache.attention import PLAN_ATTR
             from tiercache.retention import RetentionPlan
@@ -538,9 +549,11 @@ class TieredCache(Cache):
 
     def attention_stats(self) -> dict:
         """What selection and retention did: pages read of pages there were (per layer and
-        decode step, summed), tokens dropped, compactions and the tokens each layer keeps."""
+        decode step, summed), tokens dropped, compactions and the tokens each layer keeps;
+        and how many layer-steps of decode attention ran in place (``attend_in_place``)."""
         return {"selection": self.selection_state.stats() if self.selection_state is not None else None,
-                "retention": self.retention_state.stats() if self.retention_state is not None else None}
+                "retention": self.retention_state.stats() if self.retention_state is not None else None,
+                "in_place_layer_steps": self.in_place_steps}
 
     def _routed(self) -> bool:
         """Does attention run through tiercache's hook (needed by selection and retention)?"""
@@ -552,6 +565,32 @@ class TieredCache(Cache):
                         "its config) to TieredCache or call tiercache.attention.install(model). Reading "
                         "every block and dropping nothing meanwhile.")
         return False
+
+    def _streams_on_cpu(self, model: Any) -> bool:
+        """Does the config ask for in-place attention, with a host tier, for a model on CPU?"""
+        cfg = self.tier_config
+        if not (cfg.attend_in_place and cfg.host_enabled) or not isinstance(model, torch.nn.Module):
+            return False
+        device = cfg.device
+        if device is None:
+            param = next(model.parameters(), None)
+            device = param.device if param is not None else "cpu"
+        return torch.device(device).type == "cpu"
+
+    def _saw_hook(self) -> None:
+        self._hook_seen = True
+
+    def _attends_in_place(self) -> bool:
+        """Decode attention over the blocks where they lie (``tiercache.streaming``): with
+        ``attend_in_place``, on a CPU store with a host tier, once tiercache's hook has shown
+        that it sees this cache's keys (a probe on an earlier step), when the inner attention
+        is SDPA and nothing wants the attention scores."""
+        store = self.store
+        return (self.tier_config.attend_in_place and self._hook_seen and store.device.type == "cpu"
+                and Tier.HOST in store.tiers
+                and not self.wants_scores and self.trace is None
+                and getattr(self._attn_config, "_attn_implementation", None) == "tiercache"
+                and _inner_name(self._attn_config) == "sdpa")
 
     def _selects(self, layer: TieredLayer, query_length: int) -> bool:
         """Quest applies to decode steps (one query token) of full-attention layers."""

@@ -762,6 +762,41 @@ class BlockStore:
         finally:
             self._let_go(held)
 
+    def read_segments(self, keys: list, num_tokens: int, start_token: int = 0,
+                      ahead: Sequence[Hashable] = ()) -> list:
+        """CPU: K and V of ``keys`` where they lie, as ``[(k, v)]`` views ([B, H, t, D] each)
+        of the device and host pools, in order, no copy: one per run of adjacent device
+        slots and one per host block; the ``t`` sum to ``num_tokens``, from ``start_token``
+        of the first block. Disk blocks are read up to the host first. Held like
+        ``read_layer(hold=True)``: valid until ``release_views`` or the next held read."""
+        if self.device.type != "cpu" or Tier.HOST not in self.tiers:
+            raise RuntimeError("read_segments: only for a CPU store with a host tier")
+        self.release_views()
+        held = self._hold_in_memory(keys, ahead)
+        with self._lock:
+            self._views.extend(held)
+        g = self.geometry
+        segments = []
+        skip, left = start_token, num_tokens
+        i, n = 0, len(held)
+        while i < n and left > 0:
+            entry, copy = held[i]
+            j = i + 1
+            if copy is entry.copies.get(Tier.DEVICE):
+                while (j < n and held[j][1] is held[j][0].copies.get(Tier.DEVICE)
+                       and held[j][1].slot == copy.slot + (j - i)):
+                    j += 1
+                k, v = self.device_pool.view(copy.slot, j - i, min(left, (j - i) * g.block_tokens - skip), skip)
+            else:
+                block = self.host_pool.view(copy.slot)
+                t = min(left, g.block_tokens - skip)
+                k, v = block[0][:, :, skip:skip + t], block[1][:, :, skip:skip + t]
+            segments.append((k, v))
+            left -= k.shape[2]
+            skip = 0
+            i = j
+        return segments
+
     def _let_go(self, held: list) -> None:
         """Drop the readers ``held`` took ([(entry, copy)]); free what was deleted meanwhile."""
         with self._lock:
@@ -877,10 +912,12 @@ class BlockStore:
         such read: ``read_layer(hold=True)`` results live until ``release_views``), which
         saves a fresh allocation, and its page faults, per layer and step.
 
-        The copies are numpy copies of bytes (a plain single-threaded memcpy per run of
-        adjacent device slots or per host block): torch's ``copy_`` of a block this size
-        starts an OpenMP parallel region, which cost ~8 ms per copy instead of ~0.1 ms on
-        this 2-core machine whenever the other core was busy.
+        One copy per run of adjacent device slots and per host block. With moves in flight
+        they are numpy copies of bytes (a plain single-threaded memcpy): torch's ``copy_``
+        of a block this size starts an OpenMP parallel region, which cost ~8 ms per copy
+        instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the other core.
+        With nothing in flight (the host set-up's steady state) they are torch copies, which
+        use every core: ~20% faster per gather on 2 cores.
         """
         g = self.geometry
         rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
@@ -893,22 +930,28 @@ class BlockStore:
         else:
             out_k = torch.empty(rows, n, width, dtype=g.dtype, device=self.device)
             out_v = torch.empty_like(out_k)
-        outs = (out_k.view(torch.uint8).numpy(), out_v.view(torch.uint8).numpy())
-        dev_k, dev_v, host_k, host_v = self._byte_pools()
+        if self._inflight:
+            outs = (out_k.view(torch.uint8).numpy(), out_v.view(torch.uint8).numpy())
+            dev_k, dev_v, host_k, host_v = self._byte_pools()
+            copy = np.copyto
+        else:
+            outs = (out_k, out_v)
+            dev_k, dev_v, (host_k, host_v) = self.device_pool.k, self.device_pool.v, self.host_pool.kv_rows()
+            copy = torch.Tensor.copy_
         i = 0
         while i < n:
-            entry, copy = held[i]
-            if copy is entry.copies.get(Tier.DEVICE):
+            entry, held_copy = held[i]
+            if held_copy is entry.copies.get(Tier.DEVICE):
                 j = i + 1  # a run of adjacent device slots: one copy
                 while (j < n and held[j][1] is held[j][0].copies.get(Tier.DEVICE)
-                       and held[j][1].slot == copy.slot + (j - i)):
+                       and held[j][1].slot == held_copy.slot + (j - i)):
                     j += 1
-                np.copyto(outs[0][:, i:j], dev_k[:, copy.slot:copy.slot + j - i])
-                np.copyto(outs[1][:, i:j], dev_v[:, copy.slot:copy.slot + j - i])
+                copy(outs[0][:, i:j], dev_k[:, held_copy.slot:held_copy.slot + j - i])
+                copy(outs[1][:, i:j], dev_v[:, held_copy.slot:held_copy.slot + j - i])
                 i = j
             else:  # each host slot is one contiguous [2, B, H, T, D] block
-                np.copyto(outs[0][:, i], host_k[:, copy.slot])
-                np.copyto(outs[1][:, i], host_v[:, copy.slot])
+                copy(outs[0][:, i], host_k[:, held_copy.slot])
+                copy(outs[1][:, i], host_v[:, held_copy.slot])
                 i += 1
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
