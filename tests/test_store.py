@@ -535,3 +535,40 @@ def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_s
     for key in survivors:
         assert torch.equal(store.get(key), data[key])
     assert store.stats()["moves"]["device->host"]["blocks"] == 11
+
+
+def test_read_segments_gives_views_of_every_block_where_it_lies_and_holds_them(make_store, geometry):
+    """read_segments (CPU attention in place) returns K/V views, no copies: one per run of
+    adjacent device slots and one per host block, disk blocks read up to the host first.
+    From token 3 of the first block to 2 tokens short of the end, the segments are exactly
+    the stored tokens in order. While held, a deleted block's bytes stay put; release_views
+    lets them go."""
+    store = make_store(device_blocks=4, host_blocks=4, disk_blocks=20)
+    data = blocks(geometry, 10, seed=11)
+    for key, block in data.items():
+        store.put(key, block)
+    store.wait_idle()
+    every = list(data)  # 0-1 on disk only, 2-5 on the host, 6-9 on the device
+    keys = [every[i] for i in (0, 1, 4, 5, 8, 9)]
+    tiers = [store.tiers_of(k)[0] for k in keys]
+    assert Tier.DEVICE in tiers and Tier.DISK in tiers
+    t = geometry.block_tokens
+    num_tokens = len(keys) * t - 3 - 2
+    segments = store.read_segments(keys, num_tokens, start_token=3)
+    k = torch.cat([s[0] for s in segments], dim=2)
+    v = torch.cat([s[1] for s in segments], dim=2)
+    want = torch.cat([data[key] for key in keys], dim=3)[:, :, :, 3:3 + num_tokens]
+    assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+    pools = [(store.device_pool.k.untyped_storage().data_ptr(), store.device_pool.k.untyped_storage().nbytes()),
+             (store.device_pool.v.untyped_storage().data_ptr(), store.device_pool.v.untyped_storage().nbytes()),
+             (store.host_pool.buffer.untyped_storage().data_ptr(), store.host_pool.buffer.untyped_storage().nbytes())]
+    for seg_k, seg_v in segments:  # views into the pools, not copies
+        for x in (seg_k, seg_v):
+            assert any(lo <= x.data_ptr() < lo + n for lo, n in pools)
+    store.delete(keys[0])
+    store.check()
+    assert torch.equal(segments[0][0], want[0][:, :, :segments[0][0].shape[2]])  # still there while held
+    store.release_views()
+    store.check()
+    with pytest.raises(RuntimeError, match="CPU store with a host tier"):
+        make_store(host_blocks=0, disk_blocks=0).read_segments(keys[1:2], t)

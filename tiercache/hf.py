@@ -167,7 +167,7 @@ class TieredCache(Cache):
         self._hook_seen = False  # the hook ran for this cache's keys (block attention relies on it)
         self.in_place_steps = 0  # layer-steps of decode attention computed in place (attend_in_place)
         if (self.wants_scores or self.trace is not None or self.selection_state is not None
-                or self.retention_state is not None or self._streams_on_cpu(model)) \
+                or self.retention_state is not None or self._wants_in_place(model)) \
                 and hasattr(model, "config") and hasattr(model, "forward"):
             from tiercache.attention import install
             # Same outputs; adds per-block attention mass, selection, retention and (CPU, host
@@ -513,8 +513,8 @@ class TieredCache(Cache):
             return BlockAttentionPlan(self, layer_idx, needed, end - read_from, offset, ahead).placeholder(key_states)
         keys, values = store.read_layer(needed, end - read_from, offset, hold=not retained, ahead=ahead)
         keys, values = self._after_read(layer_idx, needed, offset, keys, values, planned=True)
-        if q == 1 and not self._hook_seen:
-            setattr(keys, PROBE_ATTR, self._saw_hook)
+        if q == 1 and not self._hook_seen and self.tier_config.attend_in_place:
+            setattr(keys, PROBE_ATTR, self._saw_hook)  # the hook will show it sees this cache's keys
         if retained:
             from tiercache.attention import PLAN_ATTR
             from tiercache.retention import RetentionPlan
@@ -566,7 +566,7 @@ class TieredCache(Cache):
                         "every block and dropping nothing meanwhile.")
         return False
 
-    def _streams_on_cpu(self, model: Any) -> bool:
+    def _wants_in_place(self, model: Any) -> bool:
         """Does the config ask for in-place attention, with a host tier, for a model on CPU?"""
         cfg = self.tier_config
         if not (cfg.attend_in_place and cfg.host_enabled) or not isinstance(model, torch.nn.Module):
