@@ -510,24 +510,28 @@ class BlockStore:
         return self._move_when_room(key, lambda: self._demote_plan(key))
 
     def demote_many(self, keys: Iterable[Hashable]) -> list:
-        """``demote`` for many blocks: one future per key. The moves that have room below
-        start together (on CPU, host<->device copies in chunks: see ``_submit_all``); the
-        rest go one by one as ``demote``, waiting for room."""
+        """``demote`` for many blocks: one future per key, in order. The moves that have
+        room below start together (on CPU, host<->device copies in chunks: see
+        ``_submit_all``); the rest go one by one as ``demote``, waiting for room."""
         keys = list(keys)
+        futures: list = [None] * len(keys)  # in the order of keys
         moves: list = []
         later: list = []
-        done: list = []
         with self._lock:
-            for key in keys:
+            for i, key in enumerate(keys):
                 decided = self._demote_plan(key)
                 if decided is None:
-                    done.append(_done_future(lambda: None))
+                    futures[i] = _done_future(lambda: None)
                 elif self.table.num_free(decided[1]) >= 1:
-                    moves.append(self._prepare(key, decided[0], decided[1], drop_source=True))
+                    move = self._prepare(key, decided[0], decided[1], drop_source=True)
+                    moves.append(move)
+                    futures[i] = self._inflight[move]
                 else:
-                    later.append(key)
-        futures = self._submit_all(moves, Priority.WRITEBACK)
-        return done + futures + [self.demote(key) for key in later]
+                    later.append(i)
+        self._submit_all(moves, Priority.WRITEBACK)
+        for i in later:
+            futures[i] = self.demote(keys[i])
+        return futures
 
     def _demote_plan(self, key: Hashable) -> Optional[tuple]:
         """Under the lock: (src, dst, drop_source, priority) of demoting ``key``, or None."""
