@@ -76,6 +76,24 @@ def test_real_generation_over_all_tiers_with_stats_and_metrics(tmp_path):
 
 
 @pytest.mark.model
+def test_generate_attend_in_place_gives_the_same_answer(tmp_path):
+    """`generate --attend-in-place` over all three tiers answers as the default run does,
+    and its decode steps attended in place (the stats JSON counts them)."""
+    answers = []
+    for flags in ([], ["--attend-in-place"]):
+        stats_file = tmp_path / f"stats{len(flags)}.json"
+        proc = cli("generate", "--prompt", "Name three colours.", "--max-new-tokens", "8", "--block-tokens", "4",
+                   "--device-budget", "256KiB", "--host-budget", "512KiB", "--disk-dir", str(tmp_path / "kv"),
+                   "--disk-budget", "64MiB", "--quiet", "--stats-json", str(stats_file), *flags)
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads(stats_file.read_text())
+        answers.append(proc.stdout)
+        assert data["stats"]["tiers"]["disk"]["blocks"] > 0
+        assert (data["attention"]["in_place_layer_steps"] > 0) == bool(flags), data["attention"]
+    assert answers[0] == answers[1] and answers[0].strip()
+
+
+@pytest.mark.model
 def test_compare_records_a_trace_and_runs_policies_live(tmp_path):
     """`tiercache compare --prompt ... --live`: records a trace with the default model, replays it
     through runtime policies and libCacheSim (Belady included), runs each policy for real, and

@@ -134,7 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(stats_table(result["stats"], result["seconds"]), file=sys.stderr)
     if args.stats_json:
         with open(args.stats_json, "w", encoding="utf-8") as f:
-            json.dump({"stats": result["stats"], "seconds": result["seconds"], "text": result["text"]}, f, indent=2)
+            json.dump({"stats": result["stats"], "attention": result["attention"], "seconds": result["seconds"],
+                       "text": result["text"]}, f, indent=2)
     return 0
 
 

@@ -100,10 +100,11 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
                                  **kwargs)
         t_end = time.perf_counter()
         stats = cache.stats()
+        attention = cache.attention_stats()
         if on_done is not None:
             on_done(cache)
     first = meter.t_first_decode or t_end
     new_ids = out[0, num_prompt:]
     return {"text": tokenizer.decode(new_ids, skip_special_tokens=True), "num_prompt_tokens": num_prompt,
-            "new_token_ids": new_ids.tolist(), "stats": stats,
+            "new_token_ids": new_ids.tolist(), "stats": stats, "attention": attention,
             "seconds": {"prefill": first - t0, "decode": t_end - first, "total": t_end - t0}}
