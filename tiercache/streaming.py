@@ -71,8 +71,8 @@ class BlockAttentionPlan:
 
 
 def plain(module: Any, query: torch.Tensor, kwargs: dict) -> bool:
-    """Is this SDPA call one ``block_attention`` computes exactly? One query token, no
-    dropout, no logit softcapping, no attention sinks."""
+    """Is this SDPA call one that ``block_attention`` computes (the same formula, to float
+    rounding)? One query token, no dropout, no logit softcapping, no attention sinks."""
     if query.shape[2] != 1 or (module.training and kwargs.get("dropout", 0.0)):
         return False
     if kwargs.get("softcap") or getattr(module.config, "attn_logit_softcapping", None):
