@@ -782,23 +782,18 @@ class BlockStore:
         g = self.geometry
         segments = []
         skip, left = start_token, num_tokens
-        i, n = 0, len(held)
-        while i < n and left > 0:
-            entry, copy = held[i]
-            j = i + 1
-            if copy is entry.copies.get(Tier.DEVICE):
-                while (j < n and held[j][1] is held[j][0].copies.get(Tier.DEVICE)
-                       and held[j][1].slot == copy.slot + (j - i)):
-                    j += 1
-                k, v = self.device_pool.view(copy.slot, j - i, min(left, (j - i) * g.block_tokens - skip), skip)
+        for on_device, slot, count in _runs(held):
+            if left <= 0:
+                break
+            t = min(left, count * g.block_tokens - skip)
+            if on_device:
+                k, v = self.device_pool.view(slot, count, t, skip)
             else:
-                block = self.host_pool.view(copy.slot)
-                t = min(left, g.block_tokens - skip)
+                block = self.host_pool.view(slot)
                 k, v = block[0][:, :, skip:skip + t], block[1][:, :, skip:skip + t]
             segments.append((k, v))
-            left -= k.shape[2]
+            left -= t
             skip = 0
-            i = j
         return segments
 
     def _let_go(self, held: list) -> None:
@@ -943,20 +938,14 @@ class BlockStore:
             dev_k, dev_v, (host_k, host_v) = self.device_pool.k, self.device_pool.v, self.host_pool.kv_rows()
             copy = torch.Tensor.copy_
         i = 0
-        while i < n:
-            entry, held_copy = held[i]
-            if held_copy is entry.copies.get(Tier.DEVICE):
-                j = i + 1  # a run of adjacent device slots: one copy
-                while (j < n and held[j][1] is held[j][0].copies.get(Tier.DEVICE)
-                       and held[j][1].slot == held_copy.slot + (j - i)):
-                    j += 1
-                copy(outs[0][:, i:j], dev_k[:, held_copy.slot:held_copy.slot + j - i])
-                copy(outs[1][:, i:j], dev_v[:, held_copy.slot:held_copy.slot + j - i])
-                i = j
+        for on_device, slot, count in _runs(held):
+            if on_device:  # a run of adjacent device slots: one copy
+                copy(outs[0][:, i:i + count], dev_k[:, slot:slot + count])
+                copy(outs[1][:, i:i + count], dev_v[:, slot:slot + count])
             else:  # each host slot is one contiguous [2, B, H, T, D] block
-                copy(outs[0][:, i], host_k[:, held_copy.slot])
-                copy(outs[1][:, i], host_v[:, held_copy.slot])
-                i += 1
+                copy(outs[0][:, i], host_k[:, slot])
+                copy(outs[1][:, i], host_v[:, slot])
+            i += count
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
         return k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens]
@@ -1439,6 +1428,22 @@ class BlockStore:
     def _as_block(self, buf: torch.Tensor) -> torch.Tensor:
         g = self.geometry
         return buf[:g.block_bytes].view(g.dtype).view(g.shape)
+
+
+def _runs(held: list):
+    """Walk held copies ([(entry, copy)], in order) as (on_device, first slot, count): one per
+    run of adjacent device slots, one per host block."""
+    i, n = 0, len(held)
+    while i < n:
+        entry, copy = held[i]
+        j = i + 1
+        on_device = copy is entry.copies.get(Tier.DEVICE)
+        if on_device:
+            while (j < n and held[j][1] is held[j][0].copies.get(Tier.DEVICE)
+                   and held[j][1].slot == copy.slot + (j - i)):
+                j += 1
+        yield on_device, copy.slot, j - i
+        i = j
 
 
 def _relay(inner: Future, outer: Future) -> None:
