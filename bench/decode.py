@@ -132,6 +132,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         prefill_s = time.perf_counter() - t0
         _, nxt = _decode(model, cache, nxt, WARMUP_STEPS)
         before = cache.stats() if tiered else None
+        reads_before = cache.attention_stats()["reads"] if tiered else None
         decode_s, _ = _decode(model, cache, nxt, new_tokens)
     result = {"setup": setup, "context": context, "new_tokens": new_tokens, "tps": new_tokens / decode_s,
               "prefill_s": prefill_s, "kv_bytes": kv_bytes_per_token(model) * context,
@@ -144,6 +145,12 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         result["stall_s"] = after["stall_seconds"] - before["stall_seconds"]
         result["tiers"] = after["tiers"]
         result["attention"] = cache.attention_stats()
+        # The timed steps' gather copies (blocks copied into one K/V for attention), as a
+        # share of their decode time: what attend_in_place or a roomier device tier saves.
+        reads = result["attention"]["reads"]
+        result["gather_s"] = reads["gather_seconds"] - reads_before["gather_seconds"]
+        result["gather_share"] = result["gather_s"] / decode_s
+        result["gathered_bytes_per_token"] = (reads["gathered_bytes"] - reads_before["gathered_bytes"]) / new_tokens
         cache.close()
     return result
 

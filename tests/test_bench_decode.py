@@ -42,6 +42,10 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
         assert r["setups"][setup]["attention"]["in_place_layer_steps"] > 0
     for setup in ("host", "disk"):
         assert r["setups"][setup]["attention"]["in_place_layer_steps"] == 0
+        assert 0 < r["setups"][setup]["gather_share"] < 1 and r["setups"][setup]["gathered_bytes_per_token"] > 0
+    # the everything-fits set-up reads its layers as views; the in-place ones gather nothing while timed
+    for setup in ("fits", "host_inplace", "disk_inplace"):
+        assert r["setups"][setup]["gather_s"] == 0 and r["setups"][setup]["gathered_bytes_per_token"] == 0
     # the quest set-up selects pages (it is not exact streaming under another name)
     assert 0 < r["quest_pages_read_fraction"] < 0.9 and r["quest_vs_disk_ratio"] > 0
     assert list(tmp_path.iterdir()) == []  # the work directory is removed

@@ -11,7 +11,7 @@ from tiercache.store import BlockStore
 from tiercache.tiers import BlockGeometry, DevicePool
 
 from conftest import tiny_config
-from test_hf_exactness import assert_same, generate, prompt_ids, tiny_model
+from test_hf_exactness import assert_same, generate, kv_shape, prompt_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -131,3 +131,43 @@ def test_a_roomy_device_tier_reads_layers_in_place_and_stays_exact(family, mode,
         cache.store.check()
     assert_same(ref, out, f"{family} {mode}")
     assert reads["view"] > 0 and reads["view"] >= reads["copy"], reads
+
+
+def test_read_stats_count_views_and_gather_copies():
+    """attention_stats()["reads"] says how each layer read got its K/V: zero-copy views of
+    the device pool, or a gather copy (with its bytes and seconds). With everything on the
+    device every read is a view; with most blocks on the host every decode read copies
+    exactly the blocks attention needs; with attention in place only the reads before it starts gather."""
+    model = tiny_model("llama")
+    ids = prompt_ids(1)
+    layers, new, bt = model.config.num_hidden_layers, 6, 4
+    kv_heads, head_dim = kv_shape(model)
+    block_bytes = 2 * kv_heads * bt * head_dim * 4  # K and V of one block, batch 1, fp32
+    # Forwards: the prompt, then one per new token but the last; each reads every block so far.
+    blocks_read = [(ids.shape[1] + s + bt - 1) // bt for s in range(new)]
+
+    def reads_of(**budgets):
+        with TieredCache(model, TierConfig(block_tokens=bt, **budgets)) as cache:
+            generate(model, ids, cache=cache, max_new_tokens=new)
+            assert cache.store.geometry.block_bytes == block_bytes
+            return cache.attention_stats(), cache.stats()
+
+    stats, _ = reads_of(device_budget="1MiB", host_budget=0)
+    assert stats["reads"] == {"views": layers * new, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
+
+    stats, tiers = reads_of(device_budget=4 * block_bytes, host_budget="1MiB")
+    reads = stats["reads"]
+    assert tiers["tiers"]["host"]["blocks"] > 0
+    # Every decode read gathers (no layer fits on the device); in the prompt's forward the
+    # first layers still find their fresh blocks side by side on the device.
+    assert reads["views"] + reads["gathers"] == layers * new and reads["views"] < layers
+    assert reads["gathered_bytes"] == (layers * sum(blocks_read) - reads["views"] * blocks_read[0]) * block_bytes
+    assert reads["gather_seconds"] > 0
+
+    stats, _ = reads_of(device_budget=4 * block_bytes, host_budget="1MiB", attend_in_place=True)
+    # The prompt's layers (views or gathers) and layer 0 of the first decode step (which
+    # probes the hook) read with read_layer; every later decode read is in place.
+    reads = stats["reads"]
+    assert reads["views"] + reads["gathers"] == layers + 1 and reads["views"] < layers
+    assert stats["in_place_layer_steps"] == layers * (new - 1) - 1
+    assert reads["gathered_bytes"] == ((layers - reads["views"]) * blocks_read[0] + blocks_read[1]) * block_bytes

@@ -550,10 +550,14 @@ class TieredCache(Cache):
     def attention_stats(self) -> dict:
         """What selection and retention did: pages read of pages there were (per layer and
         decode step, summed), tokens dropped, compactions and the tokens each layer keeps;
-        and how many layer-steps of decode attention ran in place (``attend_in_place``)."""
+        how many layer-steps of decode attention ran in place (``attend_in_place``); and
+        ``reads``: how the other layer reads got their K/V, as zero-copy ``views`` of the
+        device pool or as ``gathers`` into one buffer (``gathered_bytes``, ``gather_seconds``)."""
+        reads = dict(self.store.read_stats) if self.store is not None else \
+            {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
         return {"selection": self.selection_state.stats() if self.selection_state is not None else None,
                 "retention": self.retention_state.stats() if self.retention_state is not None else None,
-                "in_place_layer_steps": self.in_place_steps}
+                "in_place_layer_steps": self.in_place_steps, "reads": reads}
 
     def _routed(self) -> bool:
         """Does attention run through tiercache's hook (needed by selection and retention)?"""

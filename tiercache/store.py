@@ -86,6 +86,8 @@ class BlockStore:
         self._np_pools: Optional[tuple] = None  # see _byte_pools
         self._gather_buf: Optional[tuple] = None  # see _gather_mixed(reuse=True)
         self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
+        # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
+        self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
         self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
         self._parent: dict = {}
         with torch.inference_mode(False):
@@ -749,8 +751,11 @@ class BlockStore:
                         for key, copy in zip(keys, copies):
                             copy.readers += 1
                             self._views.append((self.table.get(key), copy))
+                        self.read_stats["views"] += 1
                         return self.device_pool.view(slots[0], len(slots), num_tokens, start_token)
+                t0 = time.perf_counter()
                 out = self.device_pool.gather(slots, num_tokens, start_token)
+                self._count_gather(len(slots), t0)
                 self.note_compute()  # later copies into these slots wait for the gather
                 return out
             finally:
@@ -760,11 +765,23 @@ class BlockStore:
                 and DevicePool.consecutive([c.slot for _, c in held]):
             with self._lock:
                 self._views.extend(held)
+            self.read_stats["views"] += 1
             return self.device_pool.view(held[0][1].slot, len(held), num_tokens, start_token)
         try:
-            return self._gather_mixed(held, num_tokens, start_token, reuse=hold)
+            t0 = time.perf_counter()
+            out = self._gather_mixed(held, num_tokens, start_token, reuse=hold)
+            self._count_gather(len(held), t0)
+            return out
         finally:
             self._let_go(held)
+
+    def _count_gather(self, num_blocks: int, t0: float) -> None:
+        """One gather of ``num_blocks`` blocks that started at ``t0`` (on CUDA the copy is
+        queued, not finished: the seconds are those of queueing it)."""
+        stats = self.read_stats
+        stats["gathers"] += 1
+        stats["gathered_bytes"] += num_blocks * self.geometry.block_bytes
+        stats["gather_seconds"] += time.perf_counter() - t0
 
     def read_segments(self, keys: list, num_tokens: int, start_token: int = 0,
                       ahead: Sequence[Hashable] = ()) -> list:
