@@ -3,6 +3,7 @@ views of the device pool (held until ``release_views``); other layers are gather
 must give exactly the bytes written, and a held block must never be freed or reused."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,12 +91,31 @@ def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype):
         tiers = [store.tiers_of(key)[0] for key in keys]
         assert Tier.HOST in tiers and Tier.DEVICE in tiers
         order = [keys[3], keys[1], keys[2], keys[0], keys[7], keys[5]]
-        for start, n in ((0, 24), (3, 17)):
+        for start, n in ((0, 24), (3, 17), (1, 22), (0, 23), (5, 2), (4, 8)):
             k, v = store.read_layer(order, n, start, hold=True)
             want_k, want_v = _expected(data, order, n, start)
             assert torch.equal(k, want_k) and torch.equal(v, want_v)
             store.release_views()
         store.check()
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_copy_tokens_copies_exactly_the_tokens_read(kind):
+    """The gather copies only the tokens attention reads: whole blocks in one copy, a partly
+    read first or last block alone; nothing outside [lo, hi) of the run is written."""
+    from tiercache.store import _copy_tokens
+
+    rows, blocks, bt, unit = 3, 4, 4, 2
+    src = torch.arange(rows * blocks * bt * unit, dtype=torch.float32).view(rows, blocks, bt * unit)
+    for lo, hi in ((0, 16), (1, 16), (0, 15), (3, 13), (5, 7), (4, 8), (8, 8), (15, 16)):
+        dst = torch.full_like(src, -1.0)
+        if kind == "numpy":
+            _copy_tokens(np.copyto, dst.numpy(), src.numpy(), lo, hi, bt, unit)
+        else:
+            _copy_tokens(torch.Tensor.copy_, dst, src, lo, hi, bt, unit)
+        flat_dst, flat_src = dst.view(rows, -1), src.view(rows, -1)
+        assert torch.equal(flat_dst[:, lo * unit:hi * unit], flat_src[:, lo * unit:hi * unit]), (lo, hi)
+        assert (flat_dst[:, :lo * unit] == -1).all() and (flat_dst[:, hi * unit:] == -1).all(), (lo, hi)
 
 
 def test_write_tokens_from_a_strided_slice(geometry):
@@ -143,8 +163,10 @@ def test_read_stats_count_views_and_gather_copies():
     layers, new, bt = model.config.num_hidden_layers, 6, 4
     kv_heads, head_dim = kv_shape(model)
     block_bytes = 2 * kv_heads * bt * head_dim * 4  # K and V of one block, batch 1, fp32
-    # Forwards: the prompt, then one per new token but the last; each reads every block so far.
-    blocks_read = [(ids.shape[1] + s + bt - 1) // bt for s in range(new)]
+    # Forwards: the prompt, then one per new token but the last; each reads every token so
+    # far, and a gather copies just those (not the unwritten rest of the tail block).
+    tokens_read = [ids.shape[1] + s for s in range(new)]
+    per_token = block_bytes // bt
 
     def reads_of(**budgets):
         with TieredCache(model, TierConfig(block_tokens=bt, **budgets)) as cache:
@@ -161,7 +183,7 @@ def test_read_stats_count_views_and_gather_copies():
     # Every decode read gathers (no layer fits on the device); in the prompt's forward the
     # first layers still find their fresh blocks side by side on the device.
     assert reads["views"] + reads["gathers"] == layers * new and reads["views"] < layers
-    assert reads["gathered_bytes"] == (layers * sum(blocks_read) - reads["views"] * blocks_read[0]) * block_bytes
+    assert reads["gathered_bytes"] == (layers * sum(tokens_read) - reads["views"] * tokens_read[0]) * per_token
     assert reads["gather_seconds"] > 0
 
     stats, _ = reads_of(device_budget=4 * block_bytes, host_budget="1MiB", attend_in_place=True)
@@ -170,4 +192,4 @@ def test_read_stats_count_views_and_gather_copies():
     reads = stats["reads"]
     assert reads["views"] + reads["gathers"] == layers + 1 and reads["views"] < layers
     assert stats["in_place_layer_steps"] == layers * (new - 1) - 1
-    assert reads["gathered_bytes"] == ((layers - reads["views"]) * blocks_read[0] + blocks_read[1]) * block_bytes
+    assert reads["gathered_bytes"] == ((layers - reads["views"]) * tokens_read[0] + tokens_read[1]) * per_token

@@ -755,7 +755,7 @@ class BlockStore:
                         return self.device_pool.view(slots[0], len(slots), num_tokens, start_token)
                 t0 = time.perf_counter()
                 out = self.device_pool.gather(slots, num_tokens, start_token)
-                self._count_gather(len(slots), t0)
+                self._count_gather(len(slots) * self.geometry.block_bytes, t0)
                 self.note_compute()  # later copies into these slots wait for the gather
                 return out
             finally:
@@ -770,17 +770,17 @@ class BlockStore:
         try:
             t0 = time.perf_counter()
             out = self._gather_mixed(held, num_tokens, start_token, reuse=hold)
-            self._count_gather(len(held), t0)
+            self._count_gather(num_tokens * (self.geometry.block_bytes // self.geometry.block_tokens), t0)
             return out
         finally:
             self._let_go(held)
 
-    def _count_gather(self, num_blocks: int, t0: float) -> None:
-        """One gather of ``num_blocks`` blocks that started at ``t0`` (on CUDA the copy is
+    def _count_gather(self, num_bytes: int, t0: float) -> None:
+        """One gather that copied ``num_bytes`` and started at ``t0`` (on CUDA the copy is
         queued, not finished: the seconds are those of queueing it)."""
         stats = self.read_stats
         stats["gathers"] += 1
-        stats["gathered_bytes"] += num_blocks * self.geometry.block_bytes
+        stats["gathered_bytes"] += num_bytes
         stats["gather_seconds"] += time.perf_counter() - t0
 
     def read_segments(self, keys: list, num_tokens: int, start_token: int = 0,
@@ -928,7 +928,8 @@ class BlockStore:
         such read: ``read_layer(hold=True)`` results live until ``release_views``), which
         saves a fresh allocation, and its page faults, per layer and step.
 
-        One copy per run of adjacent device slots and per host block. With moves in flight
+        One copy per run of adjacent device slots and per host block, of the tokens read
+        only (a partly read first or last block is copied alone). With moves in flight
         they are numpy copies of bytes (a plain single-threaded memcpy): torch's ``copy_``
         of a block this size starts an OpenMP parallel region, which cost ~8 ms per copy
         instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the other core.
@@ -954,14 +955,18 @@ class BlockStore:
             outs = (out_k, out_v)
             dev_k, dev_v, (host_k, host_v) = self.device_pool.k, self.device_pool.v, self.host_pool.kv_rows()
             copy = torch.Tensor.copy_
+        unit = g.head_dim if copy is torch.Tensor.copy_ else g.head_dim * g.itemsize  # one token of a row
         i = 0
         for on_device, slot, count in _runs(held):
-            if on_device:  # a run of adjacent device slots: one copy
-                copy(outs[0][:, i:i + count], dev_k[:, slot:slot + count])
-                copy(outs[1][:, i:i + count], dev_v[:, slot:slot + count])
+            # only the tokens attention reads: the tail block is mostly unwritten while decoding
+            lo = max(start_token - i * g.block_tokens, 0)
+            hi = min(start_token + num_tokens - i * g.block_tokens, count * g.block_tokens)
+            if on_device:  # a run of adjacent device slots: one copy (plus partial end blocks)
+                sources = dev_k[:, slot:slot + count], dev_v[:, slot:slot + count]
             else:  # each host slot is one contiguous [2, B, H, T, D] block
-                copy(outs[0][:, i], host_k[:, slot])
-                copy(outs[1][:, i], host_v[:, slot])
+                sources = host_k[:, slot:slot + 1], host_v[:, slot:slot + 1]
+            for out, src in zip(outs, sources):
+                _copy_tokens(copy, out[:, i:i + count], src, lo, hi, g.block_tokens, unit)
             i += count
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
@@ -1445,6 +1450,25 @@ class BlockStore:
     def _as_block(self, buf: torch.Tensor) -> torch.Tensor:
         g = self.geometry
         return buf[:g.block_bytes].view(g.dtype).view(g.shape)
+
+
+def _copy_tokens(copy, dst, src, lo: int, hi: int, block_tokens: int, unit: int) -> None:
+    """Copy tokens [lo, hi) of a run of blocks, ``src`` to ``dst`` ([rows, blocks, T*unit]
+    each, torch or numpy): whole blocks in one copy, a partly read first or last block alone."""
+    if hi <= lo:
+        return
+    first, last = lo // block_tokens, (hi - 1) // block_tokens
+    a, b = (lo - first * block_tokens) * unit, (hi - last * block_tokens) * unit
+    if first == last:
+        copy(dst[:, first, a:b], src[:, first, a:b])
+        return
+    whole_from, whole_to = first + (a > 0), last + 1 - (b < block_tokens * unit)
+    if a > 0:
+        copy(dst[:, first, a:], src[:, first, a:])
+    if whole_to > whole_from:
+        copy(dst[:, whole_from:whole_to], src[:, whole_from:whole_to])
+    if b < block_tokens * unit:
+        copy(dst[:, last, :b], src[:, last, :b])
 
 
 def _runs(held: list):
