@@ -956,8 +956,14 @@ class BlockStore:
             dev_k, dev_v, (host_k, host_v) = self.device_pool.k, self.device_pool.v, self.host_pool.kv_rows()
             copy = torch.Tensor.copy_
         unit = g.head_dim if copy is torch.Tensor.copy_ else g.head_dim * g.itemsize  # one token of a row
-        i = 0
+        runs, i = [], 0
         for on_device, slot, count in _runs(held):
+            runs.append((i, on_device, slot, count))
+            i += count
+        # Last block first: attention reads from the first token on, and a layer's K and V
+        # are about half of this machine's L3, so the blocks written last are the ones still
+        # cached when it starts (SDPA ran ~5 ms per step faster in the host set-up).
+        for i, on_device, slot, count in reversed(runs):
             # only the tokens attention reads: the tail block is mostly unwritten while decoding
             lo = max(start_token - i * g.block_tokens, 0)
             hi = min(start_token + num_tokens - i * g.block_tokens, count * g.block_tokens)
@@ -967,7 +973,6 @@ class BlockStore:
                 sources = host_k[:, slot:slot + 1], host_v[:, slot:slot + 1]
             for out, src in zip(outs, sources):
                 _copy_tokens(copy, out[:, i:i + count], src, lo, hi, g.block_tokens, unit)
-            i += count
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
         return k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens]
