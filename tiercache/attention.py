@@ -13,7 +13,7 @@ the key tensor (attribute ``_tiercache_plan``). The hook calls ``plan.prepare(..
 attention -- it may swap in other K/V and a per-head mask (Quest reads only the chosen
 pages: ``update`` never sees the query, this function does) -- and ``plan.finish(...)``
 afterwards (retention recomputes the attention weights it scores tokens by). A plan with an
-``attend`` method (``tiercache.streaming``: exact decode attention over the blocks where they
+``attend`` method (``tiercache.streaming``: decode attention over every block where they
 lie) computes the whole SDPA call itself when ``streaming.plain`` says it can.
 """
 from __future__ import annotations

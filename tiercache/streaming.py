@@ -1,4 +1,4 @@
-"""Exact decode attention over the blocks where they lie (CPU), without gathering them.
+"""Decode attention over every block where it lies (CPU), without gathering them first.
 
 On CPU the device and host tiers are both RAM, so a decode step can attend to each block in
 its own pool slot: per block (or run of adjacent device slots) one ``q @ K^T``, one softmax
@@ -11,7 +11,7 @@ cores at 8k tokens, cache-cold: 2.2-2.3 ms per layer against 2.9-3.1 ms for gath
 selection does) for a decode step of a layer whose attention is SDPA; tiercache's attention
 hook calls ``plan.attend``, which reads the blocks (``BlockStore.read_segments``) and returns
 what SDPA would: the same softmax(q K^T * scale + mask) V, computed in fp32, equal to SDPA's
-output to float rounding. Anything else (eager or other kernels, softcapping, attention
+output to float rounding (not bit for bit: hence opt-in, ``TierConfig.attend_in_place``). Anything else (eager or other kernels, softcapping, attention
 sinks, dropout, several query tokens) is not planned: ``update`` reads and gathers as before.
 """
 from __future__ import annotations
