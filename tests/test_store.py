@@ -572,3 +572,38 @@ def test_read_segments_gives_views_of_every_block_where_it_lies_and_holds_them(m
     store.check()
     with pytest.raises(RuntimeError, match="CPU store with a host tier"):
         make_store(host_blocks=0, disk_blocks=0).read_segments(keys[1:2], t)
+
+
+
+@pytest.mark.parametrize("read", ["read_layer", "get", "read_into"])
+def test_a_read_where_the_block_lies_is_a_use_for_the_eviction_policy(make_store, geometry, read):
+    """On CPU, attention reads host blocks where they lie, with no move; a read is a use all
+    the same, and the tier's eviction policy must hear of it.
+
+    Under lru, 6 blocks fill 3 device and 3 host slots; the host's least recently used is
+    the first block demoted there. Reading it makes it the most recent: when a seventh
+    block pushes one more down to the host, the second one demoted goes to disk instead,
+    and the block just read stays on the host."""
+    store = make_store(eviction="lru")
+    data = blocks(geometry, 7, seed=11)
+    keys = list(data)
+    for key in keys[:6]:
+        store.put(key, data[key])
+    store.wait_idle()
+    on_host = store.policies[Tier.HOST].evict(3, lambda k: True)  # lru order on the host
+    assert all(store.table.copy(k, Tier.HOST) is not None for k in on_host)
+    first, second = on_host[0], on_host[1]
+    if read == "read_layer":
+        k, _ = store.read_layer([first], geometry.block_tokens)
+        assert torch.equal(k, data[first][0])
+    elif read == "get":
+        assert torch.equal(store.get(first), data[first])
+    else:
+        out = torch.empty(geometry.shape)
+        assert store.read_into([first], [out]) == [None] and torch.equal(out, data[first])
+    assert store.stats()["hits"]["host"] == 1
+    store.put(keys[6], data[keys[6]])
+    store.wait_idle()
+    assert store.table.copy(first, Tier.HOST) is not None
+    assert store.table.copy(second, Tier.HOST) is None and store.table.copy(second, Tier.DISK) is not None
+    store.check()

@@ -289,6 +289,8 @@ class BlockStore:
                             self._released(key, t, freed_slot)
                     elif corrupted:
                         self._discard(key, tier)
+                    else:
+                        self.policies[tier].touch(key)
                     lost = corrupted and self.table.best_source(key) is None and not self._inflight_for(key)
                     if lost:
                         self._forget(key)
@@ -377,6 +379,7 @@ class BlockStore:
                         continue
                     if i in results and outcome is None:
                         self.events.hit(tier.label)
+                        self.policies[tier].touch(key)
                     elif isinstance(outcome, RecordError):
                         self.events.integrity_error(tier.label)
                         self._discard(key, tier)
@@ -887,6 +890,7 @@ class BlockStore:
                         copy = entry.copies[tier]
                         copy.readers += 1
                         held.append((entry, copy))
+                        self.policies[tier].touch(key)  # a read where it lies is a use all the same
                     break
                 if not submit and not waits:
                     raise CapacityError(f"the host tier holds {self.table.num_slots(Tier.HOST)} blocks but this "
