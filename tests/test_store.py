@@ -607,3 +607,28 @@ def test_a_read_where_the_block_lies_is_a_use_for_the_eviction_policy(make_store
     assert store.table.copy(first, Tier.HOST) is not None
     assert store.table.copy(second, Tier.HOST) is None and store.table.copy(second, Tier.DISK) is not None
     store.check()
+
+
+def test_a_demoted_block_gets_a_clean_copy_below_so_a_prefetch_can_drop_it(make_store, geometry):
+    """A block pushed down to the host with no copy below gets one on disk while the disk
+    has room. Without it, the host would fill up with blocks that only a write-out can
+    evict, and a prefetch (which may only drop clean copies) would find no room.
+
+    7 blocks on 3 device + 3 host slots: the first is pushed down to disk, the next three
+    sit on the host with a copy on disk each. A prefetch of the first back to the host
+    drops one of those at once, and every read stays exact."""
+    store = make_store()
+    data = blocks(geometry, 7, seed=2)
+    keys = list(data)
+    for key in keys:
+        store.put(key, data[key])
+    store.wait_idle()
+    on_host = [k for k in keys if store.table.copy(k, Tier.HOST) is not None]
+    assert len(on_host) == 3 and keys[0] not in on_host
+    assert all(store.table.copy(k, Tier.DISK) is not None for k in on_host)
+    assert store.prefetch([keys[0]], dst=Tier.HOST) == 1
+    store.wait_idle()
+    assert store.table.copy(keys[0], Tier.HOST) is not None
+    for key in keys:
+        assert torch.equal(store.get(key), data[key])
+    store.check()

@@ -1374,7 +1374,12 @@ class BlockStore:
                 self._discard(move.key, move.src)
             if error is None:
                 self.policies[move.dst].insert(move.key)
-                if chain and move.dst is not Tier.DISK:
+                # A write-behind goes on down. So does a demotion: a block pushed down with
+                # no copy below gets one while there is room, so that later it can be
+                # dropped at once (a prefetch may only drop clean copies) instead of holding
+                # its slot until something writes it out.
+                demoted = move.drop_source and self.write_behind_enabled
+                if (chain or demoted) and move.dst is not Tier.DISK:
                     lower = self._lower(move.dst)
                     entry = self.table.get(move.key)
                     if (lower is not None and entry is not None and lower not in entry.copies
