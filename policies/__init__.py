@@ -10,7 +10,7 @@ from typing import Callable
 from .base import EvictionPolicy, PrefetchPolicy
 from .adaptive import ARCPolicy, S3FIFOPolicy
 from .eviction import FIFOPolicy, LFUPolicy, LRUPolicy
-from .kv import AttentionScorePolicy, SinksRecentPolicy
+from .kv import AttentionScorePolicy, LayerCyclePolicy, SinksRecentPolicy
 from .prefetch import HistoryPrefetch, LookaheadPrefetch, NextLayerPrefetch, NoPrefetch
 from .retention import (H2ORetention, RetentionPolicy, SnapKVRetention, StreamingRetention,
                         TOVARetention)
@@ -24,6 +24,7 @@ EVICTION_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "s3fifo": S3FIFOPolicy,
     "sinks-recent": SinksRecentPolicy,
     "attention-score": AttentionScorePolicy,
+    "layer-cycle": LayerCyclePolicy,
 }
 
 PREFETCH_POLICIES: dict[str, Callable[..., PrefetchPolicy]] = {
@@ -76,7 +77,7 @@ def make_retention(name: str, **kwargs) -> RetentionPolicy:
 
 __all__ = [
     "EvictionPolicy", "PrefetchPolicy", "LRUPolicy", "FIFOPolicy", "LFUPolicy", "ARCPolicy",
-    "S3FIFOPolicy", "SinksRecentPolicy", "AttentionScorePolicy",
+    "S3FIFOPolicy", "SinksRecentPolicy", "AttentionScorePolicy", "LayerCyclePolicy",
     "NoPrefetch", "NextLayerPrefetch", "LookaheadPrefetch", "HistoryPrefetch",
     "EVICTION_POLICIES", "PREFETCH_POLICIES", "make_eviction", "make_prefetch",
     "SelectionPolicy", "FullSelection", "QuestSelection", "RetentionPolicy", "StreamingRetention",

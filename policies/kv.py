@@ -1,10 +1,12 @@
-"""Eviction policies that know what a KV block is: sinks-recent and attention-score."""
+"""Eviction policies that know what a KV block is: sinks-recent, attention-score, layer-cycle."""
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from typing import Callable, Hashable, Mapping, Optional
 
+from .base import EvictionPolicy
 from .eviction import LRUPolicy, _first_n
 
 K = Hashable
@@ -129,3 +131,94 @@ class AttentionScorePolicy(LRUPolicy):
         candidates = ((score(key, unscored), pos, key) for pos, key in enumerate(self._order) if is_evictable(key))
         victims = [key for _, _, key in heapq.nsmallest(n, candidates)]
         return victims if len(victims) == n else None
+
+
+class LayerCyclePolicy(EvictionPolicy):
+    """Evict the blocks that decoding reads again furthest in the future (Belady on the layer scan).
+
+    A decode step reads layer 0, 1, ..., L-1, the blocks of a layer in order, and the next
+    step starts again at layer 0. While layer ``c`` is read, the block needed last is the
+    one of layer ``c`` read last, then the others already read this pass, then the blocks of
+    layer ``c - 1``, ``c - 2``, ... back to ``c + 1``, and the blocks of ``c`` not read yet
+    are needed first. Within a layer, the block read last is needed last. That is the
+    optimum's order on this scan, and it keeps what a prefetch just brought up for the next
+    layer. LRU does the opposite: on a scan larger than the tier, it evicts exactly the
+    blocks needed next.
+
+    Keys are ``(seq_id, layer, index)`` tuples; any other key goes first, least recently
+    used first. ``c`` is the layer of the last key touched (read), or of the last key
+    inserted before any read (a prefetch inserts ahead of the reader, so after the first
+    read only reads move ``c``); L is ``num_layers``, or one more than the highest layer seen.
+    """
+
+    name = "layer-cycle"
+
+    def __init__(self, num_layers: Optional[int] = None) -> None:
+        if num_layers is not None and num_layers < 1:
+            raise ValueError(f"layer-cycle needs num_layers >= 1, got {num_layers!r}")
+        self._num_layers = num_layers
+        self._layers: dict = {}  # layer -> OrderedDict of its resident keys, least recently read first
+        self._layer_of: dict = {}  # resident key -> its layer (None: not a block key)
+        self._other: OrderedDict = OrderedDict()
+        self._current: Optional[int] = None
+        self._this_pass: set = set()  # keys of the current layer read since it became current
+        self._read_yet = False
+        self._highest = -1
+
+    def insert(self, key: K) -> None:
+        if key in self._layer_of:
+            return
+        coords = _block_coords(key)
+        layer = None if coords is None else coords[1]
+        self._layer_of[key] = layer
+        if layer is None:
+            self._other[key] = None
+            return
+        self._layers.setdefault(layer, OrderedDict())[key] = None
+        self._highest = max(self._highest, layer)
+        if not self._read_yet:
+            self._current = layer
+
+    def touch(self, key: K) -> None:
+        if key not in self._layer_of:
+            return
+        layer = self._layer_of[key]
+        if layer is None:
+            self._other.move_to_end(key)
+            return
+        self._layers[layer].move_to_end(key)
+        if layer != self._current:
+            self._current = layer
+            self._this_pass.clear()
+        self._this_pass.add(key)
+        self._read_yet = True
+
+    def remove(self, key: K) -> None:
+        if key not in self._layer_of:
+            return
+        layer = self._layer_of.pop(key)
+        self._this_pass.discard(key)
+        group = self._other if layer is None else self._layers[layer]
+        del group[key]
+        if layer is not None and not group:
+            del self._layers[layer]
+
+    def _scan_order(self):
+        """Resident keys in eviction order."""
+        yield from self._other
+        if not self._layers:
+            return
+        num_layers = max(self._num_layers or 0, self._highest + 1)
+        current = self._current if self._current is not None else self._highest
+        mine = self._layers.get(current, {})
+        yield from (key for key in reversed(mine) if key in self._this_pass)
+        for layer in sorted(self._layers, key=lambda layer: (current - layer) % num_layers):
+            if layer != current:
+                yield from reversed(self._layers[layer])
+        yield from (key for key in reversed(mine) if key not in self._this_pass)
+
+    def evict(self, n: int, is_evictable: Callable[[K], bool]) -> Optional[list]:
+        return _first_n(self._scan_order(), n, is_evictable)
+
+    def __len__(self) -> int:
+        return len(self._layer_of)

@@ -17,7 +17,7 @@ def cli(*args, input_text=None, timeout=600):
 @pytest.mark.parametrize("args,message", [
     (["--device-budget=-5MiB"], "device_budget: must not be negative"),
     (["--host-budget", "lots"], "host_budget: cannot parse 'lots'"),
-    (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: arc, attention-score, fifo, lfu, lru, s3fifo, sinks-recent"),
+    (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: arc, attention-score, fifo, layer-cycle, lfu, lru, s3fifo, sinks-recent"),
     (["--prefetch", "psychic"], "prefetch: unknown policy"),
     (["--block-tokens", "0"], "block_tokens"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: cannot read"),

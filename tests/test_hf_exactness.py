@@ -365,7 +365,7 @@ NEW_EVICTIONS = sorted(set(EVICTION_POLICIES) - {"lru", "fifo", "lfu"})
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("eviction,prefetch", [(e, "next-layer") for e in NEW_EVICTIONS] + [("lru", "history")])
 def test_lab_policies_are_lossless(eviction, prefetch, mode, tmp_path):
-    """The policy lab's policies (arc, s3fifo, sinks-recent, attention-score with the attention
+    """The policy lab's policies (arc, s3fifo, sinks-recent, layer-cycle, attention-score with the attention
     hook feeding it scores, and history prefetch) are placement only: exact in every mode."""
     stats = run_mode("gemma2", mode, tmp_path, eviction=eviction, prefetch=prefetch)
     assert_all_tiers_used(stats)

@@ -103,7 +103,7 @@ def test_eviction_contract_reinsert_and_scores_flag(name):
 
 
 def test_unknown_policy_names_the_known_ones():
-    with pytest.raises(ValueError, match="known: arc, attention-score, fifo, lfu, lru, s3fifo, sinks-recent"):
+    with pytest.raises(ValueError, match="known: arc, attention-score, fifo, layer-cycle, lfu, lru, s3fifo, sinks-recent"):
         make_eviction("random")
     with pytest.raises(ValueError, match="known: history, lookahead, next-layer, none"):
         make_prefetch("oracle")
@@ -341,3 +341,85 @@ def test_history_prefetch_drops_gone_blocks_and_falls_back_without_history():
     assert p.plan(2, 4, lambda layer: listed[layer]) == [(3, 0), (3, 1)]
     with pytest.raises(ValueError, match="history depth"):
         make_prefetch("history", depth=0)
+
+
+def _decode_reads(num_layers: int, first_blocks: int, steps: int, grow_every: int = 0) -> list:
+    """The block reads of ``steps`` decode steps: layer 0..L-1 in order, each layer's blocks
+    in order; with ``grow_every``, each layer gains a block every that many steps."""
+    reads = []
+    for step in range(steps):
+        blocks = first_blocks + (step // grow_every if grow_every else 0)
+        reads += [BlockKey(0, layer, i) for layer in range(num_layers) for i in range(blocks)]
+    return reads
+
+
+def _read_through(policy, reads: list, capacity: int) -> int:
+    """Hits of ``policy`` on one tier the way the store reads: a miss first evicts one victim
+    when the tier is full and inserts the block; every read, hit or miss, is a touch."""
+    resident, hits = set(), 0
+    for key in reads:
+        if key in resident:
+            hits += 1
+        else:
+            if len(resident) >= capacity:
+                [victim] = policy.evict(1, lambda k: True)
+                policy.remove(victim)
+                resident.discard(victim)
+            policy.insert(key)
+            resident.add(key)
+        policy.touch(key)
+    return hits
+
+
+def _belady_hits(reads: list, capacity: int) -> int:
+    """Belady's optimum: on a miss with the tier full, evict the block read again last."""
+    next_use, seen = [0] * len(reads), {}
+    for i in range(len(reads) - 1, -1, -1):
+        next_use[i] = seen.get(reads[i], float("inf"))
+        seen[reads[i]] = i
+    resident, hits = {}, 0
+    for i, key in enumerate(reads):
+        if key in resident:
+            hits += 1
+        elif len(resident) >= capacity:
+            del resident[max(resident, key=resident.get)]
+        resident[key] = next_use[i]
+    return hits
+
+
+@pytest.mark.parametrize("layers, blocks, capacity, grow_every",
+                         [(4, 3, 6, 0), (5, 2, 3, 0), (6, 4, 11, 0), (3, 5, 7, 0), (4, 3, 6, 3), (6, 2, 9, 2)])
+def test_layer_cycle_is_the_optimum_on_a_decode_scan(layers, blocks, capacity, grow_every):
+    """Decoding reads every layer in order, every step, and the scan is larger than the tier.
+    layer-cycle gets exactly Belady's hits (with the layers growing too); LRU, LFU and FIFO
+    get none: each evicts the very block the scan reads next."""
+    reads = _decode_reads(layers, blocks, 10, grow_every)
+    optimum = _belady_hits(reads, capacity)
+    assert optimum > 0
+    assert _read_through(make_eviction("layer-cycle"), reads, capacity) == optimum
+    for name in ("lru", "lfu", "fifo"):
+        assert _read_through(make_eviction(name), reads, capacity) == 0
+
+
+def test_layer_cycle_keeps_the_next_layers_prefetch_and_the_unread_rest_of_this_layer():
+    """Layers 0-3 of 2 blocks each are resident; the reader has read block 0 of layer 1
+    (block 1 not yet), and a prefetch has just brought layer 2 up. Needed last is what was
+    just read, then layer 0, then layer 3, then the prefetched layer 2, and block 1 of
+    layer 1, read next, goes last of all. A key that is not a block goes first."""
+    p = make_eviction("layer-cycle")
+    for layer in (0, 1, 3):
+        for i in range(2):
+            p.insert(BlockKey(0, layer, i))
+    for layer in (0, 1, 3):  # last step's reads, then this step's reads of layers 0 and 1
+        for i in range(2):
+            p.touch(BlockKey(0, layer, i))
+    p.touch(BlockKey(0, 0, 0)), p.touch(BlockKey(0, 0, 1)), p.touch(BlockKey(0, 1, 0))
+    p.insert(BlockKey(0, 2, 0)), p.insert(BlockKey(0, 2, 1))  # the prefetch, ahead of the reader
+    p.insert("prefix-block")
+    order = p.evict(len(p), lambda k: True)
+    assert order == ["prefix-block", BlockKey(0, 1, 0), BlockKey(0, 0, 1), BlockKey(0, 0, 0),
+                     BlockKey(0, 3, 1), BlockKey(0, 3, 0), BlockKey(0, 2, 1), BlockKey(0, 2, 0),
+                     BlockKey(0, 1, 1)]
+    assert p.evict(2, lambda k: k[1] != 1 if isinstance(k, tuple) else False) == [BlockKey(0, 0, 1), BlockKey(0, 0, 0)]
+    with pytest.raises(ValueError, match="layer-cycle needs num_layers >= 1, got 0"):
+        make_eviction("layer-cycle", num_layers=0)
