@@ -62,7 +62,7 @@ WARMUP_STEPS = 2  # untimed decode steps first: kernels for the one-token shapes
 
 def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: int, workdir: str,
                 selection: Optional[str], selection_budget: int, device_fraction: float,
-                host_fraction: float, extra_tokens: int = 0):
+                host_fraction: float, extra_tokens: int = 0, eviction: Optional[str] = None):
     from transformers import DynamicCache
 
     from tiercache import TierConfig, TieredCache
@@ -82,6 +82,8 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
     }["disk" if base == "quest" else base]
     if setup != base:
         budgets["attend_in_place"] = True
+    if eviction:
+        budgets["eviction"] = eviction
     if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
         budgets.update(selection=selection if selection not in (None, "full") else "quest",
                        selection_budget=selection_budget, prefetch="history")
@@ -114,7 +116,7 @@ def _disk_read(moved: dict) -> int:
 
 def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
            prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = 4096,
-           device_fraction: float = 0.25, host_fraction: float = 0.25) -> dict:
+           device_fraction: float = 0.25, host_fraction: float = 0.25, eviction: Optional[str] = None) -> dict:
     """One set-up alone in this process: prefill ``context`` tokens, ``WARMUP_STEPS``
     untimed steps, then time ``new_tokens`` greedy decode steps; peak RSS is this set-up's."""
     import torch
@@ -124,7 +126,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
     model, tokenizer = load_model()
     ids = make_prompt_ids(tokenizer, context)
     cache = _make_cache(setup, model, context, new_tokens, block_tokens, workdir, selection, selection_budget,
-                        device_fraction, host_fraction, extra_tokens=WARMUP_STEPS)
+                        device_fraction, host_fraction, extra_tokens=WARMUP_STEPS, eviction=eviction)
     tiered = setup != "dynamic"
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -143,6 +145,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         result["disk_read_bytes_per_token"] = _disk_read(moved) / new_tokens
         after = cache.stats()
         result["stall_s"] = after["stall_seconds"] - before["stall_seconds"]
+        result["eviction"] = cache.tier_config.eviction
         result["tiers"] = after["tiers"]
         result["attention"] = cache.attention_stats()
         # The timed steps' gather copies (blocks copied into one K/V for attention), as a
@@ -158,7 +161,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
 def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int, block_tokens: int,
                         workdir: str, prefill_chunk: int, selection: Optional[str] = None,
                         selection_budget: int = 4096, device_fraction: float = 0.25,
-                        host_fraction: float = 0.25) -> dict:
+                        host_fraction: float = 0.25, eviction: Optional[str] = None) -> dict:
     """Every set-up in this one process, each prefilled once; then ``rounds`` rounds, each
     timing ``new_tokens`` steps of every set-up in turn. A slow spell of the machine (this
     one is shared) then slows every set-up alike, so the ratios hold; each set-up's tokens/s
@@ -177,7 +180,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
             print(f"bench decode: side by side: prefilling {setup} ...", file=sys.stderr)
             caches[setup] = _make_cache(setup, model, context, new_tokens * rounds, block_tokens, workdir,
                                         selection, selection_budget, device_fraction, host_fraction,
-                                        extra_tokens=WARMUP_STEPS)
+                                        extra_tokens=WARMUP_STEPS, eviction=eviction)
             nxt[setup] = _prefill(model, caches[setup], ids, prefill_chunk)
             _, nxt[setup] = _decode(model, caches[setup], nxt[setup], WARMUP_STEPS)
         tps = {s: [] for s in setups}
@@ -206,7 +209,8 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
            "--new-tokens", str(args.new_tokens), "--block-tokens", str(args.block_tokens),
            "--prefill-chunk", str(args.prefill_chunk), "--dir", workdir,
            "--selection", args.selection, "--selection-budget", str(args.selection_budget),
-           "--device-fraction", str(args.device_fraction), "--host-fraction", str(args.host_fraction)]
+           "--device-fraction", str(args.device_fraction), "--host-fraction", str(args.host_fraction),
+           "--eviction", args.eviction]
     if setup == SIDE_BY_SIDE:
         cmd += ["--setups", ",".join(args.setup_list), "--rounds", str(args.rounds)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if setup == SIDE_BY_SIDE else subprocess.PIPE,
@@ -246,6 +250,8 @@ def _parser() -> argparse.ArgumentParser:
                    "share of the KV (default %(default)s)")
     p.add_argument("--host-fraction", type=float, default=0.25, help="disk/quest set-ups: host tier share "
                    "(default %(default)s)")
+    p.add_argument("--eviction", default="", help="eviction policy of the tiered set-ups (default: "
+                   "TierConfig's)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -254,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: Optional[list] = None) -> int:
     args = _parser().parse_args(argv)
     common = (args.block_tokens, args.dir, args.prefill_chunk, args.selection, args.selection_budget,
-              args.device_fraction, args.host_fraction)
+              args.device_fraction, args.host_fraction, args.eviction or None)
     if args.worker == SIDE_BY_SIDE:
         print(json.dumps(worker_side_by_side(args.setups.split(","), args.context, args.new_tokens, args.rounds,
                                              *common)))
@@ -269,7 +275,8 @@ def run(argv: Optional[list] = None) -> int:
     for flag, value in (("--device-fraction", args.device_fraction), ("--host-fraction", args.host_fraction)):
         if not 0 < value <= 1:
             raise ValueError(f"{flag}: must be in (0, 1], got {value}")
-    TierConfig(selection=args.selection, selection_budget=args.selection_budget, block_tokens=args.block_tokens)
+    cfg = TierConfig(selection=args.selection, selection_budget=args.selection_budget,
+                     block_tokens=args.block_tokens, **({"eviction": args.eviction} if args.eviction else {}))
     setups = [s for s in args.setups.split(",") if s]
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
@@ -293,6 +300,7 @@ def run(argv: Optional[list] = None) -> int:
     # rounds); the separate processes give each set-up's peak RSS and its tokens/s alone.
     results = together or isolated
     out: dict = {"context": args.context, "new_tokens": args.new_tokens, "block_tokens": args.block_tokens,
+                 "eviction": cfg.eviction,
                  "rounds": args.rounds if together else 0,
                  "ratios_from": "side-by-side" if together else "separate processes"}
     for setup in setups:

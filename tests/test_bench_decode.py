@@ -20,11 +20,13 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
         pytest.skip(f"default model unavailable: {exc}")
     cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "256", "--new-tokens", "2",
            "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest,host_inplace,disk_inplace",
-           "--selection-budget", "96", "--disk-gbps", "1.0", "--dir", str(tmp_path), "--json"]
+           "--selection-budget", "96", "--disk-gbps", "1.0", "--dir", str(tmp_path), "--eviction", "layer-cycle",
+           "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["ratios_from"] == "side-by-side" and r["rounds"] == 2
+    assert r["eviction"] == "layer-cycle" and r["setups"]["disk"]["eviction"] == "layer-cycle"
     for setup in ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace"):
         assert r[f"{setup}_tps"] > 0 and r["isolated_tps"][setup] > 0
         assert r["peak_rss_bytes"][setup] > 100 << 20
@@ -58,3 +60,5 @@ def test_bench_decode_refuses_bad_arguments():
         run(["--rounds", "-1"])
     with pytest.raises(ValueError, match="--setups"):
         run(["--setups", "dynamic,warp"])
+    with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
+        run(["--eviction", "mru"])
