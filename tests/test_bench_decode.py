@@ -60,5 +60,5 @@ def test_bench_decode_refuses_bad_arguments():
         run(["--rounds", "-1"])
     with pytest.raises(ValueError, match="--setups"):
         run(["--setups", "dynamic,warp"])
-    with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
+    with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
         run(["--eviction", "mru"])
