@@ -83,6 +83,7 @@ class BlockStore:
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
         self._token_ids: dict = {}  # key -> packed token ids (prefix-cache blocks)
         self._prefetched: dict = {}  # key -> tier a prefetch brought it to
+        self._evicted_down: set = set()  # demotions an eviction started: written further down after
         self._np_pools: Optional[tuple] = None  # see _byte_pools
         self._gather_buf: Optional[tuple] = None  # see _gather_mixed(reuse=True)
         self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
@@ -1179,7 +1180,9 @@ class BlockStore:
                 # of a protected block loses nothing.
                 moves.extend(self._room(lower, 1, set(), allow_writeback))
             if self.table.num_free(lower) >= 1:
-                moves.append(self._prepare(key, tier, lower, drop_source=True))
+                move = self._prepare(key, tier, lower, drop_source=True)
+                self._evicted_down.add(move)
+                moves.append(move)
                 self.events.eviction(tier.label)
         if not moves and self.table.num_free(tier) < n:
             # Nothing to evict now. Moves in flight may still help: a demotion frees its
@@ -1280,6 +1283,7 @@ class BlockStore:
                 for tier, slot in self.table.complete_move(move, ok=False):
                     self._released(move.key, tier, slot)
                 future = self._inflight.pop(move)
+                self._evicted_down.discard(move)
                 if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
                     self._to_device.pop(move.key, None)
                 future.set_result(None)
@@ -1345,6 +1349,7 @@ class BlockStore:
                 for tier, slot in self.table.complete_move(move, ok=False):
                     self._released(move.key, tier, slot)
                 self._inflight.pop(move, None)
+                self._evicted_down.discard(move)
                 if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
                     self._to_device.pop(move.key, None)
             future.set_result(None)
@@ -1368,18 +1373,20 @@ class BlockStore:
         seconds = time.perf_counter() - t0
         follow = None
         with self._lock:
+            evicted_down = move in self._evicted_down
+            self._evicted_down.discard(move)
             for tier, slot in self.table.complete_move(move, error is None):
                 self._released(move.key, tier, slot)
             if corrupted:
                 self._discard(move.key, move.src)
             if error is None:
                 self.policies[move.dst].insert(move.key)
-                # A write-behind goes on down. So does a demotion: a block pushed down with
-                # no copy below gets one while there is room, so that later it can be
-                # dropped at once (a prefetch may only drop clean copies) instead of holding
-                # its slot until something writes it out.
-                demoted = move.drop_source and self.write_behind_enabled
-                if (chain or demoted) and move.dst is not Tier.DISK:
+                # A write-behind goes on down. So does an eviction's demotion: a block pushed
+                # down with no copy below gets one while there is room, so that later it can
+                # be dropped at once (a prefetch may only drop clean copies) instead of
+                # holding its slot until something writes it out. (A demotion asked for, as
+                # by demote_many, moves the block and nothing more.)
+                if (chain or (evicted_down and self.write_behind_enabled)) and move.dst is not Tier.DISK:
                     lower = self._lower(move.dst)
                     entry = self.table.get(move.key)
                     if (lower is not None and entry is not None and lower not in entry.copies
