@@ -22,6 +22,10 @@ class EvictionPolicy(ABC, Generic[K]):
     # True when the policy ranks blocks by attention: the runtime then passes each decode
     # step's per-block attention mass to ``observe_scores(scores: Mapping[key, float])``.
     wants_scores: bool = False
+    # True when the policy assumes decoding's access pattern (every layer read in order,
+    # every step). The prefix cache's store, whose blocks are not read that way, then
+    # evicts with ``lfu`` instead.
+    assumes_layer_scan: bool = False
 
     @abstractmethod
     def insert(self, key: K) -> None:

@@ -152,6 +152,7 @@ class LayerCyclePolicy(EvictionPolicy):
     """
 
     name = "layer-cycle"
+    assumes_layer_scan = True
 
     def __init__(self, num_layers: Optional[int] = None) -> None:
         if num_layers is not None and num_layers < 1:

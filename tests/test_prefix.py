@@ -336,3 +336,16 @@ def test_a_warm_load_under_inference_mode(tmp_path, warm_from):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
     assert loaded == (PROMPT - 1) // BT * BT
     assert_same(reference(model, ids), out)
+
+
+@pytest.mark.parametrize("eviction, prefix_policy", [("layer-cycle", "lfu"), ("lru", "lru"), ("lfu", "lfu")])
+def test_the_prefix_store_evicts_with_lfu_when_the_policy_assumes_the_decode_scan(tmp_path, eviction, prefix_policy):
+    """layer-cycle (the default) assumes every layer is read in order at every step; the
+    prefix cache's blocks are not read that way, so its store evicts with lfu instead. Any
+    other policy is the prefix store's too. The decode store keeps the configured one."""
+    model, ids = tiny_model(), prompt()
+    with TieredCache(model, config(tmp_path, eviction=eviction)) as cache, torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        assert cache.prefix is not None
+        assert {type(p).name for p in cache.prefix.store.policies.values()} == {prefix_policy}
+        assert {type(p).name for p in cache.store.policies.values()} == {eviction}

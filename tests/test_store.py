@@ -296,7 +296,7 @@ def test_a_shared_prefix_is_never_evicted_before_its_extensions(make_store, geom
     LRU alone would evict it first. With the links declared, every tier evicts extensions
     before the prefix they extend: whenever an extension is on a tier, its prefix is too
     (the prefix went there first and may only leave after it), and the data stay exact."""
-    store = make_store(device_blocks=3, host_blocks=3)
+    store = make_store(device_blocks=3, host_blocks=3, eviction="lru")
     data = blocks(geometry, 12)
     p, a1, a2, b1, *others = list(data)
     links = {a1: p, a2: a1, b1: p}
@@ -616,8 +616,8 @@ def test_a_demoted_block_gets_a_clean_copy_below_so_a_prefetch_can_drop_it(make_
 
     7 blocks on 3 device + 3 host slots: the first is pushed down to disk, the next three
     sit on the host with a copy on disk each. A prefetch of the first back to the host
-    drops one of those at once, and every read stays exact."""
-    store = make_store()
+    drops one of those at once, and every read stays exact. (lru: the oldest goes first.)"""
+    store = make_store(eviction="lru")
     data = blocks(geometry, 7, seed=2)
     keys = list(data)
     for key in keys:

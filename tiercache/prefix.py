@@ -201,6 +201,13 @@ class PrefixIndex:
             self._db.close()
 
 
+def prefix_eviction(name: str) -> str:
+    """The eviction policy of the prefix store: ``name``, unless it assumes the decode scan."""
+    from tiercache.policies import EVICTION_POLICIES
+
+    return "lfu" if getattr(EVICTION_POLICIES.get(name), "assumes_layer_scan", False) else name
+
+
 class PrefixCache:
     """Content-addressed KV blocks of one model and geometry under ``<root>/prefix/``.
 
@@ -208,7 +215,8 @@ class PrefixCache:
         root: the cache's ``disk_dir``.
         config: budgets and policies; the prefix store gets ``reuse_host_budget`` of host
             memory and ``disk_budget`` of disk, and evicts with ``config.eviction``
-            (extensions before the prefixes they extend).
+            (extensions before the prefixes they extend), or with ``lfu`` when that policy
+            assumes decoding's layer scan (``layer-cycle``): prefix blocks are not read so.
         geometry: block shape (batch 1).
         digest: ``model_digest(model)``.
         num_layers: layers per block of tokens.
@@ -224,9 +232,10 @@ class PrefixCache:
         ensure_private_dir(root, config.shared_dir)  # first, so no subfolder gets looser permissions
         ensure_private_dir(os.path.join(root, "prefix"), config.shared_dir)
         self.salt = hashlib.blake2b(tag.encode(), digest_size=16).digest()
+        eviction = prefix_eviction(config.eviction)
         store_cfg = replace(config, device_budget=2 * g.block_bytes, host_budget=config.reuse_host_budget,
-                            disk_dir=self.directory, prefetch="none")
-        self.events = Events(config.eviction)
+                            disk_dir=self.directory, prefetch="none", eviction=eviction)
+        self.events = Events(eviction)
         self.store = BlockStore(store_cfg, geometry, disk_dir=self.directory, persistent=True,
                                 model_digest=digest, events=self.events)
         self.admission = config.reuse_admission
