@@ -10,10 +10,11 @@ from tiercache.policies import (EVICTION_POLICIES, PREFETCH_POLICIES, EvictionPo
                                 make_prefetch)
 
 
-def run_cache(policy, trace, capacity: int) -> int:
+def run_cache(policy, trace, capacity: int, touch_misses: bool = False) -> int:
     """Drive ``policy`` the way the store does on one tier of ``capacity`` blocks; return hits.
 
-    On a hit: touch. On a miss: when full, evict one victim and remove it; then insert."""
+    On a hit: touch. On a miss: when full, evict one victim and remove it; then insert
+    (and, with ``touch_misses``, touch: the store's reads touch a block fetched for them)."""
     resident, hits = set(), 0
     for key in trace:
         if key in resident:
@@ -26,6 +27,8 @@ def run_cache(policy, trace, capacity: int) -> int:
             resident.discard(victim)
         policy.insert(key)
         resident.add(key)
+        if touch_misses:
+            policy.touch(key)
     return hits
 
 
@@ -353,24 +356,6 @@ def _decode_reads(num_layers: int, first_blocks: int, steps: int, grow_every: in
     return reads
 
 
-def _read_through(policy, reads: list, capacity: int) -> int:
-    """Hits of ``policy`` on one tier the way the store reads: a miss first evicts one victim
-    when the tier is full and inserts the block; every read, hit or miss, is a touch."""
-    resident, hits = set(), 0
-    for key in reads:
-        if key in resident:
-            hits += 1
-        else:
-            if len(resident) >= capacity:
-                [victim] = policy.evict(1, lambda k: True)
-                policy.remove(victim)
-                resident.discard(victim)
-            policy.insert(key)
-            resident.add(key)
-        policy.touch(key)
-    return hits
-
-
 def _belady_hits(reads: list, capacity: int) -> int:
     """Belady's optimum: on a miss with the tier full, evict the block read again last."""
     next_use, seen = [0] * len(reads), {}
@@ -396,9 +381,9 @@ def test_layer_cycle_is_the_optimum_on_a_decode_scan(layers, blocks, capacity, g
     reads = _decode_reads(layers, blocks, 10, grow_every)
     optimum = _belady_hits(reads, capacity)
     assert optimum > 0
-    assert _read_through(make_eviction("layer-cycle"), reads, capacity) == optimum
+    assert run_cache(make_eviction("layer-cycle"), reads, capacity, touch_misses=True) == optimum
     for name in ("lru", "lfu", "fifo"):
-        assert _read_through(make_eviction(name), reads, capacity) == 0
+        assert run_cache(make_eviction(name), reads, capacity, touch_misses=True) == 0
 
 
 def test_layer_cycle_keeps_the_next_layers_prefetch_and_the_unread_rest_of_this_layer():
