@@ -7,8 +7,8 @@ prefetch, at device budgets from 10% to 90% of the trace's blocks, and through l
 LRU, FIFO, LFU, ARC, S3-FIFO and Belady's optimum. It prints the best runtime policy per
 regime (context, prefetch, budget band), and overall the policy with the least estimated
 stall summed over every trace, prefetch policy and budget (the time attention would wait for
-blocks; ties go to fewer bytes moved): that is what ``TierConfig.eviction`` defaults to
-(checked on CPU too: README, "Policy lab").
+blocks; ties go to fewer bytes moved). The replay reads from the device tier, as on CUDA;
+README ("Policy lab") says why ``TierConfig.eviction`` still defaults to ``lfu``.
 """
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ class TierConfig:
     disk_budget: Budget = "16GiB"
     disk_dir: Optional[str] = None
     block_tokens: int = 1024
-    eviction: str = "layer-cycle"  # measured best: `tiercache bench policies`, `bench decode` (README, "Policy lab")
+    eviction: str = "lfu"  # README "Policy lab": layer-cycle is best on the traces, not yet on CPU decode
     prefetch: str = "next-layer"
     prefetch_depth: int = 2
     io_workers: int = 4
