@@ -574,7 +574,6 @@ def test_read_segments_gives_views_of_every_block_where_it_lies_and_holds_them(m
         make_store(host_blocks=0, disk_blocks=0).read_segments(keys[1:2], t)
 
 
-
 @pytest.mark.parametrize("read", ["read_layer", "get", "read_into"])
 def test_a_read_where_the_block_lies_is_a_use_for_the_eviction_policy(make_store, geometry, read):
     """On CPU, attention reads host blocks where they lie, with no move; a read is a use all

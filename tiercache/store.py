@@ -268,7 +268,7 @@ class BlockStore:
                 self._stalled(time.perf_counter() - t0)
                 continue
             out = torch.empty(self.geometry.shape, dtype=self.geometry.dtype)
-            corrupted = False
+            corrupted = read = False
             try:
                 if tier is Tier.DEVICE:
                     self.device_pool.read_block(slot, out)
@@ -278,6 +278,7 @@ class BlockStore:
                     with self._staging.take() as buf:
                         self.disk.read(slot, key, buf)
                         out.copy_(self._as_block(buf))
+                read = True
             except RecordError as exc:
                 corrupted = True
                 self.events.integrity_error(tier.label)
@@ -290,7 +291,7 @@ class BlockStore:
                             self._released(key, t, freed_slot)
                     elif corrupted:
                         self._discard(key, tier)
-                    else:
+                    elif read:  # a use for the tier's policy (not a read that failed)
                         self.policies[tier].touch(key)
                     lost = corrupted and self.table.best_source(key) is None and not self._inflight_for(key)
                     if lost:
