@@ -631,3 +631,29 @@ def test_a_demoted_block_gets_a_clean_copy_below_so_a_prefetch_can_drop_it(make_
     for key in keys:
         assert torch.equal(store.get(key), data[key])
     store.check()
+
+
+def test_the_data_file_grows_by_doubling_and_never_past_its_budget(tmp_path, geometry, monkeypatch):
+    """Each allocation of the data file waits for the direct writes in flight, so the file
+    grows in few, doubling steps: the first step (here 4 records), then it doubles, and it
+    stops at the budget. Every record written along the way reads back."""
+    from tiercache.disk import DiskTier
+
+    record = DiskTier.record_size(geometry)
+    monkeypatch.setattr(DiskTier, "_GROW_BYTES", 4 * record)
+    disk = DiskTier(str(tmp_path / "kv"), geometry, 48, persistent=False)
+    try:
+        payload = torch.zeros(disk.payload_bytes, dtype=torch.uint8)
+        sizes = []
+        for slot in (0, 3, 4, 7, 8, 16, 40, 47):
+            payload.fill_(slot)
+            disk.write(slot, BlockKey(0, 0, slot), payload, geometry.block_tokens)
+            sizes.append(os.path.getsize(disk.path) // record)
+        # 4, then doubling (8, 16, 32), then the budget (48 records), written slot by slot
+        assert sizes == [4, 4, 8, 8, 16, 32, 48, 48]
+        out = torch.empty_like(payload)
+        for slot in (0, 3, 4, 7, 8, 16, 40, 47):
+            disk.read(slot, BlockKey(0, 0, slot), out)
+            assert bool((out == slot).all())
+    finally:
+        disk.close()

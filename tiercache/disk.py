@@ -321,22 +321,37 @@ class DiskTier(RecordCodec):
     _GROW_BYTES = 64 << 20
 
     def _reserve(self, end: int) -> None:
-        """Allocate the data file ahead of the highest slot written, in 64 MiB steps:
-        appending writes under O_DIRECT are serialised by the filesystem, and a full disk
-        shows up here (ENOSPC) instead of in the middle of a record."""
+        """Allocate the data file ahead of the highest slot written: appending writes under
+        O_DIRECT are serialised by the filesystem, and a full disk shows up here (ENOSPC)
+        instead of in the middle of a record.
+
+        The file at least doubles each time (64 MiB at first, never past the budget): an
+        allocation waits for the file's direct writes in flight (ext4), so every step
+        empties the write queue. In 64 MiB steps that cost the store 18% of its write rate
+        against a file allocated beforehand (``bench io``); doubling makes it a few steps
+        per run, for at most twice the bytes written held in reserve."""
         if end <= self._allocated:
             return
         with self._grow_lock:
             if end <= self._allocated:
                 return
-            target = min(max(end, self._allocated + self._GROW_BYTES), self.num_slots * self.record_bytes)
-            target = max(target, end)
+            step = max(self._allocated, self._GROW_BYTES)
+            target = max(min(self._allocated + step, self.num_slots * self.record_bytes), end)
             try:
-                os.posix_fallocate(self._fd, self._allocated, target - self._allocated)
+                self._allocate(target)
             except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", 95)):
+                if exc.errno != errno.ENOSPC or target == end:
                     raise
+                self._allocate(end)  # no room for the step ahead; the record itself may fit
+                target = end
             self._allocated = target
+
+    def _allocate(self, target: int) -> None:
+        try:
+            os.posix_fallocate(self._fd, self._allocated, target - self._allocated)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", 95)):
+                raise
 
     def read(self, slot: int, key: BlockKey, out: torch.Tensor) -> int:
         """Read and verify the record in ``slot`` into ``out``; returns its token count."""
