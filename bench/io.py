@@ -4,17 +4,24 @@ One measurement (``measure_io``) does, in one fresh directory and one run:
 
 1. puts ``num_blocks`` blocks on the device tier, then times the store moving all of them
    device->host (d2h), then host->disk (write), and, after dropping the page cache,
-   disk->host (read) and host->device (h2d). Every phase submits all its moves at once
-   (``demote_many``, ``promote`` per block, ``ensure_device``) and waits for all of them, so
-   ``io_workers`` moves are in flight: rate = bytes / wall time. The garbage collector runs
-   before every timed phase and is off during it, for the store and the plain copy alike;
-2. right after the store's write (and read), the raw disk with the same request size (one
-   disk record: header + padded payload), the same number of requests and the same
-   concurrency (``io_workers`` threads of synchronous I/O) on a file in the same directory:
-   fio when installed, else ``dd`` processes running side by side;
-3. a plain ``dst.copy_(src)`` of the same total bytes between host memory and the device
-   (RAM on CPU; pinned host memory and the GPU with ``non_blocking`` copies on CUDA), the
-   best of three.
+   disk->host (read) and host->device (h2d). Each phase is cut into rounds of about
+   ``ROUND_BYTES``; a round submits its moves at once (``demote_many``, ``promote`` per
+   block, ``ensure_device``) and waits for all of them, so ``io_workers`` moves are in
+   flight: rate = bytes / wall time;
+2. in every round, right before or after the store's turn (the order alternating: store,
+   baseline, baseline, store, ...), the baseline does the same bytes:
+   - disk: the raw disk with the same requests (one disk record each: header + padded
+     payload) in the same order with the same concurrency, on a file in the same
+     directory: fio (libaio, ``io_workers`` in flight) when installed, else ``dd``
+     processes side by side;
+   - host<->device: one plain ``dst.copy_(src)`` (RAM on CPU; pinned host memory and the
+     GPU with ``non_blocking`` copies on CUDA).
+   The disk's rate here swings by 2x within seconds and the machine is shared, so one
+   long store phase against one long baseline phase compared two moods of the hardware;
+   taking turns gives both the same mix (``_interleaved``). Rates are total bytes over
+   total seconds; each ratio is the median of the rounds' ratios
+   (``<phase>_round_ratios``). The garbage collector runs once before the phases and is
+   off during them, for the store and the baselines alike.
 
 The files are fresh in every measurement, for the store and for the raw tool alike (a long
 run's cache grows into new slots, so that is the write the store does most); the raw file
@@ -26,16 +33,18 @@ disk moves, so the 4 KiB record header is part of the store's overhead. GB/s = 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -49,18 +58,18 @@ from tiercache.transfer import wait_all
 # The default model (SmolLM2-135M): 3 KV heads of 64 dims in fp32 -> 1536 bytes per token.
 KV_HEADS, HEAD_DIM, DTYPE = 3, 64, torch.float32
 SWEEP_BLOCK_TOKENS = (64, 128, 256, 512, 1024)
-RATIOS = {  # ratio: (the store's rate, the baseline's rate)
-    "write_ratio": ("write_gbps", "raw_write_gbps"),
-    "read_ratio": ("read_gbps", "raw_read_gbps"),
-    "d2h_ratio": ("d2h_gbps", "copy_d2h_gbps"),
-    "h2d_ratio": ("h2d_gbps", "copy_h2d_gbps"),
+RATES = {  # phase: (the store's rate, the baseline's rate); its ratio is f"{phase}_ratio"
+    "write": ("write_gbps", "raw_write_gbps"),
+    "read": ("read_gbps", "raw_read_gbps"),
+    "d2h": ("d2h_gbps", "copy_d2h_gbps"),
+    "h2d": ("h2d_gbps", "copy_h2d_gbps"),
 }
 NUM_RANDOM_BLOCKS = 64  # distinct random contents, cycled over the blocks put
-PLAIN_COPY_RUNS = 3
+ROUND_BYTES = 64 << 20  # bytes per turn of the store and of the raw tool (see _interleaved)
 
 
 def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int, *,
-               raw_tool: str = "auto", device: Optional[str] = None) -> dict:
+               raw_tool: str = "auto", device: Optional[str] = None, rounds: Optional[int] = None) -> dict:
     """Measure the store's tier moves and the raw hardware with ~``total_bytes`` of blocks.
 
     Args:
@@ -71,11 +80,14 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
         workers: the store's ``io_workers``; also the raw tool's number of parallel jobs.
         raw_tool: "fio", "dd", or "auto" (fio when installed, else dd).
         device: where the device tier lives; CUDA when available, else CPU.
+        rounds: how many slices the disk writes and reads are cut into, the store and the
+            raw tool taking turns slice by slice (default: one per ``ROUND_BYTES``, at least 2).
 
     Returns a dict of GB/s rates (``write_gbps``, ``read_gbps``, ``raw_write_gbps``,
     ``raw_read_gbps``, ``d2h_gbps``, ``h2d_gbps``, ``copy_d2h_gbps``, ``copy_h2d_gbps``),
-    ratios (``write_ratio``, ``read_ratio``, ``d2h_ratio``, ``h2d_ratio``: store / raw)
-    and what was measured (``block_tokens``, ``block_bytes``, ``record_bytes``, ...).
+    ratios (``write_ratio``, ``read_ratio``, ``d2h_ratio``, ``h2d_ratio``: store / baseline,
+    each the median of its ``<phase>_round_ratios``, one per round) and what was measured
+    (``block_tokens``, ``block_bytes``, ``record_bytes``, ``rounds``, ...).
     """
     if raw_tool == "auto":
         raw_tool = "fio" if shutil.which("fio") else "dd"
@@ -85,18 +97,23 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
     geometry = BlockGeometry(1, KV_HEADS, block_tokens, HEAD_DIM, DTYPE)
     num_blocks = max(1, total_bytes // geometry.block_bytes)
     record_bytes = DiskTier.record_size(geometry)
+    if rounds is None:
+        rounds = max(2, -(-total_bytes // ROUND_BYTES))
+    if rounds < 1:
+        raise ValueError(f"rounds: must be >= 1, got {rounds}")
     os.makedirs(directory, exist_ok=True)
     _check_free_space(directory, 2 * num_blocks * record_bytes)
     workdir = tempfile.mkdtemp(prefix="tiercache-bench-io-", dir=directory)
     try:
-        result = _measure_in(workdir, geometry, num_blocks, workers, raw_tool, torch.device(device))
+        result = _measure_in(workdir, geometry, num_blocks, workers, raw_tool, torch.device(device),
+                             min(rounds, num_blocks))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
 def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers: int,
-                raw_tool: str, device: torch.device) -> dict:
+                raw_tool: str, device: torch.device, rounds: int) -> dict:
     record_bytes = DiskTier.record_size(geometry)
     config = TierConfig(device_budget=num_blocks * geometry.block_bytes,
                         host_budget=num_blocks * geometry.padded_bytes,
@@ -105,7 +122,9 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
                         block_tokens=geometry.block_tokens, io_workers=workers)
     payload_bytes = num_blocks * geometry.block_bytes
     keys = [BlockKey(0, 0, i) for i in range(num_blocks)]
-    raw = _RawDisk(raw_tool, os.path.join(workdir, "raw.dat"), record_bytes, num_blocks, workers)
+    raw = RawDisk(raw_tool, os.path.join(workdir, "raw.dat"), record_bytes, num_blocks, workers)
+    groups = _rounds_of(keys, rounds)
+    plain = PlainCopy(payload_bytes, geometry.block_bytes, device)
     with BlockStore(config, geometry, device=device, persistent=False) as store:
         raw.direct = store.disk.direct_io  # same I/O path as the store (O_DIRECT or not)
         # The host pool is lazily mapped memory: touch it once so that both the store and the
@@ -113,26 +132,31 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
         store.host_pool.buffer.fill_(0)
         _put_random_blocks(store, keys, geometry, device)
 
-        def phase(move: str, submit_all: Callable[[], object], sync: bool = False) -> float:
-            seconds = _timed(submit_all, device if sync else None)
-            _expect_moves(store, move, len(keys))
-            return seconds
+        def timed(fn: Callable[[], object], sync: bool = False) -> float:
+            t0 = time.perf_counter()
+            fn()
+            _sync(device if sync else None)
+            return time.perf_counter() - t0
 
-        def each(submit: Callable[[BlockKey], object]) -> Callable[[], None]:
-            return lambda: _raise_first(wait_all([submit(key) for key in keys]))
+        def demote(group: list) -> Callable[[], None]:
+            return lambda: _raise_first(wait_all(store.demote_many(group)))
 
-        def demote_all() -> None:
-            _raise_first(wait_all(store.demote_many(keys)))
+        def read_up(group: list) -> Callable[[], None]:
+            return lambda: _raise_first(wait_all([store.promote(key, Tier.HOST) for key in group]))
 
-        d2h_s = phase("device->host", demote_all, sync=True)
-        write_s = phase("host->disk", demote_all)
-        raw_write_s = raw.write()
-        dropped = drop_page_cache()
-        read_s = phase("disk->host", each(lambda key: store.promote(key, Tier.HOST)))
-        raw_read_s = raw.read()
-        h2d_s = phase("host->device", lambda: store.ensure_device(keys, pin=False), sync=True)
+        phases = {}
+        with _no_gc(device):
+            phases["d2h"] = _interleaved(groups, lambda g: timed(demote(g), sync=True), plain.d2h)
+            _expect_moves(store, "device->host", len(keys))
+            phases["write"] = _interleaved(groups, lambda g: timed(demote(g)), raw.write)
+            _expect_moves(store, "host->disk", len(keys))
+            dropped = drop_page_cache()
+            phases["read"] = _interleaved(groups, lambda g: timed(read_up(g)), raw.read)
+            _expect_moves(store, "disk->host", len(keys))
+            phases["h2d"] = _interleaved(
+                groups, lambda g: timed(lambda: store.ensure_device(g, pin=False), sync=True), plain.h2d)
+            _expect_moves(store, "host->device", len(keys))
         direct_io = store.disk.direct_io
-    copy_h2d_s, copy_d2h_s = _plain_copy_seconds(payload_bytes, device)
 
     result = {
         "block_tokens": geometry.block_tokens,
@@ -145,18 +169,45 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
         "direct_io": direct_io,
         "raw_tool": raw_tool,
         "page_cache_dropped": dropped,
-        "write_gbps": _gbps(payload_bytes, write_s),
-        "read_gbps": _gbps(payload_bytes, read_s),
-        "raw_write_gbps": _gbps(raw.total_bytes, raw_write_s),
-        "raw_read_gbps": _gbps(raw.total_bytes, raw_read_s),
-        "d2h_gbps": _gbps(payload_bytes, d2h_s),
-        "h2d_gbps": _gbps(payload_bytes, h2d_s),
-        "copy_d2h_gbps": _gbps(payload_bytes, copy_d2h_s),
-        "copy_h2d_gbps": _gbps(payload_bytes, copy_h2d_s),
+        "rounds": len(groups),
     }
-    for name, (ours, theirs) in RATIOS.items():
-        result[name] = round(result[ours] / result[theirs], 3)
+    # Rates: total bytes over total seconds. Ratios: the medians of the rounds' ratios (each
+    # round: the store and the baseline on the same slice, back to back), so a slow spell
+    # that lands on one side of one round moves the ratio of the totals but not the median.
+    for phase, (ours, theirs) in RATES.items():
+        turns = phases[phase]
+        result[ours] = _gbps(payload_bytes, sum(turns["store_s"]))
+        result[theirs] = _gbps(sum(turns["raw_bytes"]), sum(turns["raw_s"]))
+        result[f"{phase}_round_ratios"] = [
+            round((len(g) * geometry.block_bytes / s_) / (b / r), 3)
+            for g, s_, b, r in zip(groups, turns["store_s"], turns["raw_bytes"], turns["raw_s"])]
+        result[f"{phase}_ratio"] = round(statistics.median(result[f"{phase}_round_ratios"]), 3)
     return result
+
+
+def _rounds_of(keys: list, rounds: int) -> list:
+    """``keys`` cut into ``rounds`` contiguous slices of (nearly) equal length."""
+    bounds = [len(keys) * i // rounds for i in range(rounds + 1)]
+    return [keys[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _interleaved(groups: list, store: Callable[[list], float], raw: Callable[[int, int], tuple]) -> dict:
+    """The store and the baseline take turns, slice by slice, on the same blocks: ``store``
+    moves a group and returns its seconds; ``raw(first, n)`` does the same requests (blocks
+    ``first .. first + n``) and returns (seconds, bytes). Who goes first alternates (store,
+    baseline, baseline, store, ...), so a slow spell of the hardware hits both alike."""
+    out: dict = {"store_s": [], "raw_s": [], "raw_bytes": []}
+    first = 0
+    for i, group in enumerate(groups):
+        def raw_turn(first=first, n=len(group)):
+            seconds, num_bytes = raw(first, n)
+            out["raw_s"].append(seconds)
+            out["raw_bytes"].append(num_bytes)
+        turns = (lambda: out["store_s"].append(store(group)), raw_turn)
+        for turn in (turns if i % 2 == 0 else turns[::-1]):
+            turn()
+        first += len(group)
+    return out
 
 
 # ---- the store side ------------------------------------------------------------------------
@@ -181,19 +232,17 @@ def _raise_first(errors: list) -> None:
         raise errors[0]
 
 
-def _timed(fn: Callable[[], object], device: Optional[torch.device] = None) -> float:
-    """Seconds of ``fn()``, with Python's garbage collector run before and off during it
-    (as ``timeit`` does): a full collection of the ~170k objects that importing torch leaves
-    takes ~0.1 s, as long as a whole 512 MiB copy, and falls on whichever phase allocates
-    when it comes due."""
+@contextlib.contextmanager
+def _no_gc(device: torch.device) -> Iterator[None]:
+    """Python's garbage collector run once and then off (as ``timeit`` does), for the store
+    and the baselines alike: a full collection of the ~170k objects that importing torch
+    leaves takes ~0.1 s, as long as a whole 512 MiB copy, and fell on whichever turn
+    allocated when it came due."""
     _sync(device)
     gc.collect()
     gc.disable()
     try:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        return time.perf_counter() - t0
+        yield
     finally:
         gc.enable()
 
@@ -203,82 +252,116 @@ def _sync(device: Optional[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
-def _plain_copy_seconds(num_bytes: int, device: torch.device) -> tuple:
-    """Seconds of one plain ``dst.copy_(src)`` of ``num_bytes``: (host->device, device->host)."""
-    cuda = device.type == "cuda"
-    if cuda:
-        host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    else:
-        host, _owner = aligned_buffer(num_bytes)  # the same kind of memory as the host tier
-    on_device = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    host.fill_(1)
-    on_device.fill_(2)
-    # The best of a few runs: the baseline is what the hardware can do, not a noisy sample.
-    h2d = min(_timed(lambda: on_device.copy_(host, non_blocking=cuda), device) for _ in range(PLAIN_COPY_RUNS))
-    d2h = min(_timed(lambda: host.copy_(on_device, non_blocking=cuda), device) for _ in range(PLAIN_COPY_RUNS))
-    return h2d, d2h
+class PlainCopy:
+    """The baseline of the host<->device moves: one plain ``dst.copy_(src)`` of the same
+    bytes as a round of the store's moves, between a host buffer (pinned on CUDA, else the
+    host tier's kind of memory) and a device buffer as large as all the blocks, with
+    ``non_blocking`` on CUDA."""
+
+    def __init__(self, num_bytes: int, block_bytes: int, device: torch.device) -> None:
+        self.device = device
+        self.block_bytes = block_bytes
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.host, self._owner = aligned_buffer(num_bytes)
+        self.on_device = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        self.host.fill_(1)  # resident pages, as the store's pools
+        self.on_device.fill_(2)
+
+    def h2d(self, first: int, n: int) -> tuple:
+        """Seconds and bytes of copying blocks ``first .. first + n`` host -> device."""
+        return self._copy(self.on_device, self.host, first, n)
+
+    def d2h(self, first: int, n: int) -> tuple:
+        """Seconds and bytes of copying blocks ``first .. first + n`` device -> host."""
+        return self._copy(self.host, self.on_device, first, n)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, first: int, n: int) -> tuple:
+        # the same share of buffers as large as the store's pools: a round's 64 MiB copied
+        # again and again would run warmer (TLB, caches) than the store's fresh slots
+        a, b = first * self.block_bytes, (first + n) * self.block_bytes
+        _sync(self.device)
+        t0 = time.perf_counter()
+        dst[a:b].copy_(src[a:b], non_blocking=self.cuda)
+        _sync(self.device)
+        return time.perf_counter() - t0, b - a
 
 
 # ---- the raw disk side ---------------------------------------------------------------------
-class _RawDisk:
-    """The same requests as the store's (``num_requests`` of ``request_bytes``, ``workers``
-    at a time), with fio or dd, on one file: each worker takes one contiguous region."""
+class RawDisk:
+    """The store's disk requests (``request_bytes`` each, ``workers`` at a time) done by fio
+    or dd on one file laid out beforehand (as fio does by default). A turn covers requests
+    ``first .. first + n``. fio reads or writes them as the store does: in order, one
+    stream, ``workers`` in flight (libaio); dd cannot, so each of ``workers`` processes takes
+    one contiguous share."""
 
     def __init__(self, tool: str, path: str, request_bytes: int, num_requests: int, workers: int) -> None:
         self.tool = tool
         self.path = path
         self.request_bytes = request_bytes
-        self.workers = max(1, min(workers, num_requests))
-        self.requests_per_worker = max(1, num_requests // self.workers)
-        self.total_bytes = self.workers * self.requests_per_worker * request_bytes
+        self.num_requests = num_requests
+        self.workers = max(1, workers)
         self.direct = True
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, num_requests * request_bytes)
+        except OSError:
+            pass  # a filesystem without fallocate: the first writes grow the file
+        finally:
+            os.close(fd)
 
-    def write(self) -> float:
-        return self._fio("write") if self.tool == "fio" else self._dd("write")
+    def write(self, first: int, n: int) -> tuple:
+        """Seconds and bytes of writing requests ``first .. first + n``."""
+        return self._turn("write", first, n)
 
-    def read(self) -> float:
-        return self._fio("read") if self.tool == "fio" else self._dd("read")
+    def read(self, first: int, n: int) -> tuple:
+        """Seconds and bytes of reading requests ``first .. first + n``."""
+        return self._turn("read", first, n)
 
-    def _fio(self, rw: str) -> float:
-        region = self.requests_per_worker * self.request_bytes
+    def _turn(self, rw: str, first: int, n: int) -> tuple:
+        if self.tool == "fio":
+            return self._fio(rw, first, n), n * self.request_bytes
+        jobs = max(1, min(self.workers, n))
+        per_job = max(1, n // jobs)
+        return self._dd(rw, first, jobs, per_job), jobs * per_job * self.request_bytes
+
+    def _fio(self, rw: str, first: int, n: int) -> float:
+        """One sequential stream with ``workers`` requests in flight: the store's pattern."""
         cmd = ["fio", "--output-format=json", f"--name=raw-{rw}", f"--filename={self.path}",
-               f"--rw={rw}", f"--bs={self.request_bytes}", f"--size={region}",
-               f"--offset_increment={region}", f"--numjobs={self.workers}", "--group_reporting",
-               "--ioengine=psync", f"--direct={int(self.direct)}", "--thread"]
+               f"--rw={rw}", f"--bs={self.request_bytes}", f"--offset={first * self.request_bytes}",
+               f"--size={n * self.request_bytes}", "--ioengine=libaio", f"--iodepth={self.workers}",
+               f"--direct={int(self.direct)}"]
         out = _run(cmd)
         job = json.loads(out[out.index("{"):])["jobs"][0][rw]
         if not job.get("bw_bytes"):
             raise RuntimeError(f"bench io: fio reported no {rw} bandwidth: {job}")
-        return self.total_bytes / job["bw_bytes"]
+        return n * self.request_bytes / job["bw_bytes"]
 
-    def _dd(self, rw: str) -> float:
-        n = self.requests_per_worker
-        if rw == "write":  # lay the file out first, as fio does (--fallocate=native)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, self.total_bytes)
-            except OSError:
-                pass  # a filesystem without fallocate: dd then grows the file as it writes
-            finally:
-                os.close(fd)
+    def _dd(self, rw: str, first: int, jobs: int, per_job: int) -> float:
+        """dd processes side by side; the time is the slowest one's own (start-up excluded)."""
         procs = []
-        t0 = time.perf_counter()
-        for k in range(self.workers):
+        for k in range(jobs):
+            start = first + k * per_job
             if rw == "write":
                 # /dev/zero: a disk that detects zeros will look faster, never slower
-                args = ["if=/dev/zero", f"of={self.path}", f"seek={k * n}", "conv=notrunc"]
+                args = ["if=/dev/zero", f"of={self.path}", f"seek={start}", "conv=notrunc"]
                 args += ["oflag=direct"] if self.direct else []
             else:
-                args = [f"if={self.path}", "of=/dev/null", f"skip={k * n}"]
+                args = [f"if={self.path}", "of=/dev/null", f"skip={start}"]
                 args += ["iflag=direct"] if self.direct else []
-            procs.append(subprocess.Popen(["dd", f"bs={self.request_bytes}", f"count={n}", "status=none", *args],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        errors = [p.communicate()[1].decode(errors="replace").strip() for p in procs]
-        seconds = time.perf_counter() - t0
-        failed = [(p.returncode, e) for p, e in zip(procs, errors) if p.returncode]
+            procs.append(subprocess.Popen(["dd", f"bs={self.request_bytes}", f"count={per_job}", *args],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          env={**os.environ, "LC_ALL": "C"}))
+        reports = [p.communicate()[1].decode(errors="replace").strip() for p in procs]
+        failed = [(p.returncode, e) for p, e in zip(procs, reports) if p.returncode]
         if failed:
             raise RuntimeError(f"bench io: dd {rw} failed (exit {failed[0][0]}): {failed[0][1]}")
-        return seconds
+        seconds = [re.search(r"copied, ([0-9.e+-]+) s", report) for report in reports]
+        if not all(seconds):
+            raise RuntimeError(f"bench io: could not read dd's time from {reports[0]!r}")
+        return max(float(m.group(1)) for m in seconds)
 
 
 def _run(cmd: list) -> str:
@@ -315,11 +398,15 @@ def _gbps(num_bytes: int, seconds: float) -> float:
 
 # ---- command line ----------------------------------------------------------------------------
 def _median_of(runs: list) -> dict:
-    """Per-key median of repeated runs (ratios are medians of the per-run ratios)."""
+    """Per-key median of repeated runs; each ratio is the median of every round of every run."""
     out = dict(runs[0])
     for key, value in runs[0].items():
         if isinstance(value, float):
             out[key] = round(statistics.median(r[key] for r in runs), 3)
+        elif isinstance(value, list):  # per-round ratios: all of them
+            out[key] = [x for r in runs for x in r[key]]
+    for phase in RATES:
+        out[f"{phase}_ratio"] = round(statistics.median(out[f"{phase}_round_ratios"]), 3)
     out["repeats"] = len(runs)
     return out
 
@@ -356,6 +443,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=defaults.io_workers,
                    help=f"the store's io_workers and the raw tool's parallel jobs (default {defaults.io_workers})")
     p.add_argument("--repeat", type=int, default=1, help="runs per block size; report medians (default 1)")
+    p.add_argument("--round-size", default=None,
+                   help=f"bytes per turn of the store and of the baseline (default {ROUND_BYTES >> 20}MiB, "
+                        "and at least two rounds); as large as --size: one turn each")
     p.add_argument("--raw-tool", choices=("auto", "fio", "dd"), default="auto",
                    help="raw disk tool (default: fio when installed, else dd)")
     return p
@@ -369,6 +459,12 @@ def run(argv: Optional[list] = None) -> int:
         TierConfig(block_tokens=args.block_tokens, io_workers=args.workers)  # validates both
         if args.repeat < 1:
             raise ValueError(f"--repeat: must be >= 1, got {args.repeat}")
+        rounds = None  # measure_io's default
+        if args.round_size is not None:
+            round_bytes = parse_bytes(args.round_size, "--round-size")
+            if round_bytes < 1:
+                raise ValueError(f"--round-size: must be > 0, got {args.round_size!r}")
+            rounds = max(1, -(-total_bytes // round_bytes))
     except ValueError as exc:
         print(f"tiercache bench io: {exc}", file=sys.stderr)
         return 2
@@ -376,7 +472,7 @@ def run(argv: Optional[list] = None) -> int:
     rows = []
     for tokens in sizes:
         try:
-            runs = [measure_io(args.dir, tokens, total_bytes, args.workers, raw_tool=args.raw_tool)
+            runs = [measure_io(args.dir, tokens, total_bytes, args.workers, raw_tool=args.raw_tool, rounds=rounds)
                     for _ in range(args.repeat)]
         except (ValueError, RuntimeError, OSError) as exc:  # no room, fio/dd failed, ...
             print(f"tiercache bench io: {exc}", file=sys.stderr)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 
 import pytest
 
-from tiercache.bench.io import measure_io, run
+from tiercache.bench.io import _interleaved, _rounds_of, measure_io, run
 
 RATE_KEYS = ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
              "d2h_gbps", "h2d_gbps", "copy_d2h_gbps", "copy_h2d_gbps")
@@ -25,9 +26,16 @@ def _tools() -> list:
 
 @pytest.mark.parametrize("raw_tool", _tools())
 def test_measure_io_reports_every_rate_and_ratio(tmp_path, raw_tool):
-    result = measure_io(str(tmp_path), block_tokens=16, total_bytes=2 << 20, workers=2, raw_tool=raw_tool)
+    result = measure_io(str(tmp_path), block_tokens=16, total_bytes=2 << 20, workers=2, raw_tool=raw_tool,
+                        rounds=3)
     for key in RATE_KEYS + RATIO_KEYS:
         assert result[key] > 0, key
+    # every ratio is the median of the three rounds' paired ratios
+    assert result["rounds"] == 3
+    for phase in ("write", "read", "d2h", "h2d"):
+        rounds = result[f"{phase}_round_ratios"]
+        assert len(rounds) == 3 and all(r > 0 for r in rounds)
+        assert result[f"{phase}_ratio"] == round(statistics.median(rounds), 3)
     assert result["raw_tool"] == raw_tool
     assert result["block_bytes"] == 1536 * 16
     assert result["num_blocks"] == (2 << 20) // (1536 * 16)
@@ -43,6 +51,10 @@ def test_run_json_prints_one_object(tmp_path, capsys):
                 "h2d_ratio", "d2h_ratio"):
         assert out[key] > 0, key
     assert "sweep" not in out
+    assert out["rounds"] == 2 and len(out["read_round_ratios"]) == 2  # 64 MiB rounds, at least two
+    assert run(["--json", "--size", "4MiB", "--dir", str(tmp_path), "--block-tokens", "64", "--workers", "2",
+                "--round-size", "1MiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == 4
 
 
 def test_run_sweep_table_and_bad_arguments(tmp_path, capsys, monkeypatch):
@@ -54,5 +66,30 @@ def test_run_sweep_table_and_bad_arguments(tmp_path, capsys, monkeypatch):
     assert [line.split()[0] for line in lines[3:]] == ["16", "32*"]
     assert run(["--size", "lots", "--dir", str(tmp_path)]) == 2
     assert "--size" in capsys.readouterr().err
+    assert run(["--round-size", "0", "--dir", str(tmp_path)]) == 2
+    assert "--round-size" in capsys.readouterr().err
     assert run(["--size", "100TiB", "--dir", str(tmp_path)]) == 1  # more than the disk has
     assert "free" in capsys.readouterr().err
+
+
+def test_the_store_and_the_raw_tool_take_turns_on_the_same_requests():
+    # Ten blocks in four rounds: the raw tool gets the very requests the store gets in each
+    # round, and who goes first alternates, so a slow spell of the disk hits both alike.
+    keys = list(range(10))
+    groups = _rounds_of(keys, 4)
+    assert [len(g) for g in groups] == [2, 3, 2, 3] and sum(groups, []) == keys
+    turns = []
+
+    def store(group):
+        turns.append(("store", group[0], len(group)))
+        return 0.5
+
+    def raw(first, n):
+        turns.append(("raw", first, n))
+        return 0.25, n * 100
+
+    out = _interleaved(groups, store, raw)
+    assert turns == [("store", 0, 2), ("raw", 0, 2), ("raw", 2, 3), ("store", 2, 3),
+                     ("store", 5, 2), ("raw", 5, 2), ("raw", 7, 3), ("store", 7, 3)]
+    assert out == {"store_s": [0.5] * 4, "raw_s": [0.25] * 4, "raw_bytes": [200, 300, 200, 300]}
+    assert _rounds_of(keys[:2], 4) == [[0], [1]]  # fewer blocks than rounds: no empty round
