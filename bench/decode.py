@@ -161,11 +161,18 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
 def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int, block_tokens: int,
                         workdir: str, prefill_chunk: int, selection: Optional[str] = None,
                         selection_budget: int = 4096, device_fraction: float = 0.25,
-                        host_fraction: float = 0.25, eviction: Optional[str] = None) -> dict:
+                        host_fraction: float = 0.25, eviction: Optional[str] = None,
+                        raw_read_bytes: int = 0) -> dict:
     """Every set-up in this one process, each prefilled once; then ``rounds`` rounds, each
     timing ``new_tokens`` steps of every set-up in turn. A slow spell of the machine (this
     one is shared) then slows every set-up alike, so the ratios hold; each set-up's tokens/s
-    is its median over the rounds."""
+    is its median over the rounds.
+
+    With ``raw_read_bytes`` and a disk set-up, the raw disk reads that many bytes right
+    after the disk set-up's turn in every round (fio or dd, the disk set-up's record size,
+    its I/O workers in flight: ``bench io``'s raw reads): the disk's rate then, for the
+    bound of that round (``disk_read_gbps_rounds``). This disk's rate swings by 2x within
+    seconds, so a rate measured minutes apart from the decoding made the bound a guess."""
     import statistics
 
     import torch
@@ -183,8 +190,10 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                                         extra_tokens=WARMUP_STEPS, eviction=eviction)
             nxt[setup] = _prefill(model, caches[setup], ids, prefill_chunk)
             _, nxt[setup] = _decode(model, caches[setup], nxt[setup], WARMUP_STEPS)
+        raw = _raw_disk_next_to("disk", caches, workdir, raw_read_bytes) if raw_read_bytes else None
         tps = {s: [] for s in setups}
-        disk_read = {s: 0 for s in setups}
+        disk_read = {s: [] for s in setups}  # bytes read from disk per token, per round
+        disk_gbps: list = []
         for _ in range(rounds):
             for setup in setups:
                 cache = caches[setup]
@@ -192,15 +201,21 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                 seconds, nxt[setup] = _decode(model, cache, nxt[setup], new_tokens)
                 tps[setup].append(new_tokens / seconds)
                 if before is not None:
-                    disk_read[setup] += _disk_read(_moved_since(cache, before))
+                    disk_read[setup].append(_disk_read(_moved_since(cache, before)) / new_tokens)
+                if raw is not None and setup == "disk":
+                    seconds, num_bytes = raw.read(0, raw.num_requests)
+                    disk_gbps.append(num_bytes / seconds / 1e9)
     out = {}
     for setup in setups:
         out[setup] = {"tps": statistics.median(tps[setup]), "tps_rounds": tps[setup],
-                      "disk_read_bytes_per_token": disk_read[setup] / (new_tokens * rounds)}
+                      "disk_read_bytes_per_token": sum(disk_read[setup]) / rounds if disk_read[setup] else 0.0,
+                      "disk_read_bytes_per_token_rounds": disk_read[setup]}
         if setup == "quest":
             out[setup]["attention"] = caches[setup].attention_stats()
         if setup != "dynamic":
             caches[setup].close()
+    if disk_gbps:
+        out["disk_read_gbps_rounds"] = disk_gbps
     return out
 
 
@@ -212,7 +227,8 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
            "--device-fraction", str(args.device_fraction), "--host-fraction", str(args.host_fraction),
            "--eviction", args.eviction]
     if setup == SIDE_BY_SIDE:
-        cmd += ["--setups", ",".join(args.setup_list), "--rounds", str(args.rounds)]
+        cmd += ["--setups", ",".join(args.setup_list), "--rounds", str(args.rounds), "--io-size", args.io_size]
+        cmd += ["--disk-gbps", str(args.disk_gbps)] if args.disk_gbps is not None else []
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if setup == SIDE_BY_SIDE else subprocess.PIPE,
                           text=True)
     if proc.returncode != 0:
@@ -220,13 +236,59 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def disk_read_gbps(directory: str, size: str) -> float:
-    """Raw direct-I/O read bandwidth of the disk under ``directory`` (from bench io)."""
+def _disk_bound(setup: str, results: dict, dyn: float, gbps: Optional[float]) -> dict:
+    """``setup``'s bound and its ratio to it. The bound is the slower of DynamicCache's
+    tokens/s and the disk's read rate over the bytes read from disk per token. With the
+    disk's rate measured in every side-by-side round (``disk_read_gbps_rounds``), each round
+    has its own bound and the ratio is the median of the rounds' ratios; else one rate
+    (``gbps``: measured after the run, or ``--disk-gbps``) serves for all."""
+    import statistics
+
+    res = results[setup]
+    per_token = res["disk_read_bytes_per_token"]
+    out = {f"{setup}_read_bytes_per_token": per_token, f"{setup}_ratio": res["tps"] / dyn}
+    rounds_gbps = results.get("disk_read_gbps_rounds") if gbps is None else None
+    if rounds_gbps:
+        bounds = [min(d, g * 1e9 / b) if b else d
+                  for d, g, b in zip(results["dynamic"]["tps_rounds"], rounds_gbps,
+                                     res["disk_read_bytes_per_token_rounds"])]
+        ratios = [t / b for t, b in zip(res["tps_rounds"], bounds)]
+        out.update({f"{setup}_bound_tps": statistics.median(bounds), f"{setup}_bound_ratio": statistics.median(ratios),
+                    f"{setup}_bound_ratio_rounds": ratios, "disk_read_gbps": statistics.median(rounds_gbps),
+                    "disk_read_gbps_rounds": rounds_gbps})
+        return out
+    bound = min(dyn, gbps * 1e9 / per_token) if per_token else dyn
+    out.update({f"{setup}_bound_tps": bound, f"{setup}_bound_ratio": res["tps"] / bound, "disk_read_gbps": gbps})
+    return out
+
+
+def disk_read_gbps(directory: str, size: str, block_tokens: int) -> float:
+    """Raw direct-I/O read bandwidth of the disk under ``directory`` (from bench io), with
+    the disk set-up's request size (its blocks' records)."""
     from tiercache.bench.io import measure_io
     from tiercache.config import parse_bytes
 
-    res = measure_io(directory, 256, parse_bytes(size), 4)
+    res = measure_io(directory, block_tokens, parse_bytes(size), 4)
     return res["raw_read_gbps"]
+
+
+def _raw_disk_next_to(setup: str, caches: dict, workdir: str, num_bytes: int):
+    """A raw-disk reader with ``setup``'s record size and I/O workers over a file of about
+    ``num_bytes`` written now in ``workdir`` (None without that set-up or a disk tier)."""
+    import shutil
+
+    from tiercache.bench.io import RawDisk
+
+    store = getattr(caches.get(setup), "store", None)
+    if store is None or store.disk is None:
+        return None
+    record = store.disk.record_bytes
+    n = max(1, num_bytes // record)
+    raw = RawDisk("fio" if shutil.which("fio") else "dd", os.path.join(workdir, "raw-read.dat"), record, n,
+                  store.config.io_workers)
+    raw.direct = store.disk.direct_io
+    raw.write(0, n)
+    return raw
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -241,7 +303,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--setups", default=",".join(SETUPS), help="comma list of %s" % ", ".join(SETUPS))
     p.add_argument("--dir", default=None, help="work directory for the disk tier (default: a temp dir under .)")
     p.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (default: measured now)")
-    p.add_argument("--io-size", default="512MiB", help="bytes for the disk bandwidth measurement")
+    p.add_argument("--io-size", default="512MiB", help="bytes the raw disk reads after the disk set-up's turn "
+                   "in each side-by-side round (without that run: one bench io measurement of this size)")
     p.add_argument("--selection", default="full", help="full (default) or quest: adds the quest set-up "
                    "(the disk set-up reading only the selected pages)")
     p.add_argument("--selection-budget", type=int, default=4096, help="quest: tokens per KV head and step "
@@ -262,8 +325,11 @@ def run(argv: Optional[list] = None) -> int:
     common = (args.block_tokens, args.dir, args.prefill_chunk, args.selection, args.selection_budget,
               args.device_fraction, args.host_fraction, args.eviction or None)
     if args.worker == SIDE_BY_SIDE:
+        from tiercache.config import parse_bytes
+
+        raw_read_bytes = 0 if args.disk_gbps is not None else parse_bytes(args.io_size, "--io-size")
         print(json.dumps(worker_side_by_side(args.setups.split(","), args.context, args.new_tokens, args.rounds,
-                                             *common)))
+                                             *common, raw_read_bytes=raw_read_bytes)))
         return 0
     if args.worker:
         print(json.dumps(worker(args.worker, args.context, args.new_tokens, *common)))
@@ -294,8 +360,9 @@ def run(argv: Optional[list] = None) -> int:
             print(f"bench decode: every set-up side by side, {args.rounds} rounds ...", file=sys.stderr)
             together = _spawn(SIDE_BY_SIDE, args, workdir)
         gbps = args.disk_gbps
-        if any(s.startswith("disk") for s in isolated) and gbps is None:
-            gbps = disk_read_gbps(workdir, args.io_size)
+        if any(s.startswith("disk") for s in isolated) and gbps is None and not (together or {}).get(
+                "disk_read_gbps_rounds"):
+            gbps = disk_read_gbps(workdir, args.io_size, args.block_tokens)
     # The ratios come from the side-by-side run when there is one (same process, interleaved
     # rounds); the separate processes give each set-up's peak RSS and its tokens/s alone.
     results = together or isolated
@@ -317,12 +384,7 @@ def run(argv: Optional[list] = None) -> int:
                 out[f"{setup}_ratio"] = results[setup]["tps"] / dyn
     for setup in ("disk", "disk" + IN_PLACE):
         if setup in results and dyn:
-            per_token = results[setup]["disk_read_bytes_per_token"]
-            disk_tps = gbps * 1e9 / per_token if per_token else float("inf")
-            bound = min(dyn, disk_tps)
-            out.update({f"{setup}_read_bytes_per_token": per_token, f"{setup}_bound_tps": bound,
-                        f"{setup}_bound_ratio": results[setup]["tps"] / bound,
-                        f"{setup}_ratio": results[setup]["tps"] / dyn}, disk_read_gbps=gbps)
+            out.update(_disk_bound(setup, results, dyn, gbps))
     if "quest" in results and "disk" in results:
         out["quest_vs_disk_ratio"] = out["quest_ratio"] = results["quest"]["tps"] / results["disk"]["tps"]
         sel = results["quest"].get("attention", {}).get("selection") or {}

@@ -53,6 +53,38 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the work directory is removed
 
 
+def test_the_disk_bound_pairs_each_round_with_a_raw_read_right_after_it(tmp_path):
+    """Without --disk-gbps, the raw disk reads --io-size right after the disk set-up's turn
+    in every side-by-side round, so each round has its own bound (the slower of that
+    round's DynamicCache and the disk's rate then over the bytes read per token), and the
+    ratio is the median of the rounds' ratios."""
+    import statistics
+
+    from tiercache.models import ModelNotFoundError, load_model
+
+    try:
+        load_model(device="cpu")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model unavailable: {exc}")
+    cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "256", "--new-tokens", "2",
+           "--rounds", "3", "--block-tokens", "32", "--setups", "dynamic,disk", "--io-size", "4MiB",
+           "--dir", str(tmp_path), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    sbs = r["side_by_side"]
+    gbps = r["disk_read_gbps_rounds"]
+    assert len(gbps) == 3 and all(g > 0 for g in gbps) and r["disk_read_gbps"] == statistics.median(gbps)
+    per_token = sbs["disk"]["disk_read_bytes_per_token_rounds"]
+    assert len(per_token) == 3 and all(b > 0 for b in per_token)
+    bounds = [min(d, g * 1e9 / b) for d, g, b in zip(sbs["dynamic"]["tps_rounds"], gbps, per_token)]
+    ratios = [t / b for t, b in zip(sbs["disk"]["tps_rounds"], bounds)]
+    assert r["disk_bound_ratio_rounds"] == pytest.approx(ratios)
+    assert r["disk_bound_ratio"] == pytest.approx(statistics.median(ratios))
+    assert r["disk_bound_tps"] == pytest.approx(statistics.median(bounds))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_decode_refuses_bad_arguments():
     from tiercache.bench.decode import run
 
