@@ -657,3 +657,36 @@ def test_the_data_file_grows_by_doubling_and_never_past_its_budget(tmp_path, geo
             assert bool((out == slot).all())
     finally:
         disk.close()
+
+
+@pytest.mark.parametrize("eviction, reads, victim", [("lru", [], 1), ("layer-cycle", [1, 2, 0], 2)])
+def test_a_block_still_being_filled_is_evicted_from_the_device_last(make_store, geometry, eviction, reads,
+                                                                    victim):
+    """A layer's tail block is written again at the next decode step, on the device, so
+    evicting it costs a move down and a move back up. The device evicts sealed blocks
+    first, in the policy's order, and a block still being filled only when nothing else
+    can go.
+
+    Three device slots: the open block goes in first, then two full ones; under lru the
+    open block is then the first victim, and under layer-cycle it is once it was read
+    last (a layer's tail is: layer-cycle evicts the block read last first). A fourth block
+    pushes a full one down (lru: the older; layer-cycle: the one read last), not the open
+    one. Then three more open blocks come: once no full block is left on the device, open
+    ones go down too (no CapacityError), and every block reads back exact."""
+    store = make_store(device_blocks=3, host_blocks=3, eviction=eviction)
+    data = blocks(geometry, 7, seed=5)
+    keys = list(data)
+    store.put(keys[0], data[keys[0]], num_tokens=2)  # open: 2 of 4 tokens written
+    store.put(keys[1], data[keys[1]])
+    store.put(keys[2], data[keys[2]])
+    for i in reads:
+        store.get(keys[i])
+    store.put(keys[3], data[keys[3]])
+    on_device = {k for k in keys[:4] if store.table.is_ready(k, Tier.DEVICE)}
+    assert on_device == {keys[0], keys[1], keys[2], keys[3]} - {keys[victim]}
+    for key in keys[4:7]:
+        store.put(key, data[key], num_tokens=1)
+    store.flush()
+    for key in keys[:7]:
+        assert torch.equal(store.get(key), data[key])
+    store.check()

@@ -1029,6 +1029,11 @@ class BlockStore:
         seconds, self._stall_acc = self._stall_acc, 0.0
         return seconds
 
+    def _filling(self, key: Hashable) -> bool:
+        """``key`` is a block that holds fewer tokens than it can (its writer may add more)."""
+        tokens = self._tokens.get(key)
+        return tokens is not None and tokens < self.geometry.block_tokens
+
     def note_tokens(self, key: Hashable, num_tokens: int) -> None:
         self._tokens[key] = num_tokens
 
@@ -1167,7 +1172,15 @@ class BlockStore:
             return allow_writeback and lower is not None and self.table.is_movable(key, tier)
 
         policy = self.policies[tier]
-        victims = policy.evict(need, evictable)
+        victims = None
+        if tier is Tier.DEVICE:
+            # A block still being filled (a layer's tail) comes straight back for the next
+            # token's write, dirty, so sealed blocks go first, in the policy's order. Without
+            # this, `layer-cycle` (which evicts the block read last first: a layer's tail)
+            # moved every layer's tail down and up again at every decode step.
+            victims = policy.evict(need, lambda key: evictable(key) and not self._filling(key))
+        if victims is None:
+            victims = policy.evict(need, evictable)
         if victims is None:  # fewer than `need` evictable: take all there are
             available = sum(1 for key in self.table.keys_on(tier) if evictable(key))
             victims = policy.evict(available, evictable) or []
