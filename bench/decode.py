@@ -19,7 +19,10 @@ by 30% for nothing. The ratios come from the side-by-side run; the separate proc
 each set-up's peak RSS and its tokens/s alone. Every timing starts after two untimed decode
 steps. The disk set-up is scored against its bound: the
 slower of DynamicCache's tokens/s and the disk's read bandwidth over the bytes read from
-disk per token, so a perfect overlap of I/O and compute scores 1.0.
+disk per token, so a perfect overlap of I/O and compute scores 1.0. The disk's bandwidth is
+measured right after the disk set-up's turn in every side-by-side round (raw reads of
+``--io-size`` with its record size), so each round has its own bound and the ratio is the
+median of the rounds' ratios.
 """
 from __future__ import annotations
 
