@@ -65,7 +65,7 @@ RATES = {  # phase: (the store's rate, the baseline's rate); its ratio is f"{pha
     "h2d": ("h2d_gbps", "copy_h2d_gbps"),
 }
 NUM_RANDOM_BLOCKS = 64  # distinct random contents, cycled over the blocks put
-ROUND_BYTES = 64 << 20  # bytes per turn of the store and of the raw tool (see _interleaved)
+ROUND_BYTES = 64 << 20  # bytes per turn of the store and of its baseline (see _interleaved)
 
 
 def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int, *,
@@ -80,8 +80,8 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
         workers: the store's ``io_workers``; also the raw tool's number of parallel jobs.
         raw_tool: "fio", "dd", or "auto" (fio when installed, else dd).
         device: where the device tier lives; CUDA when available, else CPU.
-        rounds: how many slices the disk writes and reads are cut into, the store and the
-            raw tool taking turns slice by slice (default: one per ``ROUND_BYTES``, at least 2).
+        rounds: how many slices each phase is cut into, the store and its baseline taking
+            turns slice by slice (default: one per ``ROUND_BYTES``, at least 2).
 
     Returns a dict of GB/s rates (``write_gbps``, ``read_gbps``, ``raw_write_gbps``,
     ``raw_read_gbps``, ``d2h_gbps``, ``h2d_gbps``, ``copy_d2h_gbps``, ``copy_h2d_gbps``),
@@ -279,8 +279,7 @@ class PlainCopy:
         return self._copy(self.host, self.on_device, first, n)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, first: int, n: int) -> tuple:
-        # the same share of buffers as large as the store's pools: a round's 64 MiB copied
-        # again and again would run warmer (TLB, caches) than the store's fresh slots
+        # the round's share of buffers as large as the store's pools, as the store's moves
         a, b = first * self.block_bytes, (first + n) * self.block_bytes
         _sync(self.device)
         t0 = time.perf_counter()
