@@ -77,7 +77,8 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
             it is created and removed).
         block_tokens: tokens per block (a block of the default model is 1536 * T bytes).
         total_bytes: bytes of blocks to move (at least one block).
-        workers: the store's ``io_workers``; also the raw tool's number of parallel jobs.
+        workers: the store's ``io_workers``; also the raw tool's requests in flight (fio) or
+            parallel processes (dd).
         raw_tool: "fio", "dd", or "auto" (fio when installed, else dd).
         device: where the device tier lives; CUDA when available, else CPU.
         rounds: how many slices each phase is cut into, the store and its baseline taking
