@@ -690,3 +690,40 @@ def test_a_block_still_being_filled_is_evicted_from_the_device_last(make_store, 
     for key in keys[:7]:
         assert torch.equal(store.get(key), data[key])
     store.check()
+
+
+def test_a_disk_without_room_for_the_step_ahead_still_takes_a_record_that_fits(tmp_path, geometry, monkeypatch):
+    """The data file grows ahead in steps; on a disk with room for 6 records only (the
+    allocation fails with ENOSPC past that, injected), the step ahead does not fit but the
+    record does: it is written and reads back. A record past the room fails with ENOSPC,
+    and the records already written stay readable."""
+    import errno
+
+    from tiercache.disk import DiskTier
+
+    record = DiskTier.record_size(geometry)
+    monkeypatch.setattr(DiskTier, "_GROW_BYTES", 4 * record)
+    real = os.posix_fallocate
+
+    def six_records_of_room(fd, offset, length):
+        if offset + length > 6 * record:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", six_records_of_room)
+    disk = DiskTier(str(tmp_path / "kv"), geometry, 48, persistent=False)
+    try:
+        payload = torch.zeros(disk.payload_bytes, dtype=torch.uint8)
+        for slot in (0, 4):
+            payload.fill_(slot)
+            disk.write(slot, BlockKey(0, 0, slot), payload, geometry.block_tokens)
+        assert os.path.getsize(disk.path) == 5 * record  # the step to 8 did not fit; the record did
+        with pytest.raises(OSError) as err:
+            disk.write(6, BlockKey(0, 0, 6), payload, geometry.block_tokens)
+        assert err.value.errno == errno.ENOSPC
+        out = torch.empty_like(payload)
+        for slot in (0, 4):
+            disk.read(slot, BlockKey(0, 0, slot), out)
+            assert bool((out == slot).all())
+    finally:
+        disk.close()
