@@ -278,16 +278,14 @@ def disk_read_gbps(directory: str, size: str, block_tokens: int) -> float:
 def _raw_disk_next_to(setup: str, caches: dict, workdir: str, num_bytes: int):
     """A raw-disk reader with ``setup``'s record size and I/O workers over a file of about
     ``num_bytes`` written now in ``workdir`` (None without that set-up or a disk tier)."""
-    import shutil
-
-    from tiercache.bench.io import RawDisk
+    from tiercache.bench.io import RawDisk, default_raw_tool
 
     store = getattr(caches.get(setup), "store", None)
     if store is None or store.disk is None:
         return None
     record = store.disk.record_bytes
     n = max(1, num_bytes // record)
-    raw = RawDisk("fio" if shutil.which("fio") else "dd", os.path.join(workdir, "raw-read.dat"), record, n,
+    raw = RawDisk(default_raw_tool(), os.path.join(workdir, "raw-read.dat"), record, n,
                   store.config.io_workers)
     raw.direct = store.disk.direct_io
     raw.write(0, n)

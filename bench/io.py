@@ -91,7 +91,7 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
     (``block_tokens``, ``block_bytes``, ``record_bytes``, ``rounds``, ...).
     """
     if raw_tool == "auto":
-        raw_tool = "fio" if shutil.which("fio") else "dd"
+        raw_tool = default_raw_tool()
     if raw_tool not in ("fio", "dd"):
         raise ValueError(f"raw_tool: must be fio, dd or auto, got {raw_tool!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,13 +200,13 @@ def _interleaved(groups: list, store: Callable[[list], float], raw: Callable[[in
     out: dict = {"store_s": [], "raw_s": [], "raw_bytes": []}
     first = 0
     for i, group in enumerate(groups):
-        def raw_turn(first=first, n=len(group)):
-            seconds, num_bytes = raw(first, n)
-            out["raw_s"].append(seconds)
-            out["raw_bytes"].append(num_bytes)
-        turns = (lambda: out["store_s"].append(store(group)), raw_turn)
-        for turn in (turns if i % 2 == 0 else turns[::-1]):
-            turn()
+        for store_turn in ((True, False) if i % 2 == 0 else (False, True)):
+            if store_turn:
+                out["store_s"].append(store(group))
+            else:
+                seconds, num_bytes = raw(first, len(group))
+                out["raw_s"].append(seconds)
+                out["raw_bytes"].append(num_bytes)
         first += len(group)
     return out
 
@@ -290,6 +290,11 @@ class PlainCopy:
 
 
 # ---- the raw disk side ---------------------------------------------------------------------
+def default_raw_tool() -> str:
+    """fio when installed, else dd."""
+    return "fio" if shutil.which("fio") else "dd"
+
+
 class RawDisk:
     """The store's disk requests (``request_bytes`` each, ``workers`` at a time) done by fio
     or dd on one file laid out beforehand (as fio does by default). A turn covers requests
