@@ -490,10 +490,12 @@ def test_read_layer_queues_the_next_layers_prefetch_before_waiting(make_store, g
 
 def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_store, geometry):
     """On CPU a host<->device move is one memcpy, so moves started together run as a few
-    chunks, one I/O job each, not one job per block. With both workers held on a gate, 12
-    demotions are 2 queued jobs; every block is in flight, and deleting one then frees
-    nothing under the copy. A move that fails inside a chunk is rolled back alone: its
-    waiter gets the error, the others land. Everything else comes back exact, both ways."""
+    pieces (runs of adjacent slots) that a few I/O jobs share, not one job per block. With
+    both workers held on a gate, 12 small demotions of adjacent slots are one queued job;
+    every block is in flight, and deleting one then frees nothing under the copy. A move
+    that fails inside a piece is rolled back alone: the piece's one copy fails, its blocks
+    are copied again one by one, and only the broken block's waiter gets the error; the
+    others land. Everything else comes back exact, both ways."""
     from tiercache.transfer import Priority
 
     store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
@@ -505,10 +507,10 @@ def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_s
     broken_slot = store.table.copy(broken_key, Tier.DEVICE).slot
     read_rows = store.device_pool.read_rows
 
-    def read_rows_failing_once(slot, k_out, v_out):  # a copy that fails (a bug, say)
-        if slot == broken_slot:
+    def read_rows_failing_once(slots, k_out, v_out):  # a copy that fails (a bug, say)
+        if broken_slot in (range(12)[slots] if isinstance(slots, slice) else [slots]):
             raise RuntimeError("copy failed")
-        read_rows(slot, k_out, v_out)
+        read_rows(slots, k_out, v_out)
 
     store.device_pool.read_rows = read_rows_failing_once
     gate = threading.Event()
@@ -518,7 +520,7 @@ def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_s
     while store.engine._queue.qsize() and time.monotonic() < deadline:  # both workers hold a gate
         time.sleep(0.01)
     futures = store.demote_many(keys)
-    assert store.engine._queue.qsize() == 2, "12 copies should be 2 chunked jobs, not 12"
+    assert store.engine._queue.qsize() == 1, "12 adjacent copies should be one job, not 12"
     assert all(store.table.copy(k, Tier.HOST) is not None for k in keys)  # all in flight
     store.delete(keys[0])  # its slots are freed only when its move completes
     store.check()
@@ -535,6 +537,85 @@ def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_s
     for key in survivors:
         assert torch.equal(store.get(key), data[key])
     assert store.stats()["moves"]["device->host"]["blocks"] == 11
+
+
+def test_adjacent_slots_are_one_copy_whichever_way_the_destination_runs(make_store, geometry):
+    """Moves whose source and destination slots are adjacent are copied in one call per
+    pool: 12 small blocks demoted, then brought back up, are one copy call each way, not
+    12. On the way back the free device slots come off a stack, so the destination runs
+    downwards while the source runs upwards; every block still lands in its own slot, byte
+    for byte."""
+    store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
+    data = blocks(geometry, 12, seed=4)
+    for key, block in data.items():
+        store.put(key, block)
+    keys = list(data)
+    calls = {"read_rows": [], "write_rows": []}
+    pool = store.device_pool
+    for name in calls:
+        def spy(slots, a, b, _copy=getattr(pool, name), _calls=calls[name]):
+            _calls.append(slots)
+            _copy(slots, a, b)
+        setattr(pool, name, spy)
+    store.wait_idle()
+    assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 12
+    store.ensure_device(keys, pin=False)
+    assert calls == {"read_rows": [slice(0, 12)], "write_rows": [slice(11, None, -1)]}
+    for key in keys:
+        assert store.tiers_of(key)[0] is Tier.DEVICE
+        assert torch.equal(store.get(key), data[key])
+    store.check()
+
+
+def test_copy_pieces_are_shared_so_a_late_worker_leaves_its_share_to_the_others(make_store, geometry, monkeypatch):
+    """The pieces of copies started together sit on one shared queue that the jobs drain;
+    no job owns a fixed share. With one of two workers held up (a worker the scheduler
+    wakes late), the other copies all six pieces: every move completes while the held
+    worker has not started, and the blocks come back exact."""
+    from tiercache import store as store_module
+    from tiercache.transfer import Priority
+
+    monkeypatch.setattr(store_module, "_PIECE_BYTES", 2 * geometry.block_bytes)
+    monkeypatch.setattr(store_module, "_usable_cores", lambda: 2)
+    store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
+    data = blocks(geometry, 12, seed=5)
+    for key, block in data.items():
+        store.put(key, block)
+    gate, held = threading.Event(), threading.Event()
+    store.engine.submit(lambda: (held.set(), gate.wait()), Priority.DEMAND)
+    assert held.wait(10)
+    try:
+        futures = store.demote_many(list(data))
+        assert [f.exception(timeout=30) for f in futures] == [None] * 12
+        assert not gate.is_set()  # all done by the one free worker
+    finally:
+        gate.set()
+    store.ensure_device(list(data), pin=False)
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+    store.check()
+
+
+def test_slot_runs_cut_where_a_single_copy_could_not_do_the_moves():
+    """``_slot_runs`` sorts moves by source slot and cuts them into runs one strided copy
+    can do: the same direction, sources adjacent, destinations adjacent one way or the
+    other (not both, not with gaps)."""
+    from tiercache.store import _slot_runs
+    from tiercache.table import Move
+
+    def move(src_slot, dst_slot, src=Tier.DEVICE, dst=Tier.HOST):
+        return (Move(("k", src, src_slot), src, src_slot, dst, dst_slot, True), None)
+
+    def cut(*moves):
+        return [[(m.src_slot, m.dst_slot) for m, _ in run] for run in _slot_runs(list(moves))]
+
+    assert cut(move(2, 7), move(0, 5), move(1, 6)) == [[(0, 5), (1, 6), (2, 7)]]  # sorted first
+    assert cut(move(0, 9), move(1, 8), move(2, 7)) == [[(0, 9), (1, 8), (2, 7)]]  # destination downwards
+    assert cut(move(0, 5), move(1, 6), move(2, 5)) == [[(0, 5), (1, 6)], [(2, 5)]]  # turns back
+    assert cut(move(0, 5), move(2, 6)) == [[(0, 5)], [(2, 6)]]  # a gap in the source
+    assert cut(move(0, 5), move(1, 7)) == [[(0, 5)], [(1, 7)]]  # a gap in the destination
+    assert cut(move(0, 5), move(1, 6, Tier.HOST, Tier.DEVICE)) == [[(0, 5)], [(1, 6)]]  # two directions
+    assert cut() == []
 
 
 def test_read_segments_gives_views_of_every_block_where_it_lies_and_holds_them(make_store, geometry):

@@ -11,7 +11,7 @@ import functools
 import logging
 import mmap
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -111,19 +111,20 @@ class DevicePool:
         out[0].view(self.k.shape[0], -1).copy_(self.k[:, slot], non_blocking=non_blocking)
         out[1].view(self.v.shape[0], -1).copy_(self.v[:, slot], non_blocking=non_blocking)
 
-    def read_rows(self, slot: int, k_out, v_out) -> None:
-        """CPU: copy the slot's K and V into ``k_out``, ``v_out`` (numpy byte arrays
-        [B*H, T*D*itemsize], e.g. a host slot's rows): two plain memcpys (numpy releases the
-        GIL while copying and starts no OpenMP region; ~1 us of Python each)."""
+    def read_rows(self, slots: Union[int, slice], k_out, v_out) -> None:
+        """CPU: copy the K and V of a slot (or a slice of slots) into ``k_out``, ``v_out``
+        (numpy byte arrays [B*H, T*D*itemsize], or [B*H, n, T*D*itemsize] for a slice; e.g.
+        host slots' rows): two strided memcpys (numpy releases the GIL while copying and
+        starts no OpenMP region; ~1 us of Python each)."""
         k, v = self.byte_rows()
-        np.copyto(k_out, k[:, slot])
-        np.copyto(v_out, v[:, slot])
+        np.copyto(k_out, k[:, slots])
+        np.copyto(v_out, v[:, slots])
 
-    def write_rows(self, slot: int, k_src, v_src) -> None:
+    def write_rows(self, slots: Union[int, slice], k_src, v_src) -> None:
         """CPU: the reverse of ``read_rows``."""
         k, v = self.byte_rows()
-        np.copyto(k[:, slot], k_src)
-        np.copyto(v[:, slot], v_src)
+        np.copyto(k[:, slots], k_src)
+        np.copyto(v[:, slots], v_src)
 
     def byte_rows(self) -> tuple:
         """numpy byte views of K and V, [B*H, num_slots, T*D*itemsize] (CPU pools)."""
