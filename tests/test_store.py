@@ -596,6 +596,40 @@ def test_copy_pieces_are_shared_so_a_late_worker_leaves_its_share_to_the_others(
     store.check()
 
 
+def test_a_demand_job_waits_for_one_chunk_of_copies_at_most(make_store, geometry, monkeypatch):
+    """A worker draining copy pieces queues itself again after a chunk's bytes, so a demand
+    job (attention waiting for a block) queued meanwhile runs next, not after the whole
+    write-back: with 1-block pieces and 2-block chunks, it runs when 2 of 12 are done."""
+    from tiercache import store as store_module
+    from tiercache.transfer import Priority
+
+    monkeypatch.setattr(store_module, "_PIECE_BYTES", geometry.block_bytes)
+    monkeypatch.setattr(store_module, "_CHUNK_BYTES", 2 * geometry.block_bytes)
+    store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=1)
+    data = blocks(geometry, 12, seed=6)
+    for key, block in data.items():
+        store.put(key, block)
+    futures: list = []
+    seen: list = []
+    read_rows = store.device_pool.read_rows
+
+    def read_rows_then_demand(slots, k_out, v_out):
+        read_rows(slots, k_out, v_out)
+        if not seen:  # the first copy: a demand arrives while the write-back runs
+            seen.append(None)
+            store.engine.submit(lambda: seen.append(sum(f.done() for f in futures)), Priority.DEMAND)
+
+    store.device_pool.read_rows = read_rows_then_demand
+    gate = threading.Event()
+    store.engine.submit(gate.wait, Priority.DEMAND)
+    futures.extend(store.demote_many(list(data)))
+    gate.set()
+    assert [f.exception(timeout=30) for f in futures] == [None] * 12
+    store.wait_idle()
+    assert seen[1] == 2
+    store.check()
+
+
 def test_slot_runs_cut_where_a_single_copy_could_not_do_the_moves():
     """``_slot_runs`` sorts moves by source slot and cuts them into runs one strided copy
     can do: the same direction, sources adjacent, destinations adjacent one way or the
