@@ -630,6 +630,46 @@ def test_a_demand_job_waits_for_one_chunk_of_copies_at_most(make_store, geometry
     store.check()
 
 
+def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_store, geometry, monkeypatch):
+    """A caller that waits for its reads copies pieces itself. Ctrl-C in the middle of one
+    of its copies reaches the caller; that piece's moves roll back (the blocks stay on the
+    host, intact), a worker finishes the pieces left, nothing stays in flight, and the next
+    read brings every block up exact."""
+    from tiercache import store as store_module
+
+    monkeypatch.setattr(store_module, "_PIECE_BYTES", 2 * geometry.block_bytes)
+    monkeypatch.setattr(store_module, "_usable_cores", lambda: 1)  # the caller alone copies
+    store = make_store(device_blocks=8, host_blocks=8, disk_blocks=0, io_workers=1)
+    data = blocks(geometry, 8, seed=8)
+    for key, block in data.items():
+        store.put(key, block)
+    keys = list(data)
+    assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 8
+    write_rows = store.device_pool.write_rows
+    caller = threading.current_thread()
+    interrupted = []
+
+    def write_rows_interrupted(slots, k_src, v_src):
+        if not interrupted and threading.current_thread() is caller:
+            interrupted.append(slots)
+            raise KeyboardInterrupt
+        write_rows(slots, k_src, v_src)
+
+    store.device_pool.write_rows = write_rows_interrupted
+    with pytest.raises(KeyboardInterrupt):
+        store.ensure_device(keys, pin=False)
+    assert interrupted
+    idle = threading.Thread(target=store.wait_idle, daemon=True)
+    idle.start()
+    idle.join(30)
+    assert not idle.is_alive(), "a move stayed in flight"
+    store.check()
+    assert sum(Tier.DEVICE in store.tiers_of(k) for k in keys) == 6  # the other 3 pieces landed
+    store.ensure_device(keys, pin=False)
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+
+
 def test_slot_runs_cut_where_a_single_copy_could_not_do_the_moves():
     """``_slot_runs`` sorts moves by source slot and cuts them into runs one strided copy
     can do: the same direction, sources adjacent, destinations adjacent one way or the

@@ -8,6 +8,7 @@ lock held, and the time they wait is recorded as stall time.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -1359,9 +1360,16 @@ class BlockStore:
         return futures
 
     def _help(self, works: list) -> None:
-        """The caller copies pieces of ``works`` (from ``_submit_all``) until none is left."""
-        for work in works:
-            self._drain(work, None)
+        """The caller copies pieces of ``works`` (from ``_submit_all``) until none is left.
+        Interrupted (Ctrl-C on the caller's thread), it leaves the rest to a worker, so that
+        no move stays in flight for good."""
+        try:
+            for work in works:
+                self._drain(work, None)
+        finally:
+            for work in works:
+                if work:
+                    self.engine.submit(functools.partial(self._drain, work, Priority.DEMAND), Priority.DEMAND)
 
     def _drain(self, work: collections.deque, priority: Optional[Priority]) -> None:
         """Copy pieces off ``work`` until it is empty. A worker (``priority`` given) stops
@@ -1388,7 +1396,15 @@ class BlockStore:
         block (per-block copies on two threads: 9-10 GB/s; one per run: 13.5-14, as a plain
         ``copy_``). A piece whose copy fails is done again block by block, so that only a
         move that fails by itself is rolled back."""
-        seconds = self._copy_run(piece) if len(piece) > 1 else None
+        try:
+            seconds = self._copy_run(piece) if len(piece) > 1 else None
+        except BaseException as exc:  # an interrupt on a helping caller: the piece rolls back
+            for move, future in piece:
+                try:
+                    self._finish_move(move, 0.0, exc, False, chain=False)
+                except BaseException as error:  # noqa: BLE001 - delivered to its waiters
+                    future.set_exception(error)
+            raise
         for move, future in piece:
             try:
                 if seconds is None:  # a single block, or a run that failed: block by block
