@@ -670,6 +670,60 @@ def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_
         assert torch.equal(store.get(key), block)
 
 
+@pytest.mark.parametrize("moves_in_flight", [False, True])
+def test_a_layers_blocks_a_constant_stride_apart_are_gathered_in_one_copy(make_store, geometry, monkeypatch,
+                                                                          moves_in_flight):
+    """A prefill writes a block of every layer in turn, so one layer's blocks end up a
+    constant number of slots apart on the host. The CPU gather copies such a run as one
+    strided copy (per K and V), not block by block: two layers' blocks interleaved on the
+    host (slots 0, 2, 4, ... and 1, 3, 5, ...) are one run each with step 2, and the K and
+    V read come back exact, whole or from token 1 to 3 tokens short of the end. Both ways
+    of copying: torch's, and numpy's while a move is in flight."""
+    from tiercache import store as store_module
+    from tiercache.transfer import Priority
+
+    store = make_store(device_blocks=13, host_blocks=13, disk_blocks=0, io_workers=1)
+    t = geometry.block_tokens
+    layer_a = [BlockKey(0, 0, i) for i in range(6)]
+    layer_b = [BlockKey(0, 1, i) for i in range(6)]
+    g = torch.Generator().manual_seed(11)
+    data = {}
+    for a, b in zip(layer_a, layer_b):  # interleaved, as a prefill writes them
+        for key in (a, b):
+            data[key] = torch.randn(geometry.shape, generator=g)
+            store.put(key, data[key])
+    assert [f.exception(timeout=30) for f in store.demote_many(list(data))] == [None] * 12
+    runs_seen = []
+    runs = store_module._runs
+
+    def recording_runs(held, strided=False):
+        found = list(runs(held, strided))
+        runs_seen.append(found)
+        return iter(found)
+
+    monkeypatch.setattr(store_module, "_runs", recording_runs)
+    gate = threading.Event()
+    if moves_in_flight:  # a demotion queued behind a busy worker
+        store.engine.submit(gate.wait, Priority.DEMAND)
+        store.put(BlockKey(1, 0, 0), torch.zeros(geometry.shape))
+        store.demote(BlockKey(1, 0, 0))
+        assert store._inflight
+    for keys in (layer_a, layer_b):
+        first = store.table.copy(keys[0], Tier.HOST).slot
+        expected_k = torch.cat([data[key][0] for key in keys], dim=2)
+        expected_v = torch.cat([data[key][1] for key in keys], dim=2)
+        for start, n in ((0, 6 * t), (1, 6 * t - 4)):
+            runs_seen.clear()
+            k, v = store.read_layer(keys, n, start_token=start)
+            assert runs_seen == [[(False, first, 6, 2)]]
+            assert torch.equal(k, expected_k[:, :, start:start + n])
+            assert torch.equal(v, expected_v[:, :, start:start + n])
+    assert bool(store._inflight) == moves_in_flight
+    gate.set()
+    store.wait_idle()
+    store.check()
+
+
 def test_slot_runs_cut_where_a_single_copy_could_not_do_the_moves():
     """``_slot_runs`` sorts moves by source slot and cuts them into runs one strided copy
     can do: the same direction, sources adjacent, destinations adjacent one way or the

@@ -819,7 +819,7 @@ class BlockStore:
         g = self.geometry
         segments = []
         skip, left = start_token, num_tokens
-        for on_device, slot, count in _runs(held):
+        for on_device, slot, count, _ in _runs(held):
             if left <= 0:
                 break
             t = min(left, count * g.block_tokens - skip)
@@ -951,8 +951,8 @@ class BlockStore:
         such read: ``read_layer(hold=True)`` results live until ``release_views``), which
         saves a fresh allocation, and its page faults, per layer and step.
 
-        One copy per run of adjacent device slots and per host block, of the tokens read
-        only (a partly read first or last block is copied alone). With moves in flight
+        One copy per run of blocks whose slots on one tier go up by one step (``_runs``),
+        of the tokens read only (a partly read first or last block is copied alone). With moves in flight
         they are numpy copies of bytes (a plain single-threaded memcpy): torch's ``copy_``
         of a block this size starts an OpenMP parallel region, which cost ~8 ms per copy
         instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the other core.
@@ -980,20 +980,20 @@ class BlockStore:
             copy = torch.Tensor.copy_
         unit = g.head_dim if copy is torch.Tensor.copy_ else g.head_dim * g.itemsize  # one token of a row
         runs, i = [], 0
-        for on_device, slot, count in _runs(held):
-            runs.append((i, on_device, slot, count))
+        for on_device, slot, count, step in _runs(held, strided=True):
+            runs.append((i, on_device, slot, count, step))
             i += count
         # Last block first: attention reads from the first token on, and a layer's K and V
         # are about half of this machine's L3, so the blocks written last are the ones still
         # cached when it starts (SDPA ran ~5 ms per step faster in the host set-up).
-        for i, on_device, slot, count in reversed(runs):
+        for i, on_device, slot, count, step in reversed(runs):
             # only the tokens attention reads: the tail block is mostly unwritten while decoding
             lo = max(start_token - i * g.block_tokens, 0)
             hi = min(start_token + num_tokens - i * g.block_tokens, count * g.block_tokens)
-            if on_device:  # a run of adjacent device slots: one copy (plus partial end blocks)
-                sources = dev_k[:, slot:slot + count], dev_v[:, slot:slot + count]
-            else:  # each host slot is one contiguous [2, B, H, T, D] block
-                sources = host_k[:, slot:slot + 1], host_v[:, slot:slot + 1]
+            # a run of one tier's slots ``step`` apart: one strided copy (plus partial end blocks)
+            pool_k, pool_v = (dev_k, dev_v) if on_device else (host_k, host_v)
+            slots = slice(slot, slot + (count - 1) * step + 1, step)
+            sources = pool_k[:, slots], pool_v[:, slots]
             for out, src in zip(outs, sources):
                 _copy_tokens(copy, out[:, i:i + count], src, lo, hi, g.block_tokens, unit)
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
@@ -1625,19 +1625,25 @@ def _slot_runs(todo: list) -> list:
     return runs
 
 
-def _runs(held: list):
-    """Walk held copies ([(entry, copy)], in order) as (on_device, first slot, count): one per
-    run of adjacent device slots, one per host block."""
+def _runs(held: list, strided: bool = False):
+    """Walk held copies ([(entry, copy)], in order) as (on_device, first slot, count, step),
+    a run covering slots ``first, first + step, ...`` of one tier. Without ``strided``: one
+    per run of adjacent device slots (step 1), one per host block. With it, any blocks of
+    one tier whose slots go up by one step make a run (one strided copy): a prefill writes
+    a block of every layer in turn, so a layer's blocks often lie ``num_layers`` slots apart."""
     i, n = 0, len(held)
     while i < n:
         entry, copy = held[i]
-        j = i + 1
         on_device = copy is entry.copies.get(Tier.DEVICE)
-        if on_device:
-            while (j < n and held[j][1] is held[j][0].copies.get(Tier.DEVICE)
-                   and held[j][1].slot == copy.slot + (j - i)):
+        j, step = i + 1, 1
+        if on_device or strided:
+            def same_tier(k: int) -> bool:
+                return (held[k][1] is held[k][0].copies.get(Tier.DEVICE)) == on_device
+            if strided and j < n and same_tier(j) and held[j][1].slot > copy.slot:
+                step = held[j][1].slot - copy.slot
+            while j < n and same_tier(j) and held[j][1].slot == copy.slot + (j - i) * step:
                 j += 1
-        yield on_device, copy.slot, j - i
+        yield on_device, copy.slot, j - i, step
         i = j
 
 
