@@ -1393,9 +1393,9 @@ class BlockStore:
 
     def _run_piece(self, piece: list) -> None:
         """CPU copy moves of adjacent slots (both sides): one copy call per pool, not one per
-        block (per-block copies on two threads: 9-10 GB/s; one per run: 13.5-14, as a plain
-        ``copy_``). A piece whose copy fails is done again block by block, so that only a
-        move that fails by itself is rolled back."""
+        block (fewer calls, each of which takes the GIL back when it returns). A piece whose
+        copy fails is done again block by block, so that only a move that fails by itself is
+        rolled back."""
         try:
             seconds = self._copy_run(piece) if len(piece) > 1 else None
         except BaseException as exc:  # an interrupt on a helping caller: the piece rolls back
