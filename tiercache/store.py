@@ -538,7 +538,8 @@ class BlockStore:
         moves: list = []
         later: list = []
         with self._lock:
-            for i, key in enumerate(keys):
+            for i in sorted(range(len(keys)), key=lambda i: self._source_order(keys[i])):
+                key = keys[i]
                 decided = self._demote_plan(key)
                 if decided is None:
                     futures[i] = _done_future(lambda: None)
@@ -552,6 +553,14 @@ class BlockStore:
         for i in later:
             futures[i] = self.demote(keys[i])
         return futures
+
+    def _source_order(self, key: Hashable) -> tuple:
+        """Under the lock: sorts blocks by the slot of their best copy. Planned in that order,
+        moves get destination slots (lowest free first) that line up with their sources,
+        adjacent on both sides: one copy for a run (``_slot_runs``), in disk order for reads."""
+        tier = self.table.best_source(key)
+        copy = None if tier is None else self.table.copy(key, tier)
+        return (1, 0, 0) if copy is None else (0, int(tier), copy.slot)
 
     def _demote_plan(self, key: Hashable) -> Optional[tuple]:
         """Under the lock: (src, dst, drop_source, priority) of demoting ``key``, or None."""
@@ -666,6 +675,7 @@ class BlockStore:
                     if missing:
                         try:
                             submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
+                            missing.sort(key=lambda item: self._source_order(item[0]))
                             for key, _ in missing[:self.table.num_free(Tier.DEVICE)]:
                                 src = self.table.best_source(key)  # eviction may have dropped a copy
                                 submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
@@ -888,6 +898,7 @@ class BlockStore:
                     try:
                         protect = set(keys)
                         submit.extend(self._room(Tier.HOST, len(missing), protect, allow_writeback=False))
+                        missing.sort(key=self._source_order)
                         to_host = min(len(missing), self.table.num_free(Tier.HOST))
                         for key in missing[:to_host]:
                             submit.append(self._prepare(key, self.table.best_source(key), Tier.HOST, False))

@@ -10,6 +10,7 @@ that an in-flight move reads has ``readers > 0``. Neither kind is ever freed or 
 from __future__ import annotations
 
 import enum
+import heapq
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Optional
 
@@ -70,18 +71,20 @@ class TableError(RuntimeError):
 
 
 class _Slots:
-    """Free slots: a stack (lowest slot on top at first) and a set. ``take`` of a given slot
-    (adopting records on open) only leaves the set; the stack drops stale entries lazily,
-    so opening a directory of n records is O(n), not O(n^2)."""
+    """Free slots: a min-heap and a set. ``alloc`` hands out the lowest free slot, so slots
+    taken together are adjacent wherever the free ones are, whatever order they were freed
+    in (moves between adjacent slots are one copy; a disk tier's file stays short). ``take``
+    of a given slot (adopting records on open) only leaves the set; the heap drops stale
+    entries lazily, so opening a directory of n records is O(n log n), not O(n^2)."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # ascending: already a heap
         self._free_set = set(self._free)
 
     def alloc(self) -> Optional[int]:
         while self._free:
-            slot = self._free.pop()
+            slot = heapq.heappop(self._free)
             if slot in self._free_set:
                 self._free_set.discard(slot)
                 return slot
@@ -95,7 +98,7 @@ class _Slots:
     def release(self, slot: int) -> None:
         if slot in self._free_set or not 0 <= slot < self.num_slots:
             raise TableError(f"slot {slot} released twice or out of range")
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
         self._free_set.add(slot)
 
     @property
