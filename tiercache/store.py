@@ -1620,7 +1620,7 @@ def _pieces(runs: list, most: int) -> list:
 def _slot_runs(todo: list) -> list:
     """(move, future) pairs, sorted by source slot and cut into runs that one copy can do:
     the same direction, source slots adjacent, destination slots adjacent in one direction
-    (a stack of free slots hands them out in descending order)."""
+    (moves are planned so that they line up ascending; a run downwards is one copy too)."""
     runs: list = []
     for item in sorted(todo, key=lambda pair: (pair[0].src, pair[0].dst, pair[0].src_slot)):
         move = item[0]
