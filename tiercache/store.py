@@ -963,12 +963,12 @@ class BlockStore:
         saves a fresh allocation, and its page faults, per layer and step.
 
         One copy per run of blocks whose slots on one tier go up by one step (``_runs``),
-        of the tokens read only (a partly read first or last block is copied alone). With moves in flight
-        they are numpy copies of bytes (a plain single-threaded memcpy): torch's ``copy_``
-        of a block this size starts an OpenMP parallel region, which cost ~8 ms per copy
-        instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the other core.
-        With nothing in flight (the host set-up's steady state) they are torch copies, which
-        use every core: ~20% faster per gather on 2 cores.
+        of the tokens read only (a partly read first or last block is copied alone). With
+        moves in flight they are numpy copies of bytes (a plain single-threaded memcpy):
+        torch's ``copy_`` of a block this size starts an OpenMP parallel region, which cost
+        ~8 ms per copy instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the
+        other core. With nothing in flight (the host set-up's steady state) they are torch
+        copies, which use every core: ~20% faster per gather on 2 cores.
         """
         g = self.geometry
         rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
@@ -1642,19 +1642,17 @@ def _runs(held: list, strided: bool = False):
     per run of adjacent device slots (step 1), one per host block. With it, any blocks of
     one tier whose slots go up by one step make a run (one strided copy): a prefill writes
     a block of every layer in turn, so a layer's blocks often lie ``num_layers`` slots apart."""
+    on_device = [copy is entry.copies.get(Tier.DEVICE) for entry, copy in held]
+    slots = [copy.slot for _, copy in held]
     i, n = 0, len(held)
     while i < n:
-        entry, copy = held[i]
-        on_device = copy is entry.copies.get(Tier.DEVICE)
         j, step = i + 1, 1
-        if on_device or strided:
-            def same_tier(k: int) -> bool:
-                return (held[k][1] is held[k][0].copies.get(Tier.DEVICE)) == on_device
-            if strided and j < n and same_tier(j) and held[j][1].slot > copy.slot:
-                step = held[j][1].slot - copy.slot
-            while j < n and same_tier(j) and held[j][1].slot == copy.slot + (j - i) * step:
+        if on_device[i] or strided:
+            if strided and j < n and on_device[j] == on_device[i] and slots[j] > slots[i]:
+                step = slots[j] - slots[i]
+            while j < n and on_device[j] == on_device[i] and slots[j] == slots[i] + (j - i) * step:
                 j += 1
-        yield on_device, copy.slot, j - i, step
+        yield on_device[i], slots[i], j - i, step
         i = j
 
 
