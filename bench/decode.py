@@ -13,7 +13,8 @@ context length:
 - host_inplace, disk_inplace: the host and disk set-ups with ``attend_in_place=True``
            (decode attention over the blocks where they lie, no gather copy; off by default).
 Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
-``--new-tokens`` steps of every set-up in turn; the median per set-up): on a shared machine a
+``--new-tokens`` steps of every set-up in turn, the order reversed every other round; the
+median per set-up): on a shared machine a
 slow spell then slows every set-up alike, where separate processes minutes apart can differ
 by 30% for nothing. The ratios come from the side-by-side run; the separate processes give
 each set-up's peak RSS and its tokens/s alone. Every timing starts after two untimed decode
@@ -169,7 +170,9 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
     """Every set-up in this one process, each prefilled once; then ``rounds`` rounds, each
     timing ``new_tokens`` steps of every set-up in turn. A slow spell of the machine (this
     one is shared) then slows every set-up alike, so the ratios hold; each set-up's tokens/s
-    is its median over the rounds.
+    is its median over the rounds. The order is reversed every other round (as bench io's
+    turns), so that no set-up always runs right after the same other one
+    (``turn_order_rounds``).
 
     With ``raw_read_bytes`` and a disk set-up, the raw disk reads that many bytes right
     after the disk set-up's turn in every round (fio or dd, the disk set-up's record size,
@@ -197,8 +200,9 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
         tps = {s: [] for s in setups}
         disk_read = {s: [] for s in setups}  # bytes read from disk per token, per round
         disk_gbps: list = []
-        for _ in range(rounds):
-            for setup in setups:
+        orders = [list(setups) if r % 2 == 0 else list(reversed(setups)) for r in range(rounds)]
+        for order in orders:
+            for setup in order:
                 cache = caches[setup]
                 before = cache.stats() if setup != "dynamic" else None
                 seconds, nxt[setup] = _decode(model, cache, nxt[setup], new_tokens)
@@ -219,6 +223,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
             caches[setup].close()
     if disk_gbps:
         out["disk_read_gbps_rounds"] = disk_gbps
+    out["turn_order_rounds"] = orders
     return out
 
 

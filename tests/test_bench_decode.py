@@ -26,6 +26,8 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["ratios_from"] == "side-by-side" and r["rounds"] == 2
+    order = ["dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace"]
+    assert r["side_by_side"]["turn_order_rounds"] == [order, order[::-1]]  # no set-up always follows another
     assert r["eviction"] == "layer-cycle" and r["setups"]["disk"]["eviction"] == "layer-cycle"
     for setup in ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace"):
         assert r[f"{setup}_tps"] > 0 and r["isolated_tps"][setup] > 0
