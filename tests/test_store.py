@@ -542,9 +542,8 @@ def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_s
 def test_moves_started_together_line_up_as_one_copy_whatever_order_they_come_in(make_store, geometry):
     """Moves are planned in the order of their sources' slots, and free slots are handed
     out lowest first, so destinations line up with sources even when the keys come in a
-    shuffled order and the slots were freed in another: 12 small blocks demoted, then
-    brought back up, are one copy call each way, not 12, and every block lands in its own
-    slot, byte for byte."""
+    shuffled order: 12 small blocks demoted, then brought back up, are one copy call each
+    way, not 12, and every block lands in its own slot, byte for byte."""
     import random
 
     store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
