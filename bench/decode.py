@@ -14,9 +14,8 @@ context length:
            (decode attention over the blocks where they lie, no gather copy; off by default).
 Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
 ``--new-tokens`` steps of every set-up in turn, the order reversed every other round; the
-median per set-up): on a shared machine a
-slow spell then slows every set-up alike, where separate processes minutes apart can differ
-by 30% for nothing. The ratios come from the side-by-side run; the separate processes give
+median per set-up): on a shared machine a slow spell then slows every set-up alike, where
+separate processes minutes apart can differ by 30% for nothing. The ratios come from the side-by-side run; the separate processes give
 each set-up's peak RSS and its tokens/s alone. Every timing starts after two untimed decode
 steps. The disk set-up is scored against its bound: the
 slower of DynamicCache's tokens/s and the disk's read bandwidth over the bytes read from

@@ -1361,9 +1361,7 @@ class BlockStore:
                     todo.append((move, future))
         if todo:
             work = collections.deque(_pieces(_slot_runs(todo), max(1, _PIECE_BYTES // self.geometry.block_bytes)))
-            jobs = min(self._copy_jobs, len(work))
-            if help_here is not None:  # the caller is one of the jobs
-                jobs = min(self._copy_jobs, len(work)) - 1
+            jobs = min(self._copy_jobs, len(work)) - (1 if help_here is not None else 0)  # a helping caller is one
             for _ in range(jobs):
                 self.engine.submit(lambda: self._drain(work, priority), priority)
             if help_here is not None:
