@@ -14,6 +14,7 @@ import torch
 from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig
 from tiercache.disk import DATA_NAME, HEADER_BYTES
 from tiercache.store import BlockStore
+from tiercache.transfer import wait_all
 
 from conftest import tiny_config
 
@@ -593,6 +594,49 @@ def test_copy_pieces_are_shared_so_a_late_worker_leaves_its_share_to_the_others(
     finally:
         gate.set()
     store.ensure_device(list(data), pin=False)
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+    store.check()
+
+
+def test_a_thread_that_waits_for_a_copy_does_it_itself_when_no_worker_is_free(make_store, geometry,
+                                                                              monkeypatch):
+    """A CPU copy's future, waited on without a timeout, has the waiting thread copy pieces
+    of its batch instead of sleeping until a worker gets to them (on two busy cores the
+    scheduler woke the second worker 0.7-1 ms late). With every worker held, a thread
+    waiting for ``demote_many``'s futures finishes all twelve moves itself; the blocks come
+    back exact. A wait with a timeout only waits: those moves stay queued until a worker
+    is free."""
+    from tiercache import store as store_module
+    from tiercache.transfer import Priority
+
+    monkeypatch.setattr(store_module, "_PIECE_BYTES", 2 * geometry.block_bytes)
+    store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
+    data = blocks(geometry, 12, seed=7)
+    for key, block in data.items():
+        store.put(key, block)
+    gate = threading.Event()
+    held = [threading.Event(), threading.Event()]
+    for h in held:
+        store.engine.submit(lambda h=h: (h.set(), gate.wait()), Priority.DEMAND)
+    assert all(h.wait(10) for h in held)
+    try:
+        keys = list(data)
+        queued = store.demote_many(keys[:2])  # one piece of two copies
+        with pytest.raises(TimeoutError):  # a wait with a timeout does not copy
+            queued[0].result(timeout=0.2)
+        assert not any(f.done() for f in queued)
+        futures = store.demote_many(keys[2:])
+        waiter = threading.Thread(target=lambda: wait_all(futures))
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive() and all(f.done() for f in futures)
+        assert not gate.is_set()  # every worker is still held: the waiting thread copied
+    finally:
+        gate.set()
+    store.wait_idle()
+    assert all(store.tiers_of(key) == [Tier.HOST] for key in keys)
+    store.ensure_device(keys, pin=False)
     for key, block in data.items():
         assert torch.equal(store.get(key), block)
     store.check()

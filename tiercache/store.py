@@ -1314,7 +1314,7 @@ class BlockStore:
         """Under the lock: reserve the move in the table and register its future at once,
         so that anyone who sees the FILLING copy can wait for it."""
         move = self.table.prepare_move(key, src, dst, drop_source=drop_source)
-        future: Future = Future()
+        future = _MoveFuture()
         self._inflight[move] = future
         if dst is Tier.DEVICE:
             self._to_device[key] = future
@@ -1361,6 +1361,8 @@ class BlockStore:
                     todo.append((move, future))
         if todo:
             work = collections.deque(_pieces(_slot_runs(todo), max(1, _PIECE_BYTES // self.geometry.block_bytes)))
+            for _, future in todo:
+                future.pieces = (self, work)
             jobs = min(self._copy_jobs, len(work)) - (1 if help_here is not None else 0)  # a helping caller is one
             for _ in range(jobs):
                 self.engine.submit(lambda: self._drain(work, priority), priority)
@@ -1379,6 +1381,21 @@ class BlockStore:
             for work in works:
                 if work:
                     self.engine.submit(functools.partial(self._drain, work, Priority.DEMAND), Priority.DEMAND)
+
+    def _help_until(self, future: Future, work: collections.deque) -> None:
+        """A thread waiting for ``future`` copies pieces of its batch (``work``) until the
+        future is done or no piece is left; the jobs started with the batch do the rest.
+        Interrupted, it leaves what is left to a worker (as ``_help``)."""
+        try:
+            while not future.done():
+                try:
+                    piece = work.popleft()
+                except IndexError:
+                    return
+                self._run_piece(piece)
+        finally:
+            if work and not future.done():
+                self.engine.submit(functools.partial(self._drain, work, Priority.DEMAND), Priority.DEMAND)
 
     def _drain(self, work: collections.deque, priority: Optional[Priority]) -> None:
         """Copy pieces off ``work`` until it is empty. A worker (``priority`` given) stops
@@ -1685,6 +1702,29 @@ def _done_future(fn) -> Future:
     except BaseException as exc:  # noqa: BLE001
         f.set_exception(exc)
     return f
+
+
+class _MoveFuture(Future):
+    """A move's future. For a CPU copy started with others (``_submit_all``), ``pieces``
+    is (store, the batch's shared pieces): a thread that waits for the result without a
+    timeout copies pieces on its own thread first, instead of sleeping until a worker the
+    scheduler wakes late (0.7-1 ms on two busy cores) gets to them."""
+
+    pieces: Optional[tuple] = None
+
+    def result(self, timeout: Optional[float] = None):
+        self._help(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: Optional[float] = None):
+        self._help(timeout)
+        return super().exception(timeout)
+
+    def _help(self, timeout: Optional[float]) -> None:
+        pieces = self.pieces
+        if pieces is not None and timeout is None and not self.done():
+            store, work = pieces
+            store._help_until(self, work)
 
 
 class _BufferPool:
