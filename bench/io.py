@@ -14,8 +14,11 @@ One measurement (``measure_io``) does, in one fresh directory and one run:
      payload) in the same order with the same concurrency, on a file in the same
      directory: fio (libaio, ``io_workers`` in flight) when installed, else ``dd``
      processes side by side;
-   - host<->device: one plain ``dst.copy_(src)`` (RAM on CPU; pinned host memory and the
-     GPU with ``non_blocking`` copies on CUDA).
+   - host<->device on CPU: plain torch ``copy_`` calls of the same bytes between the same
+     addresses, in the store's own pools (``PoolCopy``), and next to it, as ``flat_*``, one
+     ``dst.copy_(src)`` between two buffers of its own (``PlainCopy``);
+   - host<->device on CUDA: ``PlainCopy``, pinned host memory and the GPU with
+     ``non_blocking`` copies.
    The disk's rate here swings by 2x within seconds and the machine is shared, so one
    long store phase against one long baseline phase compared two moods of the hardware;
    taking turns gives both the same mix (``_interleaved``). Rates are total bytes over
@@ -145,17 +148,31 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
         def read_up(group: list) -> Callable[[], None]:
             return lambda: _raise_first(wait_all([store.promote(key, Tier.HOST) for key in group]))
 
+        def copies(phase: str, move: Callable[[list], Callable[[], object]]) -> dict:
+            """The phase's rounds: against ``PlainCopy`` on CUDA; on CPU against the same
+            bytes in the store's pools (``PoolCopy``), with ``PlainCopy`` as ``flat``."""
+            plain_copy = plain.d2h if phase == "d2h" else plain.h2d
+            if device.type == "cuda":
+                return _interleaved(groups, lambda g: timed(move(g), sync=True), plain_copy)
+            pool = PoolCopy(store, phase)
+
+            def turn(group: list) -> float:
+                pool.before(group)
+                seconds = timed(move(group))
+                pool.after(group)
+                return seconds
+            return _interleaved(groups, turn, pool.copy, flat=plain_copy)
+
         phases = {}
         with _no_gc(device):
-            phases["d2h"] = _interleaved(groups, lambda g: timed(demote(g), sync=True), plain.d2h)
+            phases["d2h"] = copies("d2h", demote)
             _expect_moves(store, "device->host", len(keys))
             phases["write"] = _interleaved(groups, lambda g: timed(demote(g)), raw.write)
             _expect_moves(store, "host->disk", len(keys))
             dropped = drop_page_cache()
             phases["read"] = _interleaved(groups, lambda g: timed(read_up(g)), raw.read)
             _expect_moves(store, "disk->host", len(keys))
-            phases["h2d"] = _interleaved(
-                groups, lambda g: timed(lambda: store.ensure_device(g, pin=False), sync=True), plain.h2d)
+            phases["h2d"] = copies("h2d", lambda g: lambda: store.ensure_device(g, pin=False))
             _expect_moves(store, "host->device", len(keys))
         direct_io = store.disk.direct_io
 
@@ -183,6 +200,12 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
             round((len(g) * geometry.block_bytes / s_) / (b / r), 3)
             for g, s_, b, r in zip(groups, turns["store_s"], turns["raw_bytes"], turns["raw_s"])]
         result[f"{phase}_ratio"] = round(statistics.median(result[f"{phase}_round_ratios"]), 3)
+        if "flat_s" in turns:  # CPU: the same ratio against PlainCopy's separate buffers
+            result[f"flat_{theirs}"] = _gbps(sum(turns["flat_bytes"]), sum(turns["flat_s"]))
+            result[f"flat_{phase}_round_ratios"] = [
+                round((len(g) * geometry.block_bytes / s_) / (b / r), 3)
+                for g, s_, b, r in zip(groups, turns["store_s"], turns["flat_bytes"], turns["flat_s"])]
+            result[f"flat_{phase}_ratio"] = round(statistics.median(result[f"flat_{phase}_round_ratios"]), 3)
     return result
 
 
@@ -192,21 +215,28 @@ def _rounds_of(keys: list, rounds: int) -> list:
     return [keys[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _interleaved(groups: list, store: Callable[[list], float], raw: Callable[[int, int], tuple]) -> dict:
+def _interleaved(groups: list, store: Callable[[list], float], raw: Callable[[int, int], tuple],
+                 flat: Optional[Callable[[int, int], tuple]] = None) -> dict:
     """The store and the baseline take turns, slice by slice, on the same blocks: ``store``
     moves a group and returns its seconds; ``raw(first, n)`` does the same requests (blocks
     ``first .. first + n``) and returns (seconds, bytes). Who goes first alternates (store,
-    baseline, baseline, store, ...), so a slow spell of the hardware hits both alike."""
+    baseline, baseline, store, ...), so a slow spell of the hardware hits both alike.
+    ``flat``, a second baseline called as ``raw``, goes right next to it on the side away
+    from the store (store, raw, flat, flat, raw, store, ...): ``flat_s``, ``flat_bytes``."""
     out: dict = {"store_s": [], "raw_s": [], "raw_bytes": []}
+    baselines = [("raw", raw)] + ([("flat", flat)] if flat is not None else [])
+    for name, _ in baselines[1:]:
+        out.update({f"{name}_s": [], f"{name}_bytes": []})
     first = 0
     for i, group in enumerate(groups):
-        for store_turn in ((True, False) if i % 2 == 0 else (False, True)):
-            if store_turn:
+        turns = [("store", None)] + baselines
+        for name, baseline in (turns if i % 2 == 0 else turns[::-1]):
+            if baseline is None:
                 out["store_s"].append(store(group))
             else:
-                seconds, num_bytes = raw(first, len(group))
-                out["raw_s"].append(seconds)
-                out["raw_bytes"].append(num_bytes)
+                seconds, num_bytes = baseline(first, len(group))
+                out[f"{name}_s"].append(seconds)
+                out[f"{name}_bytes"].append(num_bytes)
         first += len(group)
     return out
 
@@ -253,11 +283,68 @@ def _sync(device: Optional[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
+class PoolCopy:
+    """CPU baseline of the host<->device moves: the same bytes as a round of the store's
+    moves, between the same addresses (the store's own device and host pools), with one
+    plain torch ``copy_`` per pool (K, V) and run of adjacent slots.
+
+    Why not only ``PlainCopy``: on this machine (a VM) a copy's speed depends on where its
+    buffers lie. With ``PlainCopy``'s buffers allocated before the store's pools, as here,
+    the store's ratio to it was 0.62-0.83 in four runs; with the same buffers allocated
+    after the pools, 0.94-1.16 in four (a script that moved only the allocation, not kept).
+    A plain copy of the store's own bytes in place compares the store with the very memory
+    it copies, so what is left is what the store adds: planning, threads, completion.
+
+    ``before(group)`` and ``after(group)`` bracket the store's turn (they note the group's
+    source and destination slots; a d2h move frees its source slot, whose bytes stay until
+    the slot is reused, which no move of that phase does). ``copy(first, n)`` copies the
+    last group the store moved (the one it just moved, or the one before when the baseline
+    goes first): the bytes it writes are the ones already there."""
+
+    def __init__(self, store: BlockStore, phase: str) -> None:
+        self.store = store
+        self.src, self.dst = (Tier.DEVICE, Tier.HOST) if phase == "d2h" else (Tier.HOST, Tier.DEVICE)
+        self._sources: dict = {}
+        self._moved: Optional[list] = None  # [(src slot, dst slot)] of the last group moved
+
+    def _slot(self, key, tier: Tier) -> int:
+        copy = self.store.table.copy(key, tier)
+        if copy is None:
+            raise RuntimeError(f"bench io: block {key!r} has no {tier.label} copy; the baseline would be wrong")
+        return copy.slot
+
+    def before(self, group: list) -> None:
+        self._sources = {key: self._slot(key, self.src) for key in group}
+
+    def after(self, group: list) -> None:
+        self._moved = sorted((self._sources[key], self._slot(key, self.dst)) for key in group)
+
+    def copy(self, first: int, n: int) -> tuple:
+        """Seconds and bytes of copying the last group moved again, run by run."""
+        store = self.store
+        if self._moved is None:
+            raise RuntimeError("bench io: the pool baseline has no moved group to copy yet")
+        device = (store.device_pool.k, store.device_pool.v)
+        host = store.host_pool.kv_rows()
+        src_pools, dst_pools = (device, host) if self.src is Tier.DEVICE else (host, device)
+        runs: list = []  # [src first, dst first, count]
+        for s, d in self._moved:
+            if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([s, d, 1])
+        t0 = time.perf_counter()
+        for s, d, count in runs:
+            for src, dst in zip(src_pools, dst_pools):
+                dst[:, d:d + count].copy_(src[:, s:s + count])
+        return time.perf_counter() - t0, len(self._moved) * store.geometry.block_bytes
+
+
 class PlainCopy:
-    """The baseline of the host<->device moves: one plain ``dst.copy_(src)`` of the same
-    bytes as a round of the store's moves, between a host buffer (pinned on CUDA, else the
-    host tier's kind of memory) and a device buffer as large as all the blocks, with
-    ``non_blocking`` on CUDA."""
+    """The baseline of the host<->device moves on CUDA (and a second one on CPU, see
+    ``PoolCopy``): one plain ``dst.copy_(src)`` of the same number of bytes as a round of
+    the store's moves, between a host buffer (pinned on CUDA, else the host tier's kind of
+    memory) and a device buffer as large as all the blocks, with ``non_blocking`` on CUDA."""
 
     def __init__(self, num_bytes: int, block_bytes: int, device: torch.device) -> None:
         self.device = device
@@ -410,8 +497,8 @@ def _median_of(runs: list) -> dict:
             out[key] = round(statistics.median(r[key] for r in runs), 3)
         elif isinstance(value, list):  # per-round ratios: all of them
             out[key] = [x for r in runs for x in r[key]]
-    for phase in RATES:
-        out[f"{phase}_ratio"] = round(statistics.median(out[f"{phase}_round_ratios"]), 3)
+    for key in [k for k in out if k.endswith("_round_ratios")]:  # d2h_round_ratios -> d2h_ratio, ...
+        out[key[:-len("_round_ratios")] + "_ratio"] = round(statistics.median(out[key]), 3)
     out["repeats"] = len(runs)
     return out
 

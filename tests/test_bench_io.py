@@ -7,11 +7,16 @@ import statistics
 
 import pytest
 
-from tiercache.bench.io import _interleaved, _rounds_of, measure_io, run
+import torch
+
+from tiercache import Tier
+from tiercache.bench.io import PoolCopy, _interleaved, _rounds_of, measure_io, run
+from tiercache.transfer import wait_all
 
 RATE_KEYS = ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
-             "d2h_gbps", "h2d_gbps", "copy_d2h_gbps", "copy_h2d_gbps")
-RATIO_KEYS = ("write_ratio", "read_ratio", "d2h_ratio", "h2d_ratio")
+             "d2h_gbps", "h2d_gbps", "copy_d2h_gbps", "copy_h2d_gbps",
+             "flat_copy_d2h_gbps", "flat_copy_h2d_gbps")  # flat_*: CPU only
+RATIO_KEYS = ("write_ratio", "read_ratio", "d2h_ratio", "h2d_ratio", "flat_d2h_ratio", "flat_h2d_ratio")
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +37,7 @@ def test_measure_io_reports_every_rate_and_ratio(tmp_path, raw_tool):
         assert result[key] > 0, key
     # every ratio is the median of the three rounds' paired ratios
     assert result["rounds"] == 3
-    for phase in ("write", "read", "d2h", "h2d"):
+    for phase in ("write", "read", "d2h", "h2d", "flat_d2h", "flat_h2d"):
         rounds = result[f"{phase}_round_ratios"]
         assert len(rounds) == 3 and all(r > 0 for r in rounds)
         assert result[f"{phase}_ratio"] == round(statistics.median(rounds), 3)
@@ -93,3 +98,61 @@ def test_the_store_and_the_raw_tool_take_turns_on_the_same_requests():
                      ("store", 5, 2), ("raw", 5, 2), ("raw", 7, 3), ("store", 7, 3)]
     assert out == {"store_s": [0.5] * 4, "raw_s": [0.25] * 4, "raw_bytes": [200, 300, 200, 300]}
     assert _rounds_of(keys[:2], 4) == [[0], [1]]  # fewer blocks than rounds: no empty round
+
+    # A second baseline (CPU: the flat copy next to the pool copy) sits on the far side of
+    # the first one, so the first one is always next to the store.
+    turns.clear()
+
+    def flat(first, n):
+        turns.append(("flat", first, n))
+        return 0.125, n * 100
+
+    out = _interleaved(groups[:2], store, raw, flat)
+    assert turns == [("store", 0, 2), ("raw", 0, 2), ("flat", 0, 2),
+                     ("flat", 2, 3), ("raw", 2, 3), ("store", 2, 3)]
+    assert out["flat_s"] == [0.125, 0.125] and out["flat_bytes"] == [200, 300]
+
+
+def test_the_pool_baseline_copies_the_very_bytes_the_store_moved(make_store, geometry):
+    """On CPU the host<->device baseline copies the same bytes between the same addresses as
+    the store's round (its own pools), so where buffers happen to lie in memory weighs on
+    both alike. Proof that it copies exactly those bytes: after the store's moves the
+    destination slots are scribbled over, the baseline's copy restores them, and every
+    block reads back exact, for device->host and for host->device."""
+    store = make_store(device_blocks=6, host_blocks=6, disk_blocks=0, io_workers=2)
+    data = {key: torch.randn(geometry.shape, generator=torch.Generator().manual_seed(i))
+            for i, key in enumerate(_keys(6))}
+    for key, block in data.items():
+        store.put(key, block)
+    keys = list(data)
+    d2h = PoolCopy(store, "d2h")
+    with pytest.raises(RuntimeError, match="no moved group"):
+        d2h.copy(0, 3)
+    d2h.before(keys[1:4])
+    assert wait_all(store.demote_many(keys[1:4])) == []
+    d2h.after(keys[1:4])
+    for key in keys[1:4]:
+        store.host_pool.raw(store.table.copy(key, Tier.HOST).slot).fill_(0x5A)
+    seconds, num_bytes = d2h.copy(1, 3)
+    assert seconds > 0 and num_bytes == 3 * geometry.block_bytes
+    for key in keys:
+        assert torch.equal(store.get(key), data[key])
+
+    h2d = PoolCopy(store, "h2d")
+    h2d.before(keys[1:4])
+    store.ensure_device(keys[1:4], pin=False)
+    h2d.after(keys[1:4])
+    for key in keys[1:4]:
+        slot = store.device_slot(key)
+        store.device_pool.k[:, slot].fill_(7.0)
+        store.device_pool.v[:, slot].fill_(7.0)
+    assert h2d.copy(1, 3)[1] == 3 * geometry.block_bytes
+    for key in keys:
+        assert torch.equal(store.get(key), data[key])
+    store.check()
+
+
+def _keys(n: int) -> list:
+    from tiercache import BlockKey
+
+    return [BlockKey(0, 0, i) for i in range(n)]
