@@ -27,6 +27,9 @@ class Tier(enum.IntEnum):
         return self.name.lower()
 
 
+_TIERS = tuple(Tier)  # fastest first
+
+
 class CopyState(enum.Enum):
     FILLING = "filling"  # a move is writing it; not readable yet
     READY = "ready"
@@ -53,9 +56,13 @@ class BlockEntry:
         return any(c.state is CopyState.FILLING or c.readers for c in self.copies.values())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Move:
-    """A prepared move: the source copy is held, the destination slot reserved."""
+    """A prepared move: the source copy is held, the destination slot reserved.
+
+    Equal and hashed by identity: ``prepare_move`` makes each move once, and the store
+    looks it up in its in-flight maps several times per move (a field-by-field hash in
+    Python cost ~8 calls per block moved)."""
 
     key: Hashable
     src: Tier
@@ -162,8 +169,10 @@ class BlockTable:
         entry = self.get(key)
         if entry is None:
             return None
-        for tier in entry.ready_tiers():
-            if below is None or tier > below:
+        copies = entry.copies
+        for tier in _TIERS if below is None else _TIERS[below + 1:]:
+            c = copies.get(tier)
+            if c is not None and c.state is CopyState.READY:
                 return tier
         return None
 
