@@ -544,7 +544,9 @@ def test_moves_started_together_line_up_as_one_copy_whatever_order_they_come_in(
     """Moves are planned in the order of their sources' slots, and free slots are handed
     out lowest first, so destinations line up with sources even when the keys come in a
     shuffled order: 12 small blocks demoted, then brought back up, are one copy call each
-    way, not 12, and every block lands in its own slot, byte for byte."""
+    way, not 12, and every block lands in its own slot, byte for byte. Down, two jobs
+    share the pieces (numpy copies); up, the caller's copies are the only moves in flight,
+    so it copies the run alone with torch's intra-op threads (``parallel``)."""
     import random
 
     store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
@@ -553,17 +555,17 @@ def test_moves_started_together_line_up_as_one_copy_whatever_order_they_come_in(
         store.put(key, block)
     keys = list(data)
     random.Random(4).shuffle(keys)
-    calls = {"read_rows": [], "write_rows": []}
-    pool = store.device_pool
-    for name in calls:
-        def spy(slots, a, b, _copy=getattr(pool, name), _calls=calls[name]):
-            _calls.append(slots)
-            _copy(slots, a, b)
-        setattr(pool, name, spy)
+    calls = []
+    copy_run = store._copy_run
+
+    def spy(run, parallel=False):
+        calls.append(([m.src_slot for m, _ in run], [m.dst_slot for m, _ in run], parallel))
+        return copy_run(run, parallel)
+    store._copy_run = spy
     store.wait_idle()
     assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 12
     store.ensure_device(keys, pin=False)
-    assert calls == {"read_rows": [slice(0, 12)], "write_rows": [slice(0, 12, 1)]}
+    assert calls == [(list(range(12)), list(range(12)), False), (list(range(12)), list(range(12)), True)]
     for key in keys:
         assert store.tiers_of(key)[0] is Tier.DEVICE
         assert torch.equal(store.get(key), data[key])
@@ -676,42 +678,59 @@ def test_a_demand_job_waits_for_one_chunk_of_copies_at_most(make_store, geometry
     store.check()
 
 
-def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_store, geometry, monkeypatch):
-    """A caller that waits for its reads copies pieces itself. Ctrl-C in the middle of one
-    of its copies reaches the caller; that piece's moves roll back (the blocks stay on the
-    host, intact), a worker finishes the pieces left, nothing stays in flight, and the next
-    read brings every block up exact."""
+@pytest.mark.parametrize("alone", [True, False])
+def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_store, geometry, monkeypatch,
+                                                                           alone):
+    """A caller that waits for its reads copies them itself. Ctrl-C in the middle of one of
+    its copies reaches the caller; that copy's moves roll back (the blocks stay on the host,
+    intact), nothing stays in flight, and the next read brings every block up exact.
+
+    ``alone``: its copies are the only moves in flight, so the caller copies the whole run
+    at once (with torch's threads) and all eight roll back. Otherwise (a write-back of a
+    ninth block waits behind a busy worker) it copies pieces of two; after the interrupt
+    the worker finishes the three pieces left."""
     from tiercache import store as store_module
+    from tiercache.transfer import Priority
 
     monkeypatch.setattr(store_module, "_PIECE_BYTES", 2 * geometry.block_bytes)
     monkeypatch.setattr(store_module, "_usable_cores", lambda: 1)  # the caller alone copies
-    store = make_store(device_blocks=8, host_blocks=8, disk_blocks=0, io_workers=1)
-    data = blocks(geometry, 8, seed=8)
+    store = make_store(device_blocks=9, host_blocks=9, disk_blocks=0, io_workers=1)
+    data = blocks(geometry, 9, seed=8)
     for key, block in data.items():
         store.put(key, block)
-    keys = list(data)
+    keys, extra = list(data)[:8], list(data)[8]
     assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 8
-    write_rows = store.device_pool.write_rows
+    gate = threading.Event()
+    if not alone:
+        store.engine.submit(gate.wait, Priority.DEMAND)  # the worker is busy ...
+        behind = store.demote(extra)  # ... and this write-back waits behind it
+    copy_run = store._copy_run
     caller = threading.current_thread()
     interrupted = []
 
-    def write_rows_interrupted(slots, k_src, v_src):
+    def copy_run_interrupted(run, parallel=False):
         if not interrupted and threading.current_thread() is caller:
-            interrupted.append(slots)
+            interrupted.append((len(run), parallel))
             raise KeyboardInterrupt
-        write_rows(slots, k_src, v_src)
+        return copy_run(run, parallel)
 
-    store.device_pool.write_rows = write_rows_interrupted
-    with pytest.raises(KeyboardInterrupt):
-        store.ensure_device(keys, pin=False)
-    assert interrupted
+    store._copy_run = copy_run_interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.ensure_device(keys, pin=False)
+    finally:
+        gate.set()
+    assert interrupted == ([(8, True)] if alone else [(2, False)])
     idle = threading.Thread(target=store.wait_idle, daemon=True)
     idle.start()
     idle.join(30)
     assert not idle.is_alive(), "a move stayed in flight"
     store.check()
-    assert sum(Tier.DEVICE in store.tiers_of(k) for k in keys) == 6  # the other 3 pieces landed
-    store.ensure_device(keys, pin=False)
+    # alone: the one run rolled back; else the other 3 pieces landed
+    assert sum(Tier.DEVICE in store.tiers_of(k) for k in keys) == (0 if alone else 6)
+    if not alone:
+        assert behind.exception(timeout=30) is None
+    store.ensure_device(list(data), pin=False)
     for key, block in data.items():
         assert torch.equal(store.get(key), block)
 
