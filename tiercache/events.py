@@ -54,13 +54,18 @@ class Events:
             except Exception:  # noqa: BLE001 - a broken exporter must not break generation
                 log.exception("tiercache: event listener failed on %s", kind)
 
-    def move(self, src: str, dst: str, num_bytes: int, seconds: float) -> None:
+    def move(self, src: str, dst: str, num_bytes: int, seconds: float, blocks: int = 1) -> None:
+        """``blocks`` moves of ``num_bytes`` and ``seconds`` each (one event per block)."""
+        if blocks <= 0:
+            return
         with self._lock:
             m = self._moves.setdefault(f"{src}->{dst}", {"blocks": 0, "bytes": 0, "seconds": 0.0})
-            m["blocks"] += 1
-            m["bytes"] += num_bytes
-            m["seconds"] += seconds
-        self._emit("move", src=src, dst=dst, bytes=num_bytes, seconds=seconds)
+            m["blocks"] += blocks
+            m["bytes"] += num_bytes * blocks
+            m["seconds"] += seconds * blocks
+        if self._listeners:
+            for _ in range(blocks):
+                self._emit("move", src=src, dst=dst, bytes=num_bytes, seconds=seconds)
 
     def hit(self, tier: str, n: int = 1) -> None:
         if n:

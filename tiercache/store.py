@@ -675,10 +675,12 @@ class BlockStore:
                     if missing:
                         try:
                             submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
-                            missing.sort(key=lambda item: self._source_order(item[0]))
-                            for key, _ in missing[:self.table.num_free(Tier.DEVICE)]:
-                                src = self.table.best_source(key)  # eviction may have dropped a copy
-                                submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
+                            # after _room: eviction may have dropped a copy
+                            planned = sorted(((self._source_order(key), key) for key, _ in missing),
+                                             key=lambda pair: pair[0])
+                            for (none, src, _), key in planned[:self.table.num_free(Tier.DEVICE)]:
+                                if not none:
+                                    submit.append(self._prepare(key, Tier(src), Tier.DEVICE, drop_source=False))
                         except BaseException:
                             self._abandon(submit)
                             raise
@@ -1442,24 +1444,33 @@ class BlockStore:
                 except BaseException as error:  # noqa: BLE001 - delivered to its waiters
                     future.set_exception(error)
             raise
-        if seconds is not None:  # copied: the moves complete under one hold of the lock
-            done = []
-            with self._lock:
-                for move, _ in piece:
-                    try:
-                        done.append((self._complete(move, None, False, chain=False), None))
-                    except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
-                        done.append((None, exc))
-        for i, (move, future) in enumerate(piece):
-            try:
-                if seconds is None:  # a single block, or a run that failed: block by block
+        if seconds is None:  # a single block, or a run that failed: block by block
+            for move, future in piece:
+                try:
                     self._run_move(move, None, chain=False)
+                except BaseException as exc:  # noqa: BLE001 - rolled back; delivered to its waiters
+                    future.set_exception(exc)
                 else:
-                    follow, error = done[i]
-                    if error is not None:
-                        raise error
-                    self._counted(move, seconds, None, False, follow)
-            except BaseException as exc:  # noqa: BLE001 - rolled back; delivered to its waiters
+                    future.set_result(None)
+            return
+        # Copied: the moves complete under one hold of the lock and are counted at once.
+        done = []
+        with self._lock:
+            for move, _ in piece:
+                try:
+                    done.append((self._complete(move, None, False, chain=False), None))
+                except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
+                    done.append((None, exc))
+        first = piece[0][0]
+        self.events.move(first.src.label, first.dst.label, self.geometry.block_bytes, seconds,
+                         blocks=sum(error is None for _, error in done))
+        for (move, future), (follow, error) in zip(piece, done):
+            try:
+                if error is not None:
+                    raise error
+                if follow is not None:
+                    self._submit(follow, Priority.WRITEBACK, chain=True, blocking=False)
+            except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
                 future.set_exception(exc)
             else:
                 future.set_result(None)

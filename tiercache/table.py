@@ -24,10 +24,11 @@ class Tier(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return _LABELS[self]
 
 
 _TIERS = tuple(Tier)  # fastest first
+_LABELS = {tier: tier.name.lower() for tier in Tier}  # looked up per move: not rebuilt each time
 
 
 class CopyState(enum.Enum):
