@@ -686,6 +686,72 @@ def test_a_demand_job_waits_for_one_chunk_of_copies_at_most(make_store, geometry
     store.check()
 
 
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(make_store, geometry, monkeypatch,
+                                                                              interrupt):
+    """``demote_many`` starts jobs, but the thread that waits for its futures often comes
+    before any job has taken a piece. When the batch is all that is in flight, that thread
+    takes it whole: the pieces joined again into runs, each copied in one call with torch's
+    threads (``parallel``); the jobs, once they run, find nothing to do. Here the workers
+    are held, eleven blocks lie in two runs of slots (0-4 and 6-11), and the waiting
+    thread copies both. Interrupted (Ctrl-C) during its first run, that run rolls back, the
+    run it had not started goes to a worker, and nothing stays in flight."""
+    from tiercache import store as store_module
+    from tiercache.transfer import Priority
+
+    monkeypatch.setattr(store_module, "_PIECE_BYTES", 2 * geometry.block_bytes)
+    store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
+    data = blocks(geometry, 12, seed=9)
+    for key, block in data.items():
+        store.put(key, block)
+    keys = [k for k in data if store.device_slot(k) != 5]
+    calls: list = []
+    copy_run = store._copy_run
+    waiter_thread: list = []
+
+    def spy(run, parallel=False):
+        calls.append(([m.src_slot for m, _ in run], parallel, threading.current_thread() in waiter_thread))
+        if interrupt and len(calls) == 1:
+            raise KeyboardInterrupt
+        return copy_run(run, parallel)
+    store._copy_run = spy
+    gate = threading.Event()
+    held = [threading.Event(), threading.Event()]
+    for h in held:
+        store.engine.submit(lambda h=h: (h.set(), gate.wait()), Priority.DEMAND)
+    assert all(h.wait(10) for h in held)
+    futures = store.demote_many(keys)
+    caught: list = []
+
+    def wait():
+        try:
+            wait_all(futures)
+        except KeyboardInterrupt as exc:
+            caught.append(exc)
+    waiter = threading.Thread(target=wait)
+    waiter_thread.append(waiter)
+    waiter.start()
+    waiter.join(30 if not interrupt else 5)
+    if not interrupt:
+        assert not waiter.is_alive() and not gate.is_set()  # done while the workers are held
+        assert calls == [([0, 1, 2, 3, 4], True, True), ([6, 7, 8, 9, 10, 11], True, True)]
+    gate.set()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    store.wait_idle()
+    store.check()
+    if interrupt:
+        assert len(caught) == 1 and calls[0] == ([0, 1, 2, 3, 4], True, True)
+        # the run it had not started, copied by a worker (numpy), whole
+        assert calls[1:] == [([6, 7, 8, 9, 10, 11], False, False)]
+        assert [Tier.HOST in store.tiers_of(k) for k in keys] == [False] * 5 + [True] * 6
+    else:
+        assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)
+    store.ensure_device(list(data), pin=False)
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+
+
 @pytest.mark.parametrize("alone", [True, False])
 def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_store, geometry, monkeypatch,
                                                                            alone):

@@ -1373,7 +1373,7 @@ class BlockStore:
         if todo:
             most = len(todo) if alone else max(1, _PIECE_BYTES // self.geometry.block_bytes)
             work = _Work(_pieces(_slot_runs(todo), most))
-            work.parallel = alone
+            work.parallel, work.total, work.moves = alone, len(work), len(todo)
             for _, future in todo:
                 future.pieces = (self, work)
             jobs = 0 if alone else min(self._copy_jobs, len(work)) - (1 if help_here is not None else 0)
@@ -1389,17 +1389,37 @@ class BlockStore:
         no move stays in flight for good."""
         try:
             for work in works:
-                self._drain(work, None, parallel=getattr(work, "parallel", False))
+                self._drain(work, None, parallel=work.parallel)
         finally:
             for work in works:
-                if work:
-                    self.engine.submit(functools.partial(self._drain, work, Priority.DEMAND), Priority.DEMAND)
+                self._hand_on(work)
 
-    def _help_until(self, future: Future, work: collections.deque) -> None:
+    def _help_until(self, future: Future, work: "_Work") -> None:
         """A thread waiting for ``future`` copies pieces of its batch (``work``) until the
         future is done or no piece is left; the jobs started with the batch do the rest.
+
+        If it comes before any job has taken a piece and the batch is all that is in
+        flight (``bench io``'s device->host rounds: ``demote_many``, then a wait), it takes
+        the whole batch and copies it with torch's intra-op threads, as a caller alone
+        does (``_submit_all``); the jobs, once they run, find it taken and stop.
         Interrupted, it leaves what is left to a worker (as ``_help``)."""
+        claimed = False
+        if not work.parallel and len(work) == work.total:
+            with self._lock:
+                if len(work) == work.total and len(self._inflight) == work.moves:
+                    work.parallel = claimed = True
+        runs: list = []
         try:
+            if claimed:  # the pieces joined again into whole runs: one copy call per run
+                while work:
+                    try:
+                        runs.extend(work.popleft())
+                    except IndexError:
+                        break
+                runs = _slot_runs(runs)
+                while runs:
+                    self._run_piece(runs.pop(0), True)
+                return
             while not future.done():
                 try:
                     piece = work.popleft()
@@ -1407,8 +1427,15 @@ class BlockStore:
                     return
                 self._run_piece(piece)
         finally:
-            if work and not future.done():
-                self.engine.submit(functools.partial(self._drain, work, Priority.DEMAND), Priority.DEMAND)
+            work.extend(runs)  # not started (an interrupt)
+            if claimed or not future.done():
+                self._hand_on(work)
+
+    def _hand_on(self, work: "_Work") -> None:
+        """Pieces a helping thread leaves (interrupted) go to a worker, as numpy copies."""
+        work.parallel = False
+        if work:
+            self.engine.submit(functools.partial(self._drain, work, Priority.DEMAND), Priority.DEMAND)
 
     def _drain(self, work: collections.deque, priority: Optional[Priority], parallel: bool = False) -> None:
         """Copy pieces off ``work`` until it is empty. A worker (``priority`` given) stops
@@ -1416,6 +1443,8 @@ class BlockStore:
         meanwhile waits for one chunk at most."""
         done = 0
         while True:
+            if priority is not None and work.parallel:  # a waiting thread took the batch
+                return
             try:
                 piece = work.popleft()
             except IndexError:
@@ -1761,7 +1790,13 @@ def _done_future(fn) -> Future:
 
 
 class _Work(collections.deque):
+    """A batch's copy pieces, shared by the jobs and helping threads (``_submit_all``):
+    ``total`` pieces for ``moves`` moves; ``parallel`` while one thread copies them all
+    with torch's intra-op threads."""
+
     parallel = False
+    total = 0
+    moves = 0
 
 
 class _MoveFuture(Future):
