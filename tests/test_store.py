@@ -24,6 +24,13 @@ def blocks(geometry, n, seed=0):
     return {BlockKey(0, 0, i): torch.randn(geometry.shape, generator=g) for i in range(n)}
 
 
+def assert_all_come_up_exact(store, data):
+    """Every block of ``data`` brought up to the device reads back byte for byte."""
+    store.ensure_device(list(data), pin=False)
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+
+
 def test_reads_return_exactly_what_was_written_across_all_tiers(make_store, geometry):
     """20 blocks into 3 device + 3 host slots: the rest spill to disk; every read is exact
     and no tier is ever over its budget."""
@@ -747,9 +754,7 @@ def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(ma
         assert [Tier.HOST in store.tiers_of(k) for k in keys] == [False] * 5 + [True] * 6
     else:
         assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)
-    store.ensure_device(list(data), pin=False)
-    for key, block in data.items():
-        assert torch.equal(store.get(key), block)
+    assert_all_come_up_exact(store, data)
 
 
 @pytest.mark.parametrize("alone", [True, False])
@@ -804,9 +809,7 @@ def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_
     assert sum(Tier.DEVICE in store.tiers_of(k) for k in keys) == (0 if alone else 6)
     if not alone:
         assert behind.exception(timeout=30) is None
-    store.ensure_device(list(data), pin=False)
-    for key, block in data.items():
-        assert torch.equal(store.get(key), block)
+    assert_all_come_up_exact(store, data)
 
 
 @pytest.mark.parametrize("moves_in_flight", [False, True])
