@@ -290,8 +290,9 @@ class PoolCopy:
 
     Why not only ``PlainCopy``: on this machine (a VM) a copy's speed depends on where its
     buffers lie. With ``PlainCopy``'s buffers allocated before the store's pools, as here,
-    the store's ratio to it was 0.62-0.83 in four runs; with the same buffers allocated
-    after the pools, 0.94-1.16 in four (a script that moved only the allocation, not kept).
+    the store's ratio to it was 0.62-0.83 device->host and 0.57-0.78 host->device in eight
+    runs; with the same buffers allocated after the pools, 0.94-1.15 and 1.11-1.16 in four
+    (a script that moved only the allocation, not kept).
     A plain copy of the store's own bytes in place compares the store with the very memory
     it copies, so what is left is what the store adds: planning, threads, completion.
 
