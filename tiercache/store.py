@@ -562,6 +562,11 @@ class BlockStore:
         copy = None if tier is None else self.table.copy(key, tier)
         return (1, 0, 0) if copy is None else (0, int(tier), copy.slot)
 
+    def _in_source_order(self, keys: list) -> list:
+        """Under the lock: [(key, its best source tier, or None)] in ``_source_order``."""
+        ordered = sorted(((self._source_order(key), key) for key in keys), key=lambda pair: pair[0])
+        return [(key, None if no_copy else Tier(tier)) for (no_copy, tier, _), key in ordered]
+
     def _demote_plan(self, key: Hashable) -> Optional[tuple]:
         """Under the lock: (src, dst, drop_source, priority) of demoting ``key``, or None."""
         src = self.table.best_source(key)
@@ -675,12 +680,10 @@ class BlockStore:
                     if missing:
                         try:
                             submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
-                            # after _room: eviction may have dropped a copy
-                            planned = sorted(((self._source_order(key), key) for key, _ in missing),
-                                             key=lambda pair: pair[0])
-                            for (none, src, _), key in planned[:self.table.num_free(Tier.DEVICE)]:
-                                if not none:
-                                    submit.append(self._prepare(key, Tier(src), Tier.DEVICE, drop_source=False))
+                            # sources looked up after _room: eviction may have dropped a copy
+                            planned = self._in_source_order([key for key, _ in missing])
+                            for key, src in planned[:self.table.num_free(Tier.DEVICE)]:
+                                submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
                         except BaseException:
                             self._abandon(submit)
                             raise
@@ -900,15 +903,15 @@ class BlockStore:
                     try:
                         protect = set(keys)
                         submit.extend(self._room(Tier.HOST, len(missing), protect, allow_writeback=False))
-                        missing.sort(key=self._source_order)
-                        to_host = min(len(missing), self.table.num_free(Tier.HOST))
-                        for key in missing[:to_host]:
-                            submit.append(self._prepare(key, self.table.best_source(key), Tier.HOST, False))
-                        rest = missing[to_host:]
+                        planned = self._in_source_order(missing)
+                        to_host = min(len(planned), self.table.num_free(Tier.HOST))
+                        for key, src in planned[:to_host]:
+                            submit.append(self._prepare(key, src, Tier.HOST, False))
+                        rest = planned[to_host:]
                         if rest:
                             submit.extend(self._room(Tier.DEVICE, len(rest), protect, allow_writeback=True))
-                            for key in rest[:self.table.num_free(Tier.DEVICE)]:
-                                submit.append(self._prepare(key, self.table.best_source(key), Tier.DEVICE, False))
+                            for key, src in rest[:self.table.num_free(Tier.DEVICE)]:
+                                submit.append(self._prepare(key, src, Tier.DEVICE, False))
                     except BaseException:
                         self._abandon(submit)
                         raise
@@ -1520,9 +1523,7 @@ class BlockStore:
         try:
             if parallel and step == 1:
                 dev = (self.device_pool.k, self.device_pool.v)
-                host = self.host_pool.kv_rows()
-                dst = slice(first.dst_slot, end)
-                for d, h in zip(dev, host):
+                for d, h in zip(dev, self.host_pool.kv_rows()):
                     if first.src is Tier.HOST:
                         d[:, dst].copy_(h[:, src])
                     else:
