@@ -15,11 +15,11 @@ context length:
 Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
 ``--new-tokens`` steps of every set-up in turn, the order reversed every other round; the
 median per set-up): on a shared machine a slow spell then slows every set-up alike, where
-separate processes minutes apart can differ by 30% for nothing. The ratios come from the side-by-side run; the separate processes give
-each set-up's peak RSS and its tokens/s alone. Every timing starts after two untimed decode
-steps. The disk set-up is scored against its bound: the
-slower of DynamicCache's tokens/s and the disk's read bandwidth over the bytes read from
-disk per token, so a perfect overlap of I/O and compute scores 1.0. The disk's bandwidth is
+separate processes minutes apart can differ by 30% for nothing. The ratios come from the
+side-by-side run; the separate processes give each set-up's peak RSS and its tokens/s alone.
+Every timing starts after two untimed decode steps. The disk set-up is scored against its
+bound: the slower of DynamicCache's tokens/s and the disk's read bandwidth over the bytes
+read from disk per token, so a perfect overlap of I/O and compute scores 1.0. The disk's bandwidth is
 measured right after the disk set-up's turn in every side-by-side round (raw reads of
 ``--io-size`` with its record size), so each round has its own bound and the ratio is the
 median of the rounds' ratios.
