@@ -259,6 +259,185 @@ def test_delete_during_flight_never_frees_a_moving_slot(make_store, geometry):
     assert len(store) == 2
 
 
+def _idle_within(store, seconds: float = 30) -> bool:
+    """True when ``wait_idle`` returns in time (a move left in flight would hang it)."""
+    idle = threading.Thread(target=store.wait_idle, daemon=True)
+    idle.start()
+    idle.join(seconds)
+    return not idle.is_alive()
+
+
+@pytest.mark.timeout(120)  # a regression hangs on a move left in flight
+def test_a_key_deleted_and_put_again_while_its_old_block_moves_names_only_the_new_block(make_store, geometry):
+    """Block A is being pushed down to the host to make room for D (an eviction's demotion,
+    which also plans a copy further down). While that copy runs, A is deleted and a new
+    block is put under the same key. When the old move completes it frees the old copies
+    and nothing more: no write-behind planned from the new block's copies (that used to
+    raise ``TableError`` from ``put(D)`` and leave the move in flight for good, so that
+    ``close`` hung), no stale key in the host tier's eviction policy. Both new blocks read
+    back exactly."""
+    store = make_store(device_blocks=3, host_blocks=2, disk_blocks=20, io_workers=1)
+    a, b, c, d = (BlockKey(0, 0, i) for i in range(4))
+    data = blocks(geometry, 4, seed=21)
+    for key in (a, b, c):
+        store.put(key, data[key])
+    copying, go = threading.Event(), threading.Event()
+    copy = store._copy
+    held: list = []
+
+    def slow_copy(move, compute_event):
+        if move.key == a and not held:
+            held.append(move)
+            copying.set()
+            assert go.wait(30)
+        return copy(move, compute_event)
+    store._copy = slow_copy
+    errors: list = []
+
+    def put_d():
+        try:
+            store.put(d, data[d])
+        except BaseException as exc:  # noqa: BLE001 - the assertion below shows it
+            errors.append(exc)
+    putter = threading.Thread(target=put_d)
+    putter.start()
+    assert copying.wait(30), "the eviction never demoted A"
+    assert held[0].src is Tier.DEVICE
+    store.delete(a)
+    new_a = torch.full(geometry.shape, 7.0)
+    store.put(a, new_a)
+    go.set()
+    putter.join(30)
+    assert not putter.is_alive() and errors == []
+    assert _idle_within(store), "the old block's move stayed in flight"
+    store.check()
+    for tier in store.tiers:  # the policies track exactly the blocks on their tier
+        assert len(store.policies[tier]) == len(store.table.keys_on(tier)), tier
+    assert torch.equal(store.get(a), new_a)
+    assert torch.equal(store.get(d), data[d])
+
+
+@pytest.mark.timeout(120)  # a regression hangs on a move left in flight
+@pytest.mark.parametrize("via", ["demote", "ensure_device"])
+def test_ctrl_c_while_a_move_waits_for_room_in_the_queue_rolls_it_back(make_store, geometry, via):
+    """The transfer queue is full, so queueing a move waits for room; Ctrl-C arrives there
+    (a real SIGINT, delivered once the main thread is blocked in the queue). The move was
+    already marked started: it used to stay so, never queued and never rolled back, with its
+    destination slot reserved and its future never resolved (``wait_idle`` hung). Now it
+    rolls back, and so do the moves planned with it that were not queued yet
+    (``ensure_device``: a disk read, then two host copies). Nothing stays in flight and every
+    block reads back exactly."""
+    import signal
+    import sys as sys_module
+
+    from tiercache.transfer import Priority
+
+    class Interrupted(BaseException):
+        pass
+
+    store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20, io_workers=1, queue_depth=1)
+    data = blocks(geometry, 3, seed=22)
+    for key, block in data.items():
+        store.put(key, block)
+    keys = list(data)
+    if via == "ensure_device":  # one block on disk only, two on the host only
+        assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 3
+        assert store.demote(keys[0]).exception(timeout=30) is None
+        store.wait_idle()
+        assert store.tiers_of(keys[0]) == [Tier.DISK]
+    gate, busy = threading.Event(), threading.Event()
+    store.engine.submit(lambda: (busy.set(), gate.wait(60)), Priority.DEMAND)
+    assert busy.wait(30)
+    store.engine.submit(lambda: None, Priority.DEMAND)  # the queue (depth 1) is full now
+    main = threading.main_thread()
+    assert threading.current_thread() is main
+
+    def interrupt_when_blocked():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            frame = sys_module._current_frames().get(main.ident)
+            while frame is not None and not (frame.f_code.co_name == "submit"
+                                             and frame.f_code.co_filename.endswith("transfer.py")):
+                frame = frame.f_back
+            if frame is not None:
+                time.sleep(0.05)  # well inside the wait for room
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.005)
+
+    def on_sigint(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    sender = threading.Thread(target=interrupt_when_blocked)
+    try:
+        sender.start()
+        with pytest.raises(Interrupted):
+            if via == "demote":
+                store.demote(keys[0])
+            else:
+                store.ensure_device(keys, pin=False)
+    finally:
+        sender.join(30)
+        signal.signal(signal.SIGINT, previous)
+        gate.set()
+    assert _idle_within(store), "a move stayed in flight"
+    store.check()
+    assert not store._inflight and not store._started
+    assert_all_come_up_exact(store, data)
+
+
+@pytest.mark.timeout(120)  # a regression hangs on a move left in flight
+def test_a_block_asked_for_twice_in_one_prefetch_is_fetched_once(make_store, geometry):
+    """A prefetch plan naming a block twice fetches it once (planning it twice raised
+    ``TableError`` after the first move was prepared, which then stayed in flight)."""
+    store = make_store(device_blocks=3, host_blocks=3)
+    data = blocks(geometry, 2, seed=23)
+    for key, block in data.items():
+        store.put(key, block)
+    keys = list(data)
+    assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 2
+    assert store.prefetch([keys[0], keys[1], keys[0]]) == 2
+    assert _idle_within(store)
+    store.check()
+    assert all(Tier.DEVICE in store.tiers_of(k) for k in keys)
+    assert_all_come_up_exact(store, data)
+
+
+@pytest.mark.timeout(120)  # a regression hangs on a move left in flight
+def test_a_batch_queued_for_the_caller_goes_to_a_worker_if_the_prefetch_after_it_fails(make_store, geometry,
+                                                                                   monkeypatch):
+    """``ensure_device`` queues its copies for its own thread to do (no worker job: they are
+    the only moves in flight), then starts the next layer's prefetch, then copies. If the
+    prefetch raises (Ctrl-C there, or a bug), the copies must not wait for a thread that
+    will not come: a worker does them, and nothing stays in flight."""
+    from tiercache import store as store_module
+
+    monkeypatch.setattr(store_module, "_usable_cores", lambda: 1)
+    store = make_store(device_blocks=6, host_blocks=6, disk_blocks=0, io_workers=1)
+    data = blocks(geometry, 6, seed=24)
+    for key, block in data.items():
+        store.put(key, block)
+    keys = list(data)
+    assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 6
+
+    def failing_prefetch(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(store, "prefetch", failing_prefetch)
+    with pytest.raises(KeyboardInterrupt):
+        store.ensure_device(keys[:4], pin=False, ahead=keys[4:])
+    # Nobody waits on the moves here (a waiter would copy them itself): they must finish
+    # on their own.
+    deadline = time.monotonic() + 30
+    while store._inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not store._inflight, "the caller's copies were left with nobody to do them"
+    store.check()
+    assert all(Tier.DEVICE in store.tiers_of(k) for k in keys[:4])
+    monkeypatch.undo()
+    assert_all_come_up_exact(store, data)
+
+
 def test_four_threads_hammer_one_store(make_store, geometry):
     """Four threads put, read, promote and delete their own blocks for two seconds against
     shared tiny tiers: every read matches, no deadlock, budgets hold."""
@@ -693,7 +872,8 @@ def test_a_demand_job_waits_for_one_chunk_of_copies_at_most(make_store, geometry
     store.check()
 
 
-@pytest.mark.parametrize("interrupt", [False, True])
+@pytest.mark.timeout(120)  # a regression hangs on a move left in flight
+@pytest.mark.parametrize("interrupt", [None, "copy", "join"])
 def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(make_store, geometry, monkeypatch,
                                                                               interrupt):
     """``demote_many`` starts jobs, but the thread that waits for its futures often comes
@@ -702,11 +882,21 @@ def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(ma
     threads (``parallel``); the jobs, once they run, find nothing to do. Here the workers
     are held, eleven blocks lie in two runs of slots (0-4 and 6-11), and the waiting
     thread copies both. Interrupted (Ctrl-C) during its first run, that run rolls back, the
-    run it had not started goes to a worker, and nothing stays in flight."""
+    run it had not started goes to a worker, and nothing stays in flight. Interrupted while
+    it joins the pieces, before copying anything, it gives every piece back whole (it used
+    to give back single moves as if they were pieces, which no worker could copy) and the
+    workers copy them all."""
     from tiercache import store as store_module
     from tiercache.transfer import Priority
 
     monkeypatch.setattr(store_module, "_PIECE_BYTES", 2 * geometry.block_bytes)
+    slot_runs = store_module._slot_runs
+
+    def slot_runs_interrupted(todo):
+        if interrupt == "join" and threading.current_thread() in waiter_thread:
+            raise KeyboardInterrupt
+        return slot_runs(todo)
+    monkeypatch.setattr(store_module, "_slot_runs", slot_runs_interrupted)
     store = make_store(device_blocks=12, host_blocks=12, disk_blocks=0, io_workers=2)
     data = blocks(geometry, 12, seed=9)
     for key, block in data.items():
@@ -718,7 +908,7 @@ def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(ma
 
     def spy(run, parallel=False):
         calls.append(([m.src_slot for m, _ in run], parallel, threading.current_thread() in waiter_thread))
-        if interrupt and len(calls) == 1:
+        if interrupt == "copy" and len(calls) == 1:
             raise KeyboardInterrupt
         return copy_run(run, parallel)
     store._copy_run = spy
@@ -747,11 +937,18 @@ def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(ma
     assert not waiter.is_alive()
     store.wait_idle()
     store.check()
-    if interrupt:
+    if interrupt == "copy":
         assert len(caught) == 1 and calls[0] == ([0, 1, 2, 3, 4], True, True)
         # the run it had not started, copied by a worker (numpy), whole
         assert calls[1:] == [([6, 7, 8, 9, 10, 11], False, False)]
         assert [Tier.HOST in store.tiers_of(k) for k in keys] == [False] * 5 + [True] * 6
+    elif interrupt == "join":
+        assert len(caught) == 1
+        # others copied the pieces (the workers, or a later waiter that took the batch whole
+        # again), none on the interrupted thread, no block twice
+        copied = [slot for slots, _, _ in calls for slot in slots]
+        assert not any(on_waiter for _, _, on_waiter in calls) and len(copied) == len(set(copied))
+        assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)
     else:
         assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)
     assert_all_come_up_exact(store, data)

@@ -693,7 +693,7 @@ class BlockStore:
                         raise CapacityError(self._capacity_message(len(keys)))
                 mine: list = []
                 futures = self._submit_all(submit, Priority.DEMAND, mine) + waits
-                ahead = self._prefetch_ahead(ahead, protect, Tier.DEVICE)
+                ahead = self._prefetch_ahead_or_hand_on(ahead, protect, Tier.DEVICE, mine)
                 t0 = time.perf_counter()
                 self._help(mine)
                 errors = wait_all(futures)
@@ -722,10 +722,23 @@ class BlockStore:
             self.prefetch(list(ahead), protect=protect, dst=dst)
         return ()
 
+    def _prefetch_ahead_or_hand_on(self, ahead: Sequence[Hashable], protect: set, dst: Tier,
+                                   mine: list) -> tuple:
+        """``_prefetch_ahead`` between queueing a batch (``mine``, from ``_submit_all``) and
+        helping copy it: if it raises, the batch goes to a worker instead of waiting for a
+        thread that will not come."""
+        try:
+            return self._prefetch_ahead(ahead, protect, dst)
+        except BaseException:
+            for work in mine:
+                self._hand_on(work)
+            raise
+
     def prefetch(self, keys: list, protect: Iterable[Hashable] = (), dst: Tier = Tier.DEVICE) -> int:
         """Start bringing ``keys`` up to ``dst`` without waiting; only clean copies are evicted."""
         if dst not in self.tiers:
             return 0
+        keys = list(dict.fromkeys(keys))  # a key asked for twice is fetched once
         protect = set(protect) | set(keys)
         submit = []
         with self._lock:
@@ -738,13 +751,17 @@ class BlockStore:
                     wanted.append(key)
             if not wanted:
                 return 0
-            self._room(dst, len(wanted), protect, allow_writeback=False)
-            for key in wanted[:self.table.num_free(dst)]:
-                src = self.table.best_source(key, below=dst)
-                if src is None:
-                    continue
-                submit.append(self._prepare(key, src, dst, drop_source=False))
-                self._prefetched[key] = dst
+            try:
+                self._room(dst, len(wanted), protect, allow_writeback=False)
+                for key in wanted[:self.table.num_free(dst)]:
+                    src = self.table.best_source(key, below=dst)
+                    if src is None:
+                        continue
+                    submit.append(self._prepare(key, src, dst, drop_source=False))
+                    self._prefetched[key] = dst
+            except BaseException:
+                self._abandon(submit)
+                raise
         self._submit_all(submit, Priority.PREFETCH)
         return len(submit)
 
@@ -930,7 +947,7 @@ class BlockStore:
                                         f"step reads {len(keys)} and the rest are busy; raise host_budget")
             mine: list = []
             futures = self._submit_all(submit, Priority.DEMAND, mine) + waits
-            ahead = self._prefetch_ahead(ahead, set(keys), Tier.HOST)
+            ahead = self._prefetch_ahead_or_hand_on(ahead, set(keys), Tier.HOST, mine)
             t0 = time.perf_counter()
             self._help(mine)
             errors = wait_all(futures)
@@ -1329,13 +1346,19 @@ class BlockStore:
         """Under the lock: roll back prepared moves that were never started (planning failed)."""
         for move in moves:
             if move in self._inflight and move not in self._started:
-                for tier, slot in self.table.complete_move(move, ok=False):
-                    self._released(move.key, tier, slot)
-                future = self._inflight.pop(move)
-                self._evicted_down.discard(move)
-                if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
-                    self._to_device.pop(move.key, None)
-                future.set_result(None)
+                self._roll_back(move).set_result(None)
+
+    def _roll_back(self, move: Move) -> Future:
+        """Under the lock: undo a prepared move that will not run; returns its future (the
+        caller resolves it)."""
+        self._started.discard(move)
+        for tier, slot in self.table.complete_move(move, ok=False):
+            self._released(move.key, tier, slot)
+        future = self._inflight.pop(move)
+        self._evicted_down.discard(move)
+        if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
+            self._to_device.pop(move.key, None)
+        return future
 
     def _submit_all(self, moves: list, priority: Priority, help_here: Optional[list] = None) -> list:
         """Start prepared moves; returns their futures (not in the order of ``moves``).
@@ -1358,9 +1381,14 @@ class BlockStore:
         bench io's ratios rose from 0.67/0.62 to 0.76/0.82), while a parallel region on
         the caller's thread runs on those very threads."""
         copies = [] if self._cuda else [m for m in moves if Tier.DISK not in (m.src, m.dst)]
-        if len(copies) < (1 if help_here is not None else 2):
-            return [self._submit(m, priority) for m in moves]
-        futures = [self._submit(m, priority) for m in moves if Tier.DISK in (m.src, m.dst)]
+        try:
+            if len(copies) < (1 if help_here is not None else 2):
+                return [self._submit(m, priority) for m in moves]
+            futures = [self._submit(m, priority) for m in moves if Tier.DISK in (m.src, m.dst)]
+        except BaseException:  # interrupted while queueing: the moves not started go back
+            with self._lock:
+                self._abandon(moves)
+            raise
         todo: list = []
         with self._lock:
             for move in copies:
@@ -1380,8 +1408,19 @@ class BlockStore:
             for _, future in todo:
                 future.pieces = (self, work)
             jobs = 0 if alone else min(self._copy_jobs, len(work)) - (1 if help_here is not None else 0)
-            for _ in range(jobs):
-                self.engine.submit(lambda: self._drain(work, priority), priority)
+            queued = 0
+            try:
+                for _ in range(jobs):
+                    self.engine.submit(lambda: self._drain(work, priority), priority)
+                    queued += 1
+            except BaseException as exc:  # interrupted or closing: with no job queued, nobody
+                if not queued:             # would copy these (the caller does not get to help)
+                    while work:
+                        try:
+                            self._fail_piece(work.popleft(), exc)
+                        except IndexError:
+                            break
+                raise
             if help_here is not None:
                 help_here.append(work)
         return futures
@@ -1409,17 +1448,17 @@ class BlockStore:
         claimed = False
         if not work.parallel and len(work) == work.total:
             with self._lock:
-                if len(work) == work.total and len(self._inflight) == work.moves:
+                if not work.parallel and len(work) == work.total and len(self._inflight) == work.moves:
                     work.parallel = claimed = True
-        runs: list = []
+        runs: list = []  # whole pieces at every moment: an interrupt puts them back as they are
         try:
             if claimed:  # the pieces joined again into whole runs: one copy call per run
                 while work:
                     try:
-                        runs.extend(work.popleft())
+                        runs.append(work.popleft())
                     except IndexError:
                         break
-                runs = _slot_runs(runs)
+                runs = _slot_runs([item for piece in runs for item in piece])
                 while runs:
                     self._run_piece(runs.pop(0), True)
                 return
@@ -1470,11 +1509,7 @@ class BlockStore:
         try:
             seconds = self._copy_run(piece, parallel) if len(piece) > 1 else None
         except BaseException as exc:  # an interrupt on a helping caller: the piece rolls back
-            for move, future in piece:
-                try:
-                    self._finish_move(move, 0.0, exc, False, chain=False)
-                except BaseException as error:  # noqa: BLE001 - delivered to its waiters
-                    future.set_exception(error)
+            self._fail_piece(piece, exc)
             raise
         if seconds is None:  # a single block, or a run that failed: block by block
             for move, future in piece:
@@ -1506,6 +1541,14 @@ class BlockStore:
                 future.set_exception(exc)
             else:
                 future.set_result(None)
+
+    def _fail_piece(self, piece: list, exc: BaseException) -> None:
+        """Roll back the moves of a piece that will not be copied; their waiters get ``exc``."""
+        for move, future in piece:
+            try:
+                self._finish_move(move, 0.0, exc, False, chain=False)
+            except BaseException as error:  # noqa: BLE001 - delivered to its waiters
+                future.set_exception(error)
 
     def _copy_run(self, run: list, parallel: bool = False) -> Optional[float]:
         """CPU: copy a run of host<->device moves ((move, future) pairs from ``_slot_runs``)
@@ -1547,16 +1590,16 @@ class BlockStore:
             self._started.add(move)
         compute_event = self._compute_event
         job = lambda: self._run_move(move, compute_event, chain)  # noqa: E731
-        inner = self.engine.submit(job, priority, blocking=blocking)
+        try:
+            inner = self.engine.submit(job, priority, blocking=blocking)
+        except BaseException as exc:  # interrupted while waiting for room, or the engine closed
+            with self._lock:
+                self._roll_back(move)
+            future.set_exception(exc)
+            raise
         if inner is None:  # queue full and the caller cannot wait: roll the move back
             with self._lock:
-                self._started.discard(move)
-                for tier, slot in self.table.complete_move(move, ok=False):
-                    self._released(move.key, tier, slot)
-                self._inflight.pop(move, None)
-                self._evicted_down.discard(move)
-                if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
-                    self._to_device.pop(move.key, None)
+                self._roll_back(move)
             future.set_result(None)
             return future
         inner.add_done_callback(lambda f: _relay(f, future))
@@ -1591,11 +1634,20 @@ class BlockStore:
         follow = None
         evicted_down = move in self._evicted_down
         self._evicted_down.discard(move)
+        # Out of the in-flight maps first: nothing below may leave the move there for good.
+        future = self._inflight.pop(move, None)
+        self._started.discard(move)
+        if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
+            self._to_device.pop(move.key, None)
+        # The block may have been deleted while it moved, and its key given to a new block:
+        # then the policy, the checksum's verdict and the write-behind concern the old one,
+        # which only needs its copies freed.
+        live = self.table.get(move.key) is move.entry
         for tier, slot in self.table.complete_move(move, error is None):
             self._released(move.key, tier, slot)
-        if corrupted:
+        if corrupted and live:
             self._discard(move.key, move.src)
-        if error is None:
+        if error is None and live:
             self.policies[move.dst].insert(move.key)
             # A write-behind goes on down. So does an eviction's demotion: a block pushed
             # down with no copy below gets one while there is room, so that later it can
@@ -1604,14 +1656,10 @@ class BlockStore:
             # by demote_many, moves the block and nothing more.)
             if (chain or (evicted_down and self.write_behind_enabled)) and move.dst is not Tier.DISK:
                 lower = self._lower(move.dst)
-                entry = self.table.get(move.key)
-                if (lower is not None and entry is not None and lower not in entry.copies
+                copies = move.entry.copies
+                if (lower is not None and lower not in copies and move.dst in copies
                         and self.table.num_free(lower) >= 1):
                     follow = self._prepare(move.key, move.dst, lower, drop_source=False)
-        future = self._inflight.pop(move, None)
-        self._started.discard(move)
-        if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
-            self._to_device.pop(move.key, None)
         return follow
 
     def _counted(self, move: Move, seconds: float, error: Optional[BaseException], corrupted: bool,
