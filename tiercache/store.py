@@ -1346,19 +1346,20 @@ class BlockStore:
         """Under the lock: roll back prepared moves that were never started (planning failed)."""
         for move in moves:
             if move in self._inflight and move not in self._started:
-                self._roll_back(move).set_result(None)
+                future = self._inflight[move]
+                self._roll_back(move)
+                future.set_result(None)
 
-    def _roll_back(self, move: Move) -> Future:
-        """Under the lock: undo a prepared move that will not run; returns its future (the
-        caller resolves it)."""
+    def _roll_back(self, move: Move) -> None:
+        """Under the lock: undo a prepared move that will not run (the caller resolves its
+        future)."""
         self._started.discard(move)
         for tier, slot in self.table.complete_move(move, ok=False):
             self._released(move.key, tier, slot)
-        future = self._inflight.pop(move)
+        future = self._inflight.pop(move, None)
         self._evicted_down.discard(move)
-        if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
+        if future is not None and move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
             self._to_device.pop(move.key, None)
-        return future
 
     def _submit_all(self, moves: list, priority: Priority, help_here: Optional[list] = None) -> list:
         """Start prepared moves; returns their futures (not in the order of ``moves``).
