@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -49,5 +50,13 @@ def make_store(tmp_path, geometry):
         return store
 
     yield make
+    hung = []
     for s in stores:
-        s.close()
+        # close() waits for every move: a move left in flight (a bug) would hang it, so it
+        # runs on a thread and the test fails with that reason instead of timing out
+        closer = threading.Thread(target=s.close, daemon=True)
+        closer.start()
+        closer.join(60)
+        if closer.is_alive():
+            hung.append(s)
+    assert not hung, f"close() hung on {len(hung)} store(s): a move stayed in flight"
