@@ -997,10 +997,7 @@ def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_
     finally:
         gate.set()
     assert interrupted == ([(8, True)] if alone else [(2, False)])
-    idle = threading.Thread(target=store.wait_idle, daemon=True)
-    idle.start()
-    idle.join(30)
-    assert not idle.is_alive(), "a move stayed in flight"
+    assert _idle_within(store), "a move stayed in flight"
     store.check()
     # alone: the one run rolled back; else the other 3 pieces landed
     assert sum(Tier.DEVICE in store.tiers_of(k) for k in keys) == (0 if alone else 6)

@@ -693,7 +693,7 @@ class BlockStore:
                         raise CapacityError(self._capacity_message(len(keys)))
                 mine: list = []
                 futures = self._submit_all(submit, Priority.DEMAND, mine) + waits
-                ahead = self._prefetch_ahead_or_hand_on(ahead, protect, Tier.DEVICE, mine)
+                ahead = self._prefetch_ahead(ahead, protect, Tier.DEVICE, mine)
                 t0 = time.perf_counter()
                 self._help(mine)
                 errors = wait_all(futures)
@@ -716,23 +716,18 @@ class BlockStore:
         self._stalled(stall)
         return stall
 
-    def _prefetch_ahead(self, ahead: Sequence[Hashable], protect: set, dst: Tier) -> tuple:
-        """Start prefetching ``ahead`` (once: returns the empty tuple to carry on with)."""
-        if ahead:
-            self.prefetch(list(ahead), protect=protect, dst=dst)
-        return ()
-
-    def _prefetch_ahead_or_hand_on(self, ahead: Sequence[Hashable], protect: set, dst: Tier,
-                                   mine: list) -> tuple:
-        """``_prefetch_ahead`` between queueing a batch (``mine``, from ``_submit_all``) and
-        helping copy it: if it raises, the batch goes to a worker instead of waiting for a
-        thread that will not come."""
+    def _prefetch_ahead(self, ahead: Sequence[Hashable], protect: set, dst: Tier, mine: Sequence = ()) -> tuple:
+        """Start prefetching ``ahead`` (once: returns the empty tuple to carry on with).
+        ``mine``: a batch just queued for this thread to help copy (``_submit_all``); if the
+        prefetch raises, it goes to a worker instead of waiting for a thread that will not come."""
         try:
-            return self._prefetch_ahead(ahead, protect, dst)
+            if ahead:
+                self.prefetch(list(ahead), protect=protect, dst=dst)
         except BaseException:
             for work in mine:
                 self._hand_on(work)
             raise
+        return ()
 
     def prefetch(self, keys: list, protect: Iterable[Hashable] = (), dst: Tier = Tier.DEVICE) -> int:
         """Start bringing ``keys`` up to ``dst`` without waiting; only clean copies are evicted."""
@@ -947,7 +942,7 @@ class BlockStore:
                                         f"step reads {len(keys)} and the rest are busy; raise host_budget")
             mine: list = []
             futures = self._submit_all(submit, Priority.DEMAND, mine) + waits
-            ahead = self._prefetch_ahead_or_hand_on(ahead, set(keys), Tier.HOST, mine)
+            ahead = self._prefetch_ahead(ahead, set(keys), Tier.HOST, mine)
             t0 = time.perf_counter()
             self._help(mine)
             errors = wait_all(futures)
