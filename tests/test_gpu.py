@@ -28,10 +28,74 @@ def test_pinned_host_pool_and_stream_moves_round_trip(tmp_path):
         store.check()
 
 
-def test_cuda_generation_matches_dynamic_cache(tmp_path):
+def _busy_gpu(ms: float = 50.0) -> None:
+    """Queue a kernel that keeps the current stream busy for about ``ms`` (the work queued
+    behind it then runs late, as a model's kernels do when the CPU runs ahead)."""
+    torch.cuda._sleep(int(ms * 2e6))  # cycles; the H200 runs at ~2 GHz
+
+
+def test_a_block_written_behind_slow_kernels_is_copied_down_only_after_they_ran(tmp_path):
+    """The compute stream is busy when a block is written into its device slot, so the write
+    waits in the queue; the demotion that follows runs on the copy stream, which must wait
+    for that write (``_compute_barrier``); without it the copy could read the slot first,
+    and the stale host copy would be served from then on."""
+    g = BlockGeometry(1, 2, 16, 64, torch.float32)
+    cfg = TierConfig(device_budget=4 * g.block_bytes, host_budget=8 * g.padded_bytes, disk_budget=0,
+                     block_tokens=16, device="cuda")
+    with BlockStore(cfg, g, device="cuda") as store:
+        for i in range(6):
+            key, value = BlockKey(0, 0, i), torch.randn(g.shape, device="cuda")
+            _busy_gpu()
+            store.put(key, value)  # queued behind the busy kernel
+            store.demote(key).result()  # device -> host on the copy stream
+            assert store.tiers_of(key) == [Tier.HOST]
+            assert torch.equal(store.get(key), value.cpu()), f"block {i}: the host copy is not what was written"
+        store.check()
+
+
+def test_many_blocks_move_in_one_batch_and_stay_exact(tmp_path):
+    """ensure_device of many host and disk blocks at once: the host->device copies go on the
+    copy stream as one batch with one wait (and disk blocks through pinned staging), every
+    block arrives exact, and evictions demote others device->host meanwhile."""
+    g = BlockGeometry(1, 2, 16, 64, torch.float32)
+    cfg = TierConfig(device_budget=12 * g.block_bytes, host_budget=16 * g.padded_bytes,
+                     disk_dir=str(tmp_path / "kv"), disk_budget="16MiB", block_tokens=16, device="cuda")
+    with BlockStore(cfg, g, device="cuda") as store:
+        data = {BlockKey(0, 0, i): torch.randn(g.shape, device="cuda") for i in range(40)}
+        for k, v in data.items():
+            store.put(k, v)
+        keys = list(data)
+        for lo in (0, 10, 20, 30, 5):
+            _busy_gpu(5)
+            store.ensure_device(keys[lo:lo + 10], pin=False)
+            for k in keys[lo:lo + 10]:
+                assert Tier.DEVICE in store.tiers_of(k)
+        store.wait_idle()
+        for k, v in data.items():
+            assert torch.equal(store.get(k), v.cpu()), k
+        moves = store.stats()["moves"]
+        assert moves["host->device"]["blocks"] > 0 and moves["device->host"]["blocks"] > 0
+        assert moves.get("disk->device", moves.get("disk->host", {})).get("blocks", 0) > 0
+        store.check()
+
+
+@pytest.mark.parametrize("slow_writes", [False, True], ids=["plain", "slow-writes"])
+def test_cuda_generation_matches_dynamic_cache(tmp_path, monkeypatch, slow_writes):
+    """Generation on CUDA with every tier in use gives DynamicCache's tokens and logits.
+    ``slow-writes``: each write of new tokens into a device slot waits behind a busy kernel,
+    so a sealed block's write-behind (device->host) finds its write still queued."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tiercache import TieredCache
+    from tiercache.tiers import DevicePool
+
+    if slow_writes:
+        write_tokens = DevicePool.write_tokens
+
+        def slow(self, *args, **kwargs):
+            _busy_gpu(10)
+            return write_tokens(self, *args, **kwargs)
+        monkeypatch.setattr(DevicePool, "write_tokens", slow)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, eos_token_id=None)

@@ -744,9 +744,9 @@ def test_moves_started_together_line_up_as_one_copy_whatever_order_they_come_in(
     calls = []
     copy_run = store._copy_run
 
-    def spy(run, parallel=False):
+    def spy(run, parallel=False, compute_event=None):
         calls.append(([m.src_slot for m, _ in run], [m.dst_slot for m, _ in run], parallel))
-        return copy_run(run, parallel)
+        return copy_run(run, parallel, compute_event)
     store._copy_run = spy
     events: list = []
     store.events.add_listener(lambda kind, fields: events.append(fields) if kind == "move" else None)
@@ -906,11 +906,11 @@ def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(ma
     copy_run = store._copy_run
     waiter_thread: list = []
 
-    def spy(run, parallel=False):
+    def spy(run, parallel=False, compute_event=None):
         calls.append(([m.src_slot for m, _ in run], parallel, threading.current_thread() in waiter_thread))
         if interrupt == "copy" and len(calls) == 1:
             raise KeyboardInterrupt
-        return copy_run(run, parallel)
+        return copy_run(run, parallel, compute_event)
     store._copy_run = spy
     gate = threading.Event()
     held = [threading.Event(), threading.Event()]
@@ -984,11 +984,11 @@ def test_an_interrupt_while_the_caller_helps_copy_leaves_nothing_in_flight(make_
     caller = threading.current_thread()
     interrupted = []
 
-    def copy_run_interrupted(run, parallel=False):
+    def copy_run_interrupted(run, parallel=False, compute_event=None):
         if not interrupted and threading.current_thread() is caller:
             interrupted.append((len(run), parallel))
             raise KeyboardInterrupt
-        return copy_run(run, parallel)
+        return copy_run(run, parallel, compute_event)
 
     store._copy_run = copy_run_interrupted
     try:
