@@ -694,6 +694,29 @@ def test_unsupported_families_are_refused(name, tmp_path):
     assert not (tmp_path / "kv").exists()
 
 
+def test_a_transformers_release_without_cache_kwarg_is_refused_by_name(monkeypatch, tmp_path):
+    """Before 5.24, transformers' generate() refuses ``cache=`` and a model's forward drops
+    it silently (decoding would run on a fresh cache each step: wrong tokens, no error).
+    Seen on a GPU machine with 5.17. TieredCache and wrap() name the release and the fix
+    before anything is built; the installed release passes."""
+    tiercache.hf.check_transformers()  # the one installed here
+    # the module object in sys.modules, which transformers swaps once models are imported
+    monkeypatch.setattr(__import__("sys").modules["transformers"], "__version__", "5.17.0")
+    cfg = TierConfig(device_budget="1MiB", host_budget="1MiB", disk_budget="1MiB", disk_dir=str(tmp_path / "kv"))
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    for build in (lambda: tiercache.TieredCache(config, cfg), lambda: tiercache.wrap(_Fake(config), cfg)):
+        with pytest.raises(tiercache.TierCacheError, match=r"transformers >= 5\.24 \(found 5\.17\.0\)"):
+            build()
+    assert not (tmp_path / "kv").exists()
+
+
+class _Fake:  # wrap() reads only .config and .generate before refusing
+    def __init__(self, config) -> None:
+        self.config = config
+        self.generate = lambda *a, **k: None
+
+
 def test_unsupported_real_model_object(tmp_path):
     """A real (tiny) encoder-decoder model object is refused too, not only its config."""
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from tiercache.config import TierConfig, format_bytes
 from tiercache.disk import ensure_private_dir
-from tiercache.errors import CapacityError, UnsupportedModelError
+from tiercache.errors import CapacityError, TierCacheError, UnsupportedModelError
 from tiercache.events import Events
 from tiercache.policies import make_eviction, make_prefetch
 from tiercache.attention import PROBE_ATTR, SCORES_ATTR, _inner_name
@@ -110,8 +110,29 @@ class TieredLayer(CacheLayerMixin):
         raise NotImplementedError("TieredCache does not support batch_select_indices")
 
 
+MIN_TRANSFORMERS = "5.24"  # the first release whose generate() and models take ``cache=``
+
+
+def check_transformers(version: Optional[str] = None) -> None:
+    """Raise ``TierCacheError`` when transformers is older than ``MIN_TRANSFORMERS``. Older
+    5.x releases take the cache as ``past_key_values=`` only: ``generate(cache=...)`` is
+    refused and a model's forward drops ``cache=`` silently, so decoding would run on a
+    fresh cache each step and give wrong tokens without an error."""
+    from packaging.version import Version
+
+    import transformers
+
+    found = version or transformers.__version__
+    if Version(found) < Version(MIN_TRANSFORMERS):
+        raise TierCacheError(f"tiercache needs transformers >= {MIN_TRANSFORMERS} (found {found}): older "
+                             f"releases do not take the cache as cache=; pip install "
+                             f"'transformers>={MIN_TRANSFORMERS},<5.25'")
+
+
 def check_supported(config: Any) -> Any:
-    """Return the decoder's text config, or raise UnsupportedModelError naming the reason."""
+    """Return the decoder's text config, or raise UnsupportedModelError naming the reason
+    (or ``TierCacheError`` for a transformers release too old, ``check_transformers``)."""
+    check_transformers()
     arch = ", ".join(getattr(config, "architectures", None) or [getattr(config, "model_type", "?")])
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{arch}: encoder-decoder models are not supported (decoder-only causal LMs only)")
