@@ -11,7 +11,10 @@ context length:
            ``--selection-budget`` tokens per KV head) and history prefetch (last step's
            selection): scored against exact disk streaming;
 - host_inplace, disk_inplace: the host and disk set-ups with ``attend_in_place=True``
-           (decode attention over the blocks where they lie, no gather copy; off by default).
+           (decode attention over the blocks where they lie, no gather copy; off by default);
+- hf_offload: transformers' own ``DynamicCache(offloading=True)`` (a peer, CUDA only: it
+           keeps every layer on the host and brings whole layers back each step; a default
+           set-up where CUDA is present).
 Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
 ``--new-tokens`` steps of every set-up in turn, the order reversed every other round; the
 median per set-up): on a shared machine a slow spell then slows every set-up alike, where
@@ -36,7 +39,8 @@ import tempfile
 import time
 from typing import Optional
 
-SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace")
+SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
+CUDA_ONLY = ("hf_offload",)  # transformers' offloaded cache needs CUDA streams
 IN_PLACE = "_inplace"  # suffix: the set-up without it, with attend_in_place=True
 SIDE_BY_SIDE = "side-by-side"  # the worker that runs every set-up in one process
 
@@ -72,6 +76,8 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
 
     if setup == "dynamic":
         return DynamicCache(config=model.config)
+    if setup == "hf_offload":
+        return DynamicCache(config=model.config, offloading=True)
     base = setup[:-len(IN_PLACE)] if setup.endswith(IN_PLACE) else setup
     kv = kv_bytes_per_token(model) * (context + new_tokens + extra_tokens + block_tokens)
     budgets = {
@@ -100,12 +106,32 @@ def _prefill(model, cache, ids, chunk: int):
     return out.logits[:, -1:].argmax(-1)
 
 
+def _sync(model) -> None:
+    """Wait for the device's queued work: on CUDA the clock would otherwise stop while
+    kernels of the last steps still run."""
+    import torch
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _decode(model, cache, nxt, steps: int) -> tuple:
     """Time ``steps`` greedy decode steps: (seconds, the next token)."""
+    _sync(model)
     t0 = time.perf_counter()
     for _ in range(steps):
         nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    _sync(model)
     return time.perf_counter() - t0, nxt
+
+
+def _peak_device_bytes(model) -> Optional[int]:
+    """Peak bytes the CUDA caching allocator handed out in this process (None on CPU)."""
+    import torch
+
+    device = next(model.parameters()).device
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _moved_since(cache, before: dict) -> dict:
@@ -119,21 +145,24 @@ def _disk_read(moved: dict) -> int:
 
 def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
            prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = 4096,
-           device_fraction: float = 0.25, host_fraction: float = 0.25, eviction: Optional[str] = None) -> dict:
+           device_fraction: float = 0.25, host_fraction: float = 0.25, eviction: Optional[str] = None,
+           model_path: Optional[str] = None) -> dict:
     """One set-up alone in this process: prefill ``context`` tokens, ``WARMUP_STEPS``
     untimed steps, then time ``new_tokens`` greedy decode steps; peak RSS is this set-up's."""
     import torch
 
     from tiercache.models import load_model
 
-    model, tokenizer = load_model()
-    ids = make_prompt_ids(tokenizer, context)
+    model, tokenizer = load_model(model_path)
+    ids = make_prompt_ids(tokenizer, context).to(model.device)
     cache = _make_cache(setup, model, context, new_tokens, block_tokens, workdir, selection, selection_budget,
                         device_fraction, host_fraction, extra_tokens=WARMUP_STEPS, eviction=eviction)
-    tiered = setup != "dynamic"
+    tiered = setup not in ("dynamic", "hf_offload")
     with torch.inference_mode():
+        _sync(model)
         t0 = time.perf_counter()
         nxt = _prefill(model, cache, ids, prefill_chunk)
+        _sync(model)
         prefill_s = time.perf_counter() - t0
         _, nxt = _decode(model, cache, nxt, WARMUP_STEPS)
         before = cache.stats() if tiered else None
@@ -141,7 +170,8 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         decode_s, _ = _decode(model, cache, nxt, new_tokens)
     result = {"setup": setup, "context": context, "new_tokens": new_tokens, "tps": new_tokens / decode_s,
               "prefill_s": prefill_s, "kv_bytes": kv_bytes_per_token(model) * context,
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_device_bytes": _peak_device_bytes(model), "device": str(model.device)}
     if tiered:
         moved = _moved_since(cache, before)
         result["decode_bytes_moved"] = moved
@@ -165,7 +195,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                         workdir: str, prefill_chunk: int, selection: Optional[str] = None,
                         selection_budget: int = 4096, device_fraction: float = 0.25,
                         host_fraction: float = 0.25, eviction: Optional[str] = None,
-                        raw_read_bytes: int = 0) -> dict:
+                        raw_read_bytes: int = 0, model_path: Optional[str] = None) -> dict:
     """Every set-up in this one process, each prefilled once; then ``rounds`` rounds, each
     timing ``new_tokens`` steps of every set-up in turn. A slow spell of the machine (this
     one is shared) then slows every set-up alike, so the ratios hold; each set-up's tokens/s
@@ -184,8 +214,8 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
 
     from tiercache.models import load_model
 
-    model, tokenizer = load_model()
-    ids = make_prompt_ids(tokenizer, context)
+    model, tokenizer = load_model(model_path)
+    ids = make_prompt_ids(tokenizer, context).to(model.device)
     caches, nxt = {}, {}
     with torch.inference_mode():
         for setup in setups:
@@ -203,7 +233,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
         for order in orders:
             for setup in order:
                 cache = caches[setup]
-                before = cache.stats() if setup != "dynamic" else None
+                before = cache.stats() if hasattr(cache, "stats") else None
                 seconds, nxt[setup] = _decode(model, cache, nxt[setup], new_tokens)
                 tps[setup].append(new_tokens / seconds)
                 if before is not None:
@@ -218,7 +248,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                       "disk_read_bytes_per_token_rounds": disk_read[setup]}
         if setup == "quest":
             out[setup]["attention"] = caches[setup].attention_stats()
-        if setup != "dynamic":
+        if hasattr(caches[setup], "close"):
             caches[setup].close()
     if disk_gbps:
         out["disk_read_gbps_rounds"] = disk_gbps
@@ -232,7 +262,7 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
            "--prefill-chunk", str(args.prefill_chunk), "--dir", workdir,
            "--selection", args.selection, "--selection-budget", str(args.selection_budget),
            "--device-fraction", str(args.device_fraction), "--host-fraction", str(args.host_fraction),
-           "--eviction", args.eviction]
+           "--eviction", args.eviction] + (["--model", args.model] if args.model else [])
     if setup == SIDE_BY_SIDE:
         cmd += ["--setups", ",".join(args.setup_list), "--rounds", str(args.rounds), "--io-size", args.io_size]
         cmd += ["--disk-gbps", str(args.disk_gbps)] if args.disk_gbps is not None else []
@@ -305,7 +335,8 @@ def _parser() -> argparse.ArgumentParser:
                    "the side-by-side run and takes the ratios from the separate processes")
     p.add_argument("--block-tokens", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=1024)
-    p.add_argument("--setups", default=",".join(SETUPS), help="comma list of %s" % ", ".join(SETUPS))
+    p.add_argument("--setups", default=None, help="comma list of %s (default: all; hf_offload only where CUDA "
+                   "is present)" % ", ".join(SETUPS))
     p.add_argument("--dir", default=None, help="work directory for the disk tier (default: a temp dir under .)")
     p.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (default: measured now)")
     p.add_argument("--io-size", default="512MiB", help="bytes the raw disk reads after the disk set-up's turn "
@@ -320,6 +351,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     p.add_argument("--eviction", default="", help="eviction policy of the tiered set-ups (default: "
                    "TierConfig's)")
+    p.add_argument("--model", default=None, help="a local Hugging Face model folder (default: the default "
+                   "model, SmolLM2-135M-Instruct); it runs on CUDA where present")
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -334,10 +367,10 @@ def run(argv: Optional[list] = None) -> int:
 
         raw_read_bytes = 0 if args.disk_gbps is not None else parse_bytes(args.io_size, "--io-size")
         print(json.dumps(worker_side_by_side(args.setups.split(","), args.context, args.new_tokens, args.rounds,
-                                             *common, raw_read_bytes=raw_read_bytes)))
+                                             *common, raw_read_bytes=raw_read_bytes, model_path=args.model)))
         return 0
     if args.worker:
-        print(json.dumps(worker(args.worker, args.context, args.new_tokens, *common)))
+        print(json.dumps(worker(args.worker, args.context, args.new_tokens, *common, model_path=args.model)))
         return 0
     if args.new_tokens < 1 or args.rounds < 0:
         raise ValueError(f"--new-tokens must be >= 1 and --rounds >= 0, got {args.new_tokens} and {args.rounds}")
@@ -348,12 +381,20 @@ def run(argv: Optional[list] = None) -> int:
             raise ValueError(f"{flag}: must be in (0, 1], got {value}")
     cfg = TierConfig(selection=args.selection, selection_budget=args.selection_budget,
                      block_tokens=args.block_tokens, **({"eviction": args.eviction} if args.eviction else {}))
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if args.setups is None:
+        args.setups = ",".join(s for s in SETUPS if cuda or s not in CUDA_ONLY)
     setups = [s for s in args.setups.split(",") if s]
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:
         raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}")
+    if not cuda and set(setups) & set(CUDA_ONLY):
+        raise ValueError(f"--setups: {', '.join(sorted(set(setups) & set(CUDA_ONLY)))} needs CUDA, and this "
+                         f"machine has none")
     args.setup_list = setups
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-", dir=args.dir or ".") as workdir:
         isolated = {}
@@ -379,12 +420,14 @@ def run(argv: Optional[list] = None) -> int:
         out[f"{setup}_tps"] = results[setup]["tps"]
         out.setdefault("isolated_tps", {})[setup] = isolated[setup]["tps"]
         out.setdefault("peak_rss_bytes", {})[setup] = isolated[setup]["peak_rss_bytes"]
+        if isolated[setup].get("peak_device_bytes") is not None:
+            out.setdefault("peak_device_bytes", {})[setup] = isolated[setup]["peak_device_bytes"]
         out.setdefault("setups", {})[setup] = isolated[setup]
     if together:
         out["side_by_side"] = together
     dyn = results.get("dynamic", {}).get("tps")
     if dyn:
-        for setup in ("fits", "host", "host" + IN_PLACE):
+        for setup in ("fits", "host", "host" + IN_PLACE, "hf_offload"):
             if setup in results:
                 out[f"{setup}_ratio"] = results[setup]["tps"] / dyn
     for setup in ("disk", "disk" + IN_PLACE):
@@ -403,8 +446,10 @@ def run(argv: Optional[list] = None) -> int:
         print(f"decode tokens/s at {args.context} tokens of context ({how}; alone: each set-up in its own process):")
         for setup in setups:
             ratio = out.get(setup + "_bound_ratio", out.get(setup + "_ratio", 1.0))
+            gpu = isolated[setup].get("peak_device_bytes")
             print(f"  {setup:<12} {results[setup]['tps']:6.2f} tok/s  ratio {ratio:.2f}   alone "
-                  f"{isolated[setup]['tps']:6.2f} tok/s  peak RSS {isolated[setup]['peak_rss_bytes'] / 2**20:7.0f} MiB")
+                  f"{isolated[setup]['tps']:6.2f} tok/s  peak RSS {isolated[setup]['peak_rss_bytes'] / 2**20:7.0f} MiB"
+                  + (f"  peak GPU {gpu / 2**20:7.0f} MiB" if gpu is not None else ""))
         if "quest_vs_disk_ratio" in out:
             print(f"  quest / disk streaming: {out['quest_vs_disk_ratio']:.2f}x (read "
                   f"{100 * out.get('quest_pages_read_fraction', 1.0):.0f}% of the pages per decode step)")

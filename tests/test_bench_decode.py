@@ -87,6 +87,47 @@ def test_the_disk_bound_pairs_each_round_with_a_raw_read_right_after_it(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bench_decode_runs_any_local_model_folder(tmp_path):
+    """``--model`` takes a local Hugging Face folder (here a tiny random Llama with a real
+    tokenizer's files): every set-up loads it, and on CPU no GPU peak is reported."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from tiercache.models import ModelNotFoundError, ensure_converted
+
+    try:
+        default = ensure_converted()
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model (for its tokenizer) unavailable: {exc}")
+    folder = tmp_path / "tiny"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{default}/{name}", folder / name)
+    cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--model", str(folder), "--context", "64",
+           "--new-tokens", "2", "--rounds", "1", "--block-tokens", "16", "--setups", "dynamic,fits",
+           "--dir", str(tmp_path), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert r["fits_tps"] > 0 and r["dynamic_tps"] > 0
+    assert r["setups"]["fits"]["kv_bytes"] == 64 * 2 * 2 * 16 * 4 * 2  # tokens x K,V x heads x dim x fp32 x layers
+    if not torch.cuda.is_available():
+        assert "peak_device_bytes" not in r and r["setups"]["fits"]["device"] == "cpu"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_transformers_offloaded_cache_is_refused_without_cuda():
+    from tiercache.bench.decode import run
+
+    with pytest.raises(ValueError, match="hf_offload needs CUDA"):
+        run(["--setups", "dynamic,hf_offload"])
+
+
 def test_bench_decode_refuses_bad_arguments():
     from tiercache.bench.decode import run
 

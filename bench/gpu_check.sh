@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The checks that need CUDA, in one prepared run on a GPU machine:
+#   bash bench/gpu_check.sh OUTDIR [MODEL_DIR]
+# tiercache must be installed (not only this checkout: it runs from a scratch folder, where
+# the checkout's tiercache/ cannot shadow the installed package). Steps, each with its own
+# time limit and log OUTDIR/<step>.log, a failed step not stopping the rest:
+#   env      GPU, driver, torch, transformers, the scratch folder's filesystem
+#   gputests the `gpu`-marked tests
+#   decode   tiercache bench decode --json (with --model MODEL_DIR if given; $DECODE_SETUPS
+#            picks the set-ups)
+#   io       tiercache bench io --json
+#   suite    the rest of the test suite on this CUDA machine (not the `model` tests)
+set -u
+OUT=${1:?usage: gpu_check.sh OUTDIR [MODEL_DIR]}
+MODEL=${2:-}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tiercache-gpu-XXXXXX")
+mkdir -p "$OUT"
+cd "$WORK" || exit 1
+step() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    start=$(date +%s)
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "== $name: rc=$rc in $(( $(date +%s) - start ))s"
+    tail -n "${TAIL:-20}" "$OUT/$name.log"
+}
+env_info() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+    python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name())"
+    df -hT "$WORK"; nproc; free -g
+    python3 -c "from tiercache.disk import probe_direct_io; print('O_DIRECT:', probe_direct_io('$WORK'))"
+}
+export WORK
+step env 30 bash -c "$(declare -f env_info); env_info"
+step gputests 90 python3 -m pytest "$REPO/tests/test_gpu.py" -v -rfEs --tb=short -p no:cacheprovider
+step decode "${DECODE_LIMIT:-240}" python3 -m tiercache.cli bench decode --json --dir "$WORK" \
+    ${DECODE_SETUPS:+--setups "$DECODE_SETUPS"} ${MODEL:+--model "$MODEL"}
+step io 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB
+step suite "${SUITE_LIMIT:-100}" python3 -m pytest "$REPO/tests" -q -rfE --tb=short -p no:cacheprovider -m "not model and not gpu" \
+    -n "${SUITE_WORKERS:-12}" --timeout 100 --deselect "$REPO/tests/test_packaging.py"
+rm -rf "$WORK"
