@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need CUDA, in one prepared run on a GPU machine:
 #   bash bench/gpu_check.sh OUTDIR [MODEL_DIR]
+# MODEL_DIR: a local model folder for bench decode, e.g. the default model's config and
+# tokenizer with random weights (python -m tiercache.bench.random_model SRC MODEL_DIR) where
+# the weights cannot travel.
 # tiercache must be installed (not only this checkout: it runs from a scratch folder, where
 # the checkout's tiercache/ cannot shadow the installed package). Steps, each with its own
 # time limit and log OUTDIR/<step>.log, a failed step not stopping the rest:
@@ -39,6 +42,9 @@ step gputests 90 python3 -m pytest "$REPO/tests/test_gpu.py" -v -rfEs --tb=short
 step decode "${DECODE_LIMIT:-240}" python3 -m tiercache.cli bench decode --json --dir "$WORK" \
     ${DECODE_SETUPS:+--setups "$DECODE_SETUPS"} ${MODEL:+--model "$MODEL"}
 step io 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB
-step suite "${SUITE_LIMIT:-100}" python3 -m pytest "$REPO/tests" -q -rfE --tb=short -p no:cacheprovider -m "not model and not gpu" \
-    -n "${SUITE_WORKERS:-12}" --timeout 100 --deselect "$REPO/tests/test_packaging.py"
+# -v: each result is its own line as it comes, so failures are named even if the limit cuts
+# the run short (-rfE's summary would come only at the end)
+TAIL=5 step suite "${SUITE_LIMIT:-100}" python3 -m pytest "$REPO/tests" -v -rfE --tb=short -p no:cacheprovider \
+    -m "not model and not gpu" -n "${SUITE_WORKERS:-12}" --timeout 100 --deselect "$REPO/tests/test_packaging.py"
+grep -E "(FAILED|ERROR) " "$OUT/suite.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort -u | head -40
 rm -rf "$WORK"

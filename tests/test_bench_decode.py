@@ -88,8 +88,9 @@ def test_the_disk_bound_pairs_each_round_with_a_raw_read_right_after_it(tmp_path
 
 
 def test_bench_decode_runs_any_local_model_folder(tmp_path):
-    """``--model`` takes a local Hugging Face folder (here a tiny random Llama with a real
-    tokenizer's files): every set-up loads it, and on CPU no GPU peak is reported."""
+    """``--model`` takes a local Hugging Face folder (here a tiny Llama config with the real
+    tokenizer's files and random weights from ``bench.random_model``, as the GPU checks
+    use): every set-up loads it, and on CPU no GPU peak is reported."""
     import shutil
 
     import torch
@@ -101,13 +102,17 @@ def test_bench_decode_runs_any_local_model_folder(tmp_path):
         default = ensure_converted()
     except ModelNotFoundError as exc:
         pytest.skip(f"default model (for its tokenizer) unavailable: {exc}")
-    folder = tmp_path / "tiny"
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    from tiercache.bench.random_model import make
+
+    src, folder = tmp_path / "src", tmp_path / "tiny"
+    src.mkdir()
+    transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512).save_pretrained(src)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{default}/{name}", folder / name)
+        shutil.copy(f"{default}/{name}", src / name)
+    make(str(src), str(folder))  # src's config and tokenizer, random weights
+    assert (folder / "tokenizer.json").exists() and (folder / "model.safetensors").exists()
     cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--model", str(folder), "--context", "64",
            "--new-tokens", "2", "--rounds", "1", "--block-tokens", "16", "--setups", "dynamic,fits",
            "--dir", str(tmp_path), "--json"]
