@@ -55,8 +55,8 @@ def test_a_block_written_behind_slow_kernels_is_copied_down_only_after_they_ran(
 
 def test_many_blocks_move_in_one_batch_and_stay_exact(tmp_path):
     """ensure_device of many host and disk blocks at once: the host->device copies go on the
-    copy stream as one batch with one wait (and disk blocks through pinned staging), every
-    block arrives exact, and evictions demote others device->host meanwhile."""
+    copy stream in batches (disk blocks through pinned staging), every block arrives exact
+    and is counted as one fetch, and evictions demote others device->host meanwhile."""
     g = BlockGeometry(1, 2, 16, 64, torch.float32)
     cfg = TierConfig(device_budget=12 * g.block_bytes, host_budget=16 * g.padded_bytes,
                      disk_dir=str(tmp_path / "kv"), disk_budget="16MiB", block_tokens=16, device="cuda")
@@ -65,11 +65,21 @@ def test_many_blocks_move_in_one_batch_and_stay_exact(tmp_path):
         for k, v in data.items():
             store.put(k, v)
         keys = list(data)
+
+        def fetched() -> int:  # blocks counted as moved into the device tier so far
+            moves = store.stats()["moves"]
+            return sum(moves.get(f"{src}->device", {}).get("blocks", 0) for src in ("host", "disk"))
         for lo in (0, 10, 20, 30, 5):
+            store.wait_idle()
+            need = [k for k in keys[lo:lo + 10] if Tier.DEVICE not in store.tiers_of(k)]
+            before = fetched()
             _busy_gpu(5)
             store.ensure_device(keys[lo:lo + 10], pin=False)
             for k in keys[lo:lo + 10]:
                 assert Tier.DEVICE in store.tiers_of(k)
+            # each fetch counted once, under its own direction (the batch that makes room
+            # moves blocks device->host in the same call)
+            assert fetched() - before == len(need)
         store.wait_idle()
         for k, v in data.items():
             assert torch.equal(store.get(k), v.cpu()), k
