@@ -126,6 +126,15 @@ def _decode(model, cache, nxt, steps: int) -> tuple:
     return time.perf_counter() - t0, nxt
 
 
+def _check_used(setup: str, cache, expected: int) -> None:
+    """The cache holds every token decoded so far: a model that ignored ``cache=`` (as
+    transformers before 5.24 does without a word) would be timed on a fresh cache per step."""
+    held = cache.get_seq_length()
+    if held != expected:
+        raise RuntimeError(f"bench decode: the {setup} cache holds {held} tokens after decoding, expected "
+                           f"{expected}: the model did not use the cache it was given")
+
+
 def _peak_device_bytes(model) -> Optional[int]:
     """Peak bytes the CUDA caching allocator handed out in this process (None on CPU)."""
     import torch
@@ -168,6 +177,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         before = cache.stats() if tiered else None
         reads_before = cache.attention_stats()["reads"] if tiered else None
         decode_s, _ = _decode(model, cache, nxt, new_tokens)
+        _check_used(setup, cache, ids.shape[1] + WARMUP_STEPS + new_tokens)
     result = {"setup": setup, "context": context, "new_tokens": new_tokens, "tps": new_tokens / decode_s,
               "prefill_s": prefill_s, "kv_bytes": kv_bytes_per_token(model) * context,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -243,6 +253,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                     disk_gbps.append(num_bytes / seconds / 1e9)
     out = {}
     for setup in setups:
+        _check_used(setup, caches[setup], ids.shape[1] + WARMUP_STEPS + new_tokens * rounds)
         out[setup] = {"tps": statistics.median(tps[setup]), "tps_rounds": tps[setup],
                       "disk_read_bytes_per_token": sum(disk_read[setup]) / rounds if disk_read[setup] else 0.0,
                       "disk_read_bytes_per_token_rounds": disk_read[setup]}

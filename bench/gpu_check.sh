@@ -13,13 +13,18 @@
 #            picks the set-ups)
 #   io       tiercache bench io --json
 #   suite    the rest of the test suite on this CUDA machine (not the `model` tests)
+# Exit status: the number of steps that failed.
 set -u
 OUT=${1:?usage: gpu_check.sh OUTDIR [MODEL_DIR]}
 MODEL=${2:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/tiercache-gpu-XXXXXX")
-mkdir -p "$OUT"
+# absolute: the steps run in a scratch folder
+OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd) || exit 1
+if [ -n "$MODEL" ]; then MODEL=$(cd "$MODEL" && pwd) || exit 1; fi
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tiercache-gpu-XXXXXX") || exit 1
+trap 'rm -rf "$WORK"' EXIT
 cd "$WORK" || exit 1
+FAILED=0
 step() {
     local name=$1 limit=$2 start rc
     shift 2
@@ -27,6 +32,7 @@ step() {
     start=$(date +%s)
     timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
+    [ "$rc" -eq 0 ] || FAILED=$((FAILED + 1))
     echo "== $name: rc=$rc in $(( $(date +%s) - start ))s"
     tail -n "${TAIL:-20}" "$OUT/$name.log"
 }
@@ -45,6 +51,6 @@ step io 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB
 # -v: each result is its own line as it comes, so failures are named even if the limit cuts
 # the run short (-rfE's summary would come only at the end)
 TAIL=5 step suite "${SUITE_LIMIT:-100}" python3 -m pytest "$REPO/tests" -v -rfE --tb=short -p no:cacheprovider \
-    -m "not model and not gpu" -n "${SUITE_WORKERS:-12}" --timeout 100 --deselect "$REPO/tests/test_packaging.py"
+    -m "not model and not gpu" -n "${SUITE_WORKERS:-12}" --timeout 100 --ignore "$REPO/tests/test_packaging.py"
 grep -E "(FAILED|ERROR) " "$OUT/suite.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort -u | head -40
-rm -rf "$WORK"
+exit "$FAILED"

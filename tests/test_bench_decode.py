@@ -142,3 +142,17 @@ def test_bench_decode_refuses_bad_arguments():
         run(["--setups", "dynamic,warp"])
     with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
         run(["--eviction", "mru"])
+
+
+def test_a_cache_the_model_did_not_use_stops_the_benchmark():
+    """transformers before 5.24 dropped ``cache=`` silently: every set-up then timed a fresh
+    one-token cache per step (seen on a GPU machine). The benchmark checks each cache holds
+    the tokens it decoded and stops, naming the set-up, when one does not."""
+    from transformers import DynamicCache
+
+    from tiercache.bench.decode import _check_used
+
+    cache = DynamicCache()
+    _check_used("dynamic", cache, 0)
+    with pytest.raises(RuntimeError, match="the host cache holds 0 tokens after decoding, expected 8200"):
+        _check_used("host", cache, 8200)
