@@ -38,7 +38,7 @@ step() {
 }
 env_info() {
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
-    python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name())"
+    python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     df -hT "$WORK"; nproc; free -g
     python3 -c "from tiercache.disk import probe_direct_io; print('O_DIRECT:', probe_direct_io('$WORK'))"
 }
@@ -50,7 +50,8 @@ step decode "${DECODE_LIMIT:-240}" python3 -m tiercache.cli bench decode --json 
 step io 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB
 # -v: each result is its own line as it comes, so failures are named even if the limit cuts
 # the run short (-rfE's summary would come only at the end)
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${SUITE_WORKERS:-12}")  # pytest-xdist if installed
 TAIL=5 step suite "${SUITE_LIMIT:-100}" python3 -m pytest "$REPO/tests" -v -rfE --tb=short -p no:cacheprovider \
-    -m "not model and not gpu" -n "${SUITE_WORKERS:-12}" --timeout 100 --ignore "$REPO/tests/test_packaging.py"
+    -m "not model and not gpu" $XDIST --timeout 100 --ignore "$REPO/tests/test_packaging.py"
 grep -E "(FAILED|ERROR) " "$OUT/suite.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort -u | head -40
 exit "$FAILED"
