@@ -90,7 +90,7 @@ class TieredLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.sliding_window if self.is_sliding else -1
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:  # 5.25 passes recurrent_states_to_keep
         self.record_past = True
 
     def reset(self) -> None:
@@ -126,7 +126,7 @@ def check_transformers(version: Optional[str] = None) -> None:
     if Version(found) < Version(MIN_TRANSFORMERS):
         raise TierCacheError(f"tiercache needs transformers >= {MIN_TRANSFORMERS} (found {found}): older "
                              f"releases do not take the cache as cache=; pip install "
-                             f"'transformers>={MIN_TRANSFORMERS},<5.25'")
+                             f"'transformers>={MIN_TRANSFORMERS},<5.26'")
 
 
 def check_supported(config: Any) -> Any:
