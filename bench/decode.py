@@ -166,7 +166,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
     ids = make_prompt_ids(tokenizer, context).to(model.device)
     cache = _make_cache(setup, model, context, new_tokens, block_tokens, workdir, selection, selection_budget,
                         device_fraction, host_fraction, extra_tokens=WARMUP_STEPS, eviction=eviction)
-    tiered = setup not in ("dynamic", "hf_offload")
+    tiered = hasattr(cache, "stats")  # a TieredCache, not one of transformers' caches
     with torch.inference_mode():
         _sync(model)
         t0 = time.perf_counter()

@@ -113,7 +113,7 @@ class TieredLayer(CacheLayerMixin):
 MIN_TRANSFORMERS = "5.24"  # the first release whose generate() and models take ``cache=``
 
 
-def check_transformers(version: Optional[str] = None) -> None:
+def check_transformers() -> None:
     """Raise ``TierCacheError`` when transformers is older than ``MIN_TRANSFORMERS``. Older
     5.x releases take the cache as ``past_key_values=`` only: ``generate(cache=...)`` is
     refused and a model's forward drops ``cache=`` silently, so decoding would run on a
@@ -122,7 +122,7 @@ def check_transformers(version: Optional[str] = None) -> None:
 
     import transformers
 
-    found = version or transformers.__version__
+    found = transformers.__version__
     if Version(found) < Version(MIN_TRANSFORMERS):
         raise TierCacheError(f"tiercache needs transformers >= {MIN_TRANSFORMERS} (found {found}): older "
                              f"releases do not take the cache as cache=; pip install "

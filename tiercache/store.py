@@ -1398,13 +1398,12 @@ class BlockStore:
         start even when the caller helps, so that a demand batch reaches the stream ahead
         of a prefetch the caller queues before it helps."""
         copies = [m for m in moves if Tier.DISK not in (m.src, m.dst)]
-        barrier = None
         try:
-            if self._cuda and copies:  # before any move is marked started: if it fails, all go back
-                barrier = self._compute_barrier()
             if len(copies) < (1 if help_here is not None else 2):
                 return [self._submit(m, priority) for m in moves]
             futures = [self._submit(m, priority) for m in moves if Tier.DISK in (m.src, m.dst)]
+            # before any copy is marked started: if it fails, all go back
+            barrier = self._compute_barrier()
         except BaseException:  # interrupted while queueing: the moves not started go back
             with self._lock:
                 self._abandon(moves)
@@ -1508,7 +1507,7 @@ class BlockStore:
         if work:
             self.engine.submit(functools.partial(self._drain, work, Priority.DEMAND), Priority.DEMAND)
 
-    def _drain(self, work: collections.deque, priority: Optional[Priority], parallel: bool = False) -> None:
+    def _drain(self, work: "_Work", priority: Optional[Priority], parallel: bool = False) -> None:
         """Copy pieces off ``work`` until it is empty. A worker (``priority`` given) stops
         after ``_CHUNK_BYTES`` and queues itself again, so that a demand read queued
         meanwhile waits for one chunk at most."""
@@ -1520,7 +1519,7 @@ class BlockStore:
                 piece = work.popleft()
             except IndexError:
                 return
-            self._run_piece(piece, parallel, getattr(work, "compute_event", None))
+            self._run_piece(piece, parallel, work.compute_event)
             done += len(piece) * self.geometry.block_bytes
             if priority is not None and done >= _CHUNK_BYTES and work:
                 try:
