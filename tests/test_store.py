@@ -1274,3 +1274,78 @@ def test_a_disk_without_room_for_the_step_ahead_still_takes_a_record_that_fits(t
             assert bool((out == slot).all())
     finally:
         disk.close()
+
+
+def test_staged_copies_scatter_and_gather_any_slots_as_host_slots():
+    """The pool half of CUDA's host<->device path, on CPU: blocks laid out as host slots
+    (K then V, padded) go into scattered device slots and come back the same, one block or
+    many; the padding read back is zeros, never another block's bytes."""
+    from tiercache.tiers import BlockGeometry, DevicePool, HostPool
+    g = BlockGeometry(2, 3, 5, 7, torch.float32)  # 2*3*5*7*4*2 = 1680 bytes: padded to 4096
+    assert g.padded_bytes > g.block_bytes
+    pool, host = DevicePool(g, 9, torch.device("cpu")), HostPool(g, 6, pin=False)
+    pool.k.fill_(-1.0)
+    pool.v.fill_(-1.0)
+    blocks_in = [torch.randn(g.shape) for _ in range(6)]
+    for i, b in enumerate(blocks_in):
+        host.view(i).copy_(b)
+    unit = host.slot_bytes
+    slots = [7, 2, 5, 0, 8]
+    pool.write_staged(slots, host.buffer[:5 * unit].clone(), unit)
+    pool.write_staged([4], host.buffer[5 * unit:6 * unit].clone(), unit)
+    for slot, block in zip(slots + [4], blocks_in):
+        out = torch.empty(g.shape)
+        pool.read_block(slot, out)
+        assert torch.equal(out, block), slot
+    assert bool((pool.k[:, [1, 3, 6]] == -1.0).all()), "a slot nobody wrote changed"
+    for chosen in ([8, 7, 2], [5]):
+        staged = torch.full((len(chosen) * unit,), 0xAB, dtype=torch.uint8)
+        pool.read_staged(chosen, staged, unit)
+        for i, slot in enumerate(chosen):
+            got = staged[i * unit:(i + 1) * unit]
+            expect = blocks_in[(slots + [4]).index(slot)]
+            assert torch.equal(got[:g.block_bytes].view(torch.float32).view(g.shape), expect)
+            assert not got[g.block_bytes:].any(), "padding must read back as zeros"
+
+
+@pytest.mark.parametrize("host_slots", [16, 0], ids=["host", "no-host"])
+def test_the_staged_host_device_path_moves_scattered_batches_exactly(tmp_path, host_slots):
+    """CUDA's batched host<->device path (``_host_device_copy``), switched on for a CPU store:
+    fetches of scattered host slots into scattered device slots and demotions the other
+    way, in batches that evictions interleave with, plus disk<->device moves through the
+    staging buffers (``no-host``: every move is one of those); every block reads back
+    byte for byte and each fetch counts once."""
+    from tiercache.tiers import BlockGeometry
+    g = BlockGeometry(2, 3, 5, 7, torch.float32)  # padded slots, two batch rows
+    cfg = TierConfig(device_budget=12 * g.block_bytes, host_budget=host_slots * g.padded_bytes,
+                     disk_dir=str(tmp_path / "kv"), disk_budget="16MiB", block_tokens=5)
+    with BlockStore(cfg, g) as store:
+        store._staged_copies = True
+        gen = torch.Generator().manual_seed(3)
+        data = {BlockKey(0, 0, i): torch.randn(g.shape, generator=gen) for i in range(40)}
+        for k, v in data.items():
+            store.put(k, v)
+        keys = list(data)
+
+        def fetched() -> int:
+            moves = store.stats()["moves"]
+            return sum(moves.get(f"{src}->device", {}).get("blocks", 0) for src in ("host", "disk"))
+        for chosen in (keys[0:10], keys[10:20:2] + keys[31:36], keys[30:40], keys[5:15][::-1], keys[::4]):
+            store.wait_idle()
+            need = [k for k in chosen if Tier.DEVICE not in store.tiers_of(k)]
+            before = fetched()
+            store.ensure_device(chosen, pin=False)
+            assert all(Tier.DEVICE in store.tiers_of(k) for k in chosen)
+            assert fetched() - before == len(need)
+            store.check()
+        wait_all(store.demote_many(keys[::4][:6]))
+        store.wait_idle()
+        for k, v in data.items():
+            assert torch.equal(store.get(k), v), k
+        moves = store.stats()["moves"]
+        if host_slots:
+            assert moves["host->device"]["blocks"] > 0 and moves["device->host"]["blocks"] > 0
+            assert moves.get("disk->device", moves.get("disk->host", {})).get("blocks", 0) > 0
+        else:
+            assert moves["disk->device"]["blocks"] > 0 and moves["device->disk"]["blocks"] > 0
+        store.check()

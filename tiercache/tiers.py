@@ -11,7 +11,7 @@ import functools
 import logging
 import mmap
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -110,6 +110,52 @@ class DevicePool:
         # out: [2, B, H, T, D], contiguous
         out[0].view(self.k.shape[0], -1).copy_(self.k[:, slot], non_blocking=non_blocking)
         out[1].view(self.v.shape[0], -1).copy_(self.v[:, slot], non_blocking=non_blocking)
+
+    def _staged(self, staged: torch.Tensor, slot_bytes: int) -> tuple:
+        # uint8 [n * slot_bytes], blocks laid out as host slots ([2, B, H, T, D], padded)
+        # -> K and V as [B*H, n, T*D] views, and the padding [n, pad] (empty if none)
+        g = self.geometry
+        rows, width = self.k.shape[0], self.k.shape[2]
+        plane = rows * width
+        flat = staged.view(g.dtype).view(-1, slot_bytes // g.itemsize)
+        k = flat[:, :plane].view(-1, rows, width).transpose(0, 1)
+        v = flat[:, plane:2 * plane].view(-1, rows, width).transpose(0, 1)
+        return k, v, flat[:, 2 * plane:]
+
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        index = torch.tensor(slots, dtype=torch.long)
+        if self.device.type == "cuda":  # pinned: the copy is queued, the host does not wait
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return index
+
+    def write_staged(self, slots: Sequence[int], staged: torch.Tensor, slot_bytes: int) -> None:
+        """Scatter blocks from ``staged`` (on this pool's device; ``len(slots)`` blocks laid
+        out as host slots of ``slot_bytes``) into ``slots``: one kernel per pool for any
+        number of blocks, on the current stream. A host->device move is then one copy of
+        the host slots' bytes as they are (adjacent slots together) plus this, instead of
+        a temporary, a copy and a kernel for each of K and V of each block."""
+        k, v, _ = self._staged(staged, slot_bytes)
+        if len(slots) == 1:
+            self.k[:, slots[0]].copy_(k[:, 0])
+            self.v[:, slots[0]].copy_(v[:, 0])
+            return
+        index = self._index(slots)
+        self.k.index_copy_(1, index, k)
+        self.v.index_copy_(1, index, v)
+
+    def read_staged(self, slots: Sequence[int], staged: torch.Tensor, slot_bytes: int) -> None:
+        """The reverse of ``write_staged``: gather ``slots`` into ``staged`` as host slots
+        (padding zeroed), ready for one copy down per run of adjacent host slots."""
+        k, v, pad = self._staged(staged, slot_bytes)
+        if len(slots) == 1:
+            k[:, 0].copy_(self.k[:, slots[0]])
+            v[:, 0].copy_(self.v[:, slots[0]])
+        else:
+            index = self._index(slots)
+            k.copy_(self.k.index_select(1, index))
+            v.copy_(self.v.index_select(1, index))
+        if pad.numel():
+            pad.zero_()
 
     def read_rows(self, slots: Union[int, slice], k_out, v_out) -> None:
         """CPU: copy the K and V of a slot (or a slice of slots) into ``k_out``, ``v_out``
