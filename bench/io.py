@@ -51,7 +51,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from tiercache.config import TierConfig, format_bytes, parse_bytes
+from tiercache.config import DISK_IO_BACKENDS, TierConfig, format_bytes, parse_bytes
 from tiercache.disk import DiskTier
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey, Tier
@@ -72,7 +72,8 @@ ROUND_BYTES = 64 << 20  # bytes per turn of the store and of its baseline (see _
 
 
 def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int, *,
-               raw_tool: str = "auto", device: Optional[str] = None, rounds: Optional[int] = None) -> dict:
+               raw_tool: str = "auto", device: Optional[str] = None, rounds: Optional[int] = None,
+               disk_io: str = "auto") -> dict:
     """Measure the store's tier moves and the raw hardware with ~``total_bytes`` of blocks.
 
     Args:
@@ -86,6 +87,8 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
         device: where the device tier lives; CUDA when available, else CPU.
         rounds: how many slices each phase is cut into, the store and its baseline taking
             turns slice by slice (default: one per ``ROUND_BYTES``, at least 2).
+        disk_io: the store's disk backend (``TierConfig.disk_io``); the result's ``disk_io``
+            names the one that ran.
 
     Returns a dict of GB/s rates (``write_gbps``, ``read_gbps``, ``raw_write_gbps``,
     ``raw_read_gbps``, ``d2h_gbps``, ``h2d_gbps``, ``copy_d2h_gbps``, ``copy_h2d_gbps``),
@@ -110,20 +113,20 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
     workdir = tempfile.mkdtemp(prefix="tiercache-bench-io-", dir=directory)
     try:
         result = _measure_in(workdir, geometry, num_blocks, workers, raw_tool, torch.device(device),
-                             min(rounds, num_blocks))
+                             min(rounds, num_blocks), disk_io)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
 def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers: int,
-                raw_tool: str, device: torch.device, rounds: int) -> dict:
+                raw_tool: str, device: torch.device, rounds: int, disk_io: str = "auto") -> dict:
     record_bytes = DiskTier.record_size(geometry)
     config = TierConfig(device_budget=num_blocks * geometry.block_bytes,
                         host_budget=num_blocks * geometry.padded_bytes,
                         disk_budget=num_blocks * record_bytes,
                         disk_dir=os.path.join(workdir, "store"),
-                        block_tokens=geometry.block_tokens, io_workers=workers)
+                        block_tokens=geometry.block_tokens, io_workers=workers, disk_io=disk_io)
     payload_bytes = num_blocks * geometry.block_bytes
     keys = [BlockKey(0, 0, i) for i in range(num_blocks)]
     raw = RawDisk(raw_tool, os.path.join(workdir, "raw.dat"), record_bytes, num_blocks, workers)
@@ -174,7 +177,7 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
             _expect_moves(store, "disk->host", len(keys))
             phases["h2d"] = copies("h2d", lambda g: lambda: store.ensure_device(g, pin=False))
             _expect_moves(store, "host->device", len(keys))
-        direct_io = store.disk.direct_io
+        direct_io, disk_io = store.disk.direct_io, store.disk.io
 
     result = {
         "block_tokens": geometry.block_tokens,
@@ -185,6 +188,7 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
         "workers": workers,
         "device": device.type,
         "direct_io": direct_io,
+        "disk_io": disk_io,
         "raw_tool": raw_tool,
         "page_cache_dropped": dropped,
         "rounds": len(groups),
@@ -541,6 +545,8 @@ def _parser() -> argparse.ArgumentParser:
                         "and at least two rounds); as large as --size: one turn each")
     p.add_argument("--raw-tool", choices=("auto", "fio", "dd"), default="auto",
                    help="raw disk tool (default: fio when installed, else dd)")
+    p.add_argument("--disk-io", choices=DISK_IO_BACKENDS, default=defaults.disk_io,
+                   help="the store's disk backend (default auto: kvikio on CUDA when installed, else posix)")
     return p
 
 
@@ -565,7 +571,8 @@ def run(argv: Optional[list] = None) -> int:
     rows = []
     for tokens in sizes:
         try:
-            runs = [measure_io(args.dir, tokens, total_bytes, args.workers, raw_tool=args.raw_tool, rounds=rounds)
+            runs = [measure_io(args.dir, tokens, total_bytes, args.workers, raw_tool=args.raw_tool, rounds=rounds,
+                               disk_io=args.disk_io)
                     for _ in range(args.repeat)]
         except (ValueError, RuntimeError, OSError) as exc:  # no room, fio/dd failed, ...
             print(f"tiercache bench io: {exc}", file=sys.stderr)
@@ -582,7 +589,8 @@ def run(argv: Optional[list] = None) -> int:
         return 0
     print(f"tiercache bench io: {format_bytes(main['total_bytes'])} per measurement in "
           f"{os.path.abspath(args.dir)}, {args.workers} workers, raw disk: {main['raw_tool']} "
-          f"({'direct I/O' if main['direct_io'] else 'buffered I/O'}), device: {main['device']}, "
+          f"({'direct I/O' if main['direct_io'] else 'buffered I/O'}), store's disk I/O: {main['disk_io']}, "
+          f"device: {main['device']}, "
           f"GB/s, ratio = store / raw (* = default)")
     print(_table(rows, args.block_tokens))
     return 0

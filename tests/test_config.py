@@ -43,6 +43,7 @@ def test_budgets_are_stored_as_int_bytes_and_config_is_frozen(tmp_path):
     ("block_tokens", "16", "block_tokens"),
     ("io_workers", 0, "io_workers"),
     ("direct_io", "maybe", "direct_io"),
+    ("disk_io", "io_uring", "disk_io"),
 ])
 def test_invalid_values_name_the_field_and_value(field, value, message):
     with pytest.raises(ValueError, match=message) as info:

@@ -89,11 +89,22 @@ def test_many_blocks_move_in_one_batch_and_stay_exact(tmp_path):
         store.check()
 
 
-@pytest.mark.parametrize("slow_writes", [False, True], ids=["plain", "slow-writes"])
-def test_cuda_generation_matches_dynamic_cache(tmp_path, monkeypatch, slow_writes):
+def _needs_kvikio() -> None:
+    from tiercache.disk import kvikio_status
+    ok, why = kvikio_status()
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("slow_writes,disk_io", [(False, "posix"), (True, "posix"), (False, "kvikio")],
+                         ids=["plain", "slow-writes", "kvikio"])
+def test_cuda_generation_matches_dynamic_cache(tmp_path, monkeypatch, slow_writes, disk_io):
     """Generation on CUDA with every tier in use gives DynamicCache's tokens and logits.
     ``slow-writes``: each write of new tokens into a device slot waits behind a busy kernel,
-    so a sealed block's write-behind (device->host) finds its write still queued."""
+    so a sealed block's write-behind (device->host) finds its write still queued.
+    ``kvikio``: the disk records are written and read through kvikio."""
+    if disk_io == "kvikio":
+        _needs_kvikio()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tiercache import TieredCache
@@ -115,11 +126,62 @@ def test_cuda_generation_matches_dynamic_cache(tmp_path, monkeypatch, slow_write
     ref = model.generate(ids, **kw)
     block = 2 * 2 * 4 * 16 * 4
     tc = TierConfig(device_budget=14 * block, host_budget=6 * 4096, disk_dir=str(tmp_path / "kv"),
-                    disk_budget="1MiB", block_tokens=4)
+                    disk_budget="1MiB", block_tokens=4, disk_io=disk_io)
     with TieredCache(model, tc) as cache:
         out = model.generate(ids, cache=cache, **kw)
         stats = cache.stats()
     assert torch.equal(ref.sequences, out.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) <= 1e-5
     assert stats["moves"].get("host->device", {}).get("blocks", 0) + stats["moves"].get("disk->device", {}).get("blocks", 0) > 0
-    assert stats["tiers"][Tier.DISK.label]["blocks"] > 0
+    assert stats["tiers"][Tier.DISK.label]["blocks"] > 0 and stats["tiers"]["disk"]["io"] == disk_io
+    assert stats["moves"].get("disk->host", {}).get("blocks", 0) + stats["moves"].get("disk->device", {}).get("blocks", 0) > 0
+
+
+def test_kvikio_records_round_trip_and_a_corrupted_one_is_never_returned(tmp_path):
+    """Records written through kvikio read back exact (kvikio and posix alike: one format);
+    a payload byte flipped on disk fails the checksum; a record cut short by a truncated
+    file is refused; "auto" picks kvikio on a CUDA store."""
+    _needs_kvikio()
+    import os
+
+    from tiercache.disk import HEADER_BYTES, DiskTier, RecordError
+    g = BlockGeometry(1, 2, 16, 64, torch.float32)
+    payload = g.padded_bytes
+    blocks = [torch.randint(0, 255, (payload,), dtype=torch.uint8).pin_memory() for _ in range(6)]
+    kv = str(tmp_path / "kv")
+    disk = DiskTier(kv, g, 8, io="kvikio")
+    for i, b in enumerate(blocks):
+        disk.write(i, BlockKey(0, 0, i), b, 16)
+    out = torch.empty(payload, dtype=torch.uint8).pin_memory()
+    for i, b in enumerate(blocks):
+        assert disk.read(i, BlockKey(0, 0, i), out) == 16
+        assert torch.equal(out[:g.block_bytes], b[:g.block_bytes]), i
+    with pytest.raises(RecordError, match="expected"):
+        disk.read(1, BlockKey(0, 0, 2), out)
+    disk.close()
+    with open(os.path.join(kv, "blocks.dat"), "r+b") as f:  # flip one payload byte of record 3
+        f.seek(3 * disk.record_bytes + HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.truncate(5 * disk.record_bytes + HEADER_BYTES + 10)  # record 5 cut short
+    for io in ("kvikio", "posix"):
+        disk = DiskTier(kv, g, 8, io=io)
+        for i in (0, 1, 2, 4):
+            disk.read(i, BlockKey(0, 0, i), out)
+            assert torch.equal(out[:g.block_bytes], blocks[i][:g.block_bytes]), (io, i)
+        with pytest.raises(RecordError, match="checksum"):
+            disk.read(3, BlockKey(0, 0, 3), out)
+        with pytest.raises(RecordError, match="truncated"):
+            disk.read(5, BlockKey(0, 0, 5), out)
+        disk.close()
+    cfg = TierConfig(device_budget=4 * g.block_bytes, host_budget=0, disk_dir=str(tmp_path / "kv2"),
+                     disk_budget="16MiB", block_tokens=16, device="cuda")
+    with BlockStore(cfg, g, device="cuda") as store:
+        assert store.stats()["tiers"]["disk"]["io"] == "kvikio"
+        data = {BlockKey(0, 0, i): torch.randn(g.shape, device="cuda") for i in range(12)}
+        for k, v in data.items():
+            store.put(k, v)  # device -> disk through pinned staging and kvikio
+        for k, v in data.items():
+            assert torch.equal(store.get(k), v.cpu())
+        store.check()

@@ -1349,3 +1349,29 @@ def test_the_staged_host_device_path_moves_scattered_batches_exactly(tmp_path, h
         else:
             assert moves["disk->device"]["blocks"] > 0 and moves["device->disk"]["blocks"] > 0
         store.check()
+
+
+def test_the_disk_backend_is_named_and_kvikio_where_it_cannot_run_is_refused(tmp_path, geometry):
+    """disk_io: "auto" takes posix on a CPU store (kvikio needs CUDA) and stats() say which
+    backend reads and writes the records; asking for kvikio on a CPU store is refused by
+    name before anything is allocated, and the directory stays usable."""
+    cfg = tiny_config(tmp_path, geometry)
+    with BlockStore(cfg, geometry) as store:
+        disk = store.stats()["tiers"]["disk"]
+        assert disk["io"] == "posix" and disk["direct_io"] == store.disk.direct_io
+    with pytest.raises(ValueError, match=r"disk_io: 'kvikio' needs the model on a CUDA device .*cpu"):
+        BlockStore(cfg.replace(disk_io="kvikio"), geometry)
+    with BlockStore(cfg.replace(disk_io="posix"), geometry) as store:  # the lock was not left taken
+        assert store.stats()["tiers"]["disk"]["io"] == "posix"
+
+
+def test_kvikio_backend_is_refused_with_the_reason_when_it_cannot_run(tmp_path, geometry):
+    """A DiskTier asked for kvikio where kvikio cannot run (here: no CUDA) says why, and
+    gives back the directory's lock and files."""
+    from tiercache.disk import DiskTier, kvikio_status
+    ok, why = kvikio_status()
+    if ok:
+        pytest.skip("kvikio runs here")
+    with pytest.raises(ValueError, match="disk_io: 'kvikio' cannot run here: .*(CUDA|kvikio)"):
+        DiskTier(str(tmp_path / "kv"), geometry.with_batch(1), 4, io="kvikio")
+    DiskTier(str(tmp_path / "kv"), geometry.with_batch(1), 4).close()  # the lock was released

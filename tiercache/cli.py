@@ -32,6 +32,8 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
                    "lookahead, history")
     g.add_argument("--io-workers", type=int, default=4, help="disk I/O threads")
     g.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"])
+    g.add_argument("--disk-io", default="auto", choices=["auto", "posix", "kvikio"],
+                   help="who reads and writes disk records (default auto: kvikio on CUDA when installed)")
     g.add_argument("--shared-dir", action="store_true",
                    help="accept a disk dir with looser permissions or another owner (default: refuse)")
     g.add_argument("--attend-in-place", action="store_true",
@@ -53,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
         return TierConfig(device_budget=args.device_budget, host_budget=args.host_budget,
                           disk_budget=args.disk_budget, disk_dir=args.disk_dir, block_tokens=args.block_tokens,
                           eviction=args.eviction, prefetch=args.prefetch, io_workers=args.io_workers,
-                          direct_io=args.direct_io, shared_dir=args.shared_dir,
+                          direct_io=args.direct_io, disk_io=args.disk_io, shared_dir=args.shared_dir,
                           attend_in_place=args.attend_in_place, remote_url=args.remote_url,
                           remote_budget=args.remote_budget, remote_namespace=args.remote_namespace,
                           remote_cluster=args.remote_cluster, remote_timeout=args.remote_timeout)

@@ -20,6 +20,7 @@ _UNITS = {
 }
 _BUDGET_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")
+DISK_IO_BACKENDS = ("auto", "posix", "kvikio")
 REUSE_ADMISSIONS = ("always", "reused")
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -136,6 +137,11 @@ class TierConfig:
     prefetch_depth: int = 2
     io_workers: int = 4
     direct_io: str = "auto"
+    # Who reads and writes disk records: "posix" (pread/pwrite on the I/O threads), "kvikio"
+    # (NVIDIA KvikIO's cuFile API: GPUDirect Storage where the system has it, its own
+    # thread pool where not; needs CUDA and the `gds` extra), or "auto": kvikio when the
+    # model runs on CUDA and kvikio imports, else posix.
+    disk_io: str = "auto"
     queue_depth: int = 64
     device: Optional[str] = None
     selection: str = "full"  # which pages attention reads per decode step: "full" (exact) or "quest"
@@ -176,6 +182,8 @@ class TierConfig:
         self._check_selection_and_retention()
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io: must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
+        if self.disk_io not in DISK_IO_BACKENDS:
+            raise ValueError(f"disk_io: must be one of {', '.join(DISK_IO_BACKENDS)}, got {self.disk_io!r}")
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
                 raise ValueError(f"disk_dir: expected a directory path, got {self.disk_dir!r}")

@@ -20,6 +20,7 @@ import threading
 from typing import Iterator
 
 import crc32c
+import numpy as np
 import torch
 
 from tiercache.errors import CacheDirError
@@ -39,6 +40,18 @@ DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.floa
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 LOCK_NAME = "tiercache.lock"
 DATA_NAME = "blocks.dat"
+
+
+def kvikio_status() -> tuple:
+    """Can the kvikio backend run here: ``(True, version)`` or ``(False, why not)``.
+    kvikio loads libcuda even for host buffers, so it is only tried where CUDA is."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available (kvikio needs libcuda even for host buffers)"
+    try:
+        import kvikio
+    except Exception as exc:  # noqa: BLE001 - ImportError, or OSError from its shared libraries
+        return False, f"kvikio does not import ({type(exc).__name__}: {exc}); install it with pip install 'tiercache[gds]'"
+    return True, str(getattr(kvikio, "__version__", "?"))
 
 
 class RecordError(Exception):
@@ -220,7 +233,7 @@ class DiskTier(RecordCodec):
 
     def __init__(self, directory: str, geometry: BlockGeometry, num_slots: int, *,
                  direct_io: str = "auto", model_digest: bytes = b"", persistent: bool = True,
-                 allow_shared_dir: bool = False) -> None:
+                 allow_shared_dir: bool = False, io: str = "posix") -> None:
         super().__init__(geometry, model_digest)
         self.directory = directory
         self.num_slots = num_slots
@@ -241,10 +254,34 @@ class DiskTier(RecordCodec):
         except OSError as exc:
             os.close(self._lock_fd)
             raise CacheDirError(f"disk_dir: cannot create the data file in {directory!r} ({exc.strerror})") from None
+        # kvikio: record payloads go through a cuFile handle on the same file (headers,
+        # tombstones, scans and scattered reads stay on the file descriptors above).
+        self.io = io
+        self._cufile = None
+        if io == "kvikio":
+            try:
+                self._cufile = self._open_cufile()
+            except BaseException:
+                for fd in (self._fd_direct, self._fd, self._lock_fd):
+                    if fd is not None:
+                        os.close(fd)
+                raise
+        elif io != "posix":
+            raise ValueError(f"disk_io: unknown backend {io!r}; known: posix, kvikio")
         self._local = threading.local()
         self._grow_lock = threading.Lock()
         self._allocated = os.fstat(self._fd).st_size
         self.closed = False
+
+    def _open_cufile(self):
+        ok, why = kvikio_status()
+        if not ok:
+            raise ValueError(f"disk_io: 'kvikio' cannot run here: {why}; use disk_io='posix' or 'auto'")
+        import kvikio
+        try:
+            return kvikio.CuFile(self.path, "r+")
+        except RuntimeError as exc:
+            raise CacheDirError(f"disk_dir: kvikio cannot open {self.path!r} ({exc})") from None
 
     @staticmethod
     def record_size(geometry: BlockGeometry) -> int:
@@ -314,9 +351,35 @@ class DiskTier(RecordCodec):
             parts = [hmv, pmv[:self.payload_bytes]]
         total = sum(len(p) for p in parts)
         self._reserve((slot + 1) * self.record_bytes)
+        if self._cufile is not None:
+            self._cufile_io("write", slot, parts[1])
+            return
         written = os.pwritev(fd, parts, slot * self.record_bytes)
         if written != total:
             raise OSError(errno.EIO, f"short write ({written} of {total} bytes)")
+
+    def _cufile_io(self, op: str, slot: int, payload: memoryview) -> int:
+        """kvikio: the payload through the cuFile handle (queued on kvikio's threads) while
+        the header goes through a file descriptor here; waits for both. A torn record (one
+        written, not the other) fails its checksum on read, as one torn write does."""
+        _, _, hmv = self._header_buf()
+        offset = slot * self.record_bytes
+        array = np.frombuffer(payload, dtype=np.uint8)
+        call = self._cufile.pwrite if op == "write" else self._cufile.pread
+        future = call(array, len(payload), offset + HEADER_BYTES)
+        try:
+            fd = self._fd_direct if self._fd_direct is not None else self._fd
+            done = os.pwrite(fd, hmv, offset) if op == "write" else os.preadv(fd, [hmv], offset)
+        finally:  # the payload buffer is in use until kvikio is done with it
+            try:
+                moved = future.get()
+            except RuntimeError as exc:
+                if op == "read" and "EOF" in str(exc):
+                    raise RecordError("truncated record (kvikio: end of file)") from None
+                raise OSError(errno.EIO, f"kvikio {op} of disk slot {slot} failed: {exc}") from None
+        if op == "write" and (done != HEADER_BYTES or moved != len(payload)):
+            raise OSError(errno.EIO, f"short write ({done + moved} of {HEADER_BYTES + len(payload)} bytes)")
+        return done + moved
 
     _GROW_BYTES = 64 << 20
 
@@ -360,7 +423,10 @@ class DiskTier(RecordCodec):
         pmv = memoryview(out.numpy())
         fd = self._fd_for(out)
         length = align_up(self.payload_bytes) if fd == self._fd_direct else self.payload_bytes
-        got = os.preadv(fd, [hmv, pmv[:length]], slot * self.record_bytes)
+        if self._cufile is not None:
+            got = self._cufile_io("read", slot, pmv[:length])
+        else:
+            got = os.preadv(fd, [hmv, pmv[:length]], slot * self.record_bytes)
         if got < HEADER_BYTES + self.payload_bytes:
             raise RecordError(f"truncated record ({got} bytes)")
         found, num_tokens, crc = self.decode_header(hmv)
@@ -477,6 +543,8 @@ class DiskTier(RecordCodec):
                 os.fsync(self._fd)
             except OSError:
                 pass
+        if self._cufile is not None:
+            self._cufile.close()
         for fd in (self._fd_direct, self._fd):
             if fd is not None:
                 os.close(fd)

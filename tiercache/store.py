@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tiercache.config import TierConfig, format_bytes
-from tiercache.disk import DiskTier, RecordError
+from tiercache.disk import DiskTier, RecordError, kvikio_status
 from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
 from tiercache.policies import make_eviction
@@ -72,6 +72,7 @@ class BlockStore:
         disk_dir = disk_dir or config.disk_dir
         self.disk: Optional[DiskTier] = None
         if config.disk_enabled and disk_dir is not None:
+            disk_io = self._disk_io(config.disk_io)  # before anything is allocated
             record_bytes = DiskTier.record_size(geometry)
             num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes)
         self.table = BlockTable(num_slots)
@@ -87,7 +88,7 @@ class BlockStore:
             if Tier.DISK in num_slots:
                 self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
                                      model_digest=model_digest, persistent=persistent,
-                                     allow_shared_dir=config.shared_dir)
+                                     allow_shared_dir=config.shared_dir, io=disk_io)
         self.policies = {tier: make_eviction(config.eviction) for tier in self.tiers}
         self._lock = threading.RLock()
         self._inflight: dict = {}  # Move -> Future (prepared moves, started or not)
@@ -133,6 +134,17 @@ class BlockStore:
                 raise
 
     # ---- construction helpers --------------------------------------------------------
+    def _disk_io(self, choice: str) -> str:
+        """The disk backend ``config.disk_io`` names: "auto" is kvikio when the model runs on
+        CUDA and kvikio imports, else posix; "kvikio" where it cannot run is an error that
+        says why."""
+        if choice == "kvikio" and not self._cuda:
+            raise ValueError(f"disk_io: 'kvikio' needs the model on a CUDA device (this store's device is "
+                             f"{self.device}); use disk_io='posix' or 'auto'")
+        if choice != "auto":
+            return choice
+        return "kvikio" if self._cuda and kvikio_status()[0] else "posix"
+
     @staticmethod
     def _slots_for(field: str, budget: int, unit_bytes: int) -> int:
         n = budget // unit_bytes
@@ -192,6 +204,8 @@ class BlockStore:
                 out[name] = {"budget_bytes": budget if tier in self.tiers else 0,
                              "used_bytes": used * unit, "blocks": used,
                              "capacity_blocks": self.table.num_slots(tier)}
+            if self.disk is not None:  # how records are read and written
+                out["disk"].update(io=self.disk.io, direct_io=self.disk.direct_io)
         return out
 
     def stats(self) -> dict:
