@@ -69,7 +69,8 @@ WARMUP_STEPS = 2  # untimed decode steps first: kernels for the one-token shapes
 
 def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: int, workdir: str,
                 selection: Optional[str], selection_budget: int, device_fraction: float,
-                host_fraction: float, extra_tokens: int = 0, eviction: Optional[str] = None):
+                host_fraction: float, extra_tokens: int = 0, eviction: Optional[str] = None,
+                disk_io: str = "auto"):
     from transformers import DynamicCache
 
     from tiercache import TierConfig, TieredCache
@@ -93,6 +94,8 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
         budgets["attend_in_place"] = True
     if eviction:
         budgets["eviction"] = eviction
+    if "disk_dir" in budgets:
+        budgets["disk_io"] = disk_io
     if setup == "quest":  # history prefetch fetches last step's selection (next-layer would fetch all)
         budgets.update(selection=selection if selection not in (None, "full") else "quest",
                        selection_budget=selection_budget, prefetch="history")
@@ -155,7 +158,7 @@ def _disk_read(moved: dict) -> int:
 def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
            prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = 4096,
            device_fraction: float = 0.25, host_fraction: float = 0.25, eviction: Optional[str] = None,
-           model_path: Optional[str] = None) -> dict:
+           model_path: Optional[str] = None, disk_io: str = "auto") -> dict:
     """One set-up alone in this process: prefill ``context`` tokens, ``WARMUP_STEPS``
     untimed steps, then time ``new_tokens`` greedy decode steps; peak RSS is this set-up's."""
     import torch
@@ -165,7 +168,8 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
     model, tokenizer = load_model(model_path)
     ids = make_prompt_ids(tokenizer, context).to(model.device)
     cache = _make_cache(setup, model, context, new_tokens, block_tokens, workdir, selection, selection_budget,
-                        device_fraction, host_fraction, extra_tokens=WARMUP_STEPS, eviction=eviction)
+                        device_fraction, host_fraction, extra_tokens=WARMUP_STEPS, eviction=eviction,
+                        disk_io=disk_io)
     tiered = hasattr(cache, "stats")  # a TieredCache, not one of transformers' caches
     with torch.inference_mode():
         _sync(model)
@@ -205,7 +209,8 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                         workdir: str, prefill_chunk: int, selection: Optional[str] = None,
                         selection_budget: int = 4096, device_fraction: float = 0.25,
                         host_fraction: float = 0.25, eviction: Optional[str] = None,
-                        raw_read_bytes: int = 0, model_path: Optional[str] = None) -> dict:
+                        raw_read_bytes: int = 0, model_path: Optional[str] = None,
+                        disk_io: str = "auto") -> dict:
     """Every set-up in this one process, each prefilled once; then ``rounds`` rounds, each
     timing ``new_tokens`` steps of every set-up in turn. A slow spell of the machine (this
     one is shared) then slows every set-up alike, so the ratios hold; each set-up's tokens/s
@@ -232,7 +237,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
             print(f"bench decode: side by side: prefilling {setup} ...", file=sys.stderr)
             caches[setup] = _make_cache(setup, model, context, new_tokens * rounds, block_tokens, workdir,
                                         selection, selection_budget, device_fraction, host_fraction,
-                                        extra_tokens=WARMUP_STEPS, eviction=eviction)
+                                        extra_tokens=WARMUP_STEPS, eviction=eviction, disk_io=disk_io)
             nxt[setup] = _prefill(model, caches[setup], ids, prefill_chunk)
             _, nxt[setup] = _decode(model, caches[setup], nxt[setup], WARMUP_STEPS)
         raw = _raw_disk_next_to("disk", caches, workdir, raw_read_bytes) if raw_read_bytes else None
@@ -273,7 +278,7 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
            "--prefill-chunk", str(args.prefill_chunk), "--dir", workdir,
            "--selection", args.selection, "--selection-budget", str(args.selection_budget),
            "--device-fraction", str(args.device_fraction), "--host-fraction", str(args.host_fraction),
-           "--eviction", args.eviction] + (["--model", args.model] if args.model else [])
+           "--eviction", args.eviction, "--disk-io", args.disk_io] + (["--model", args.model] if args.model else [])
     if setup == SIDE_BY_SIDE:
         cmd += ["--setups", ",".join(args.setup_list), "--rounds", str(args.rounds), "--io-size", args.io_size]
         cmd += ["--disk-gbps", str(args.disk_gbps)] if args.disk_gbps is not None else []
@@ -364,6 +369,10 @@ def _parser() -> argparse.ArgumentParser:
                    "TierConfig's)")
     p.add_argument("--model", default=None, help="a local Hugging Face model folder (default: the default "
                    "model, SmolLM2-135M-Instruct); it runs on CUDA where present")
+    from tiercache.config import DISK_IO_BACKENDS
+
+    p.add_argument("--disk-io", choices=DISK_IO_BACKENDS, default="auto",
+                   help="the disk set-up's disk backend (default auto: kvikio on CUDA when installed, else posix)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -378,10 +387,12 @@ def run(argv: Optional[list] = None) -> int:
 
         raw_read_bytes = 0 if args.disk_gbps is not None else parse_bytes(args.io_size, "--io-size")
         print(json.dumps(worker_side_by_side(args.setups.split(","), args.context, args.new_tokens, args.rounds,
-                                             *common, raw_read_bytes=raw_read_bytes, model_path=args.model)))
+                                             *common, raw_read_bytes=raw_read_bytes, model_path=args.model,
+                                             disk_io=args.disk_io)))
         return 0
     if args.worker:
-        print(json.dumps(worker(args.worker, args.context, args.new_tokens, *common, model_path=args.model)))
+        print(json.dumps(worker(args.worker, args.context, args.new_tokens, *common, model_path=args.model,
+                                disk_io=args.disk_io)))
         return 0
     if args.new_tokens < 1 or args.rounds < 0:
         raise ValueError(f"--new-tokens must be >= 1 and --rounds >= 0, got {args.new_tokens} and {args.rounds}")
@@ -424,7 +435,7 @@ def run(argv: Optional[list] = None) -> int:
     # rounds); the separate processes give each set-up's peak RSS and its tokens/s alone.
     results = together or isolated
     out: dict = {"context": args.context, "new_tokens": args.new_tokens, "block_tokens": args.block_tokens,
-                 "eviction": cfg.eviction,
+                 "eviction": cfg.eviction, "disk_io": args.disk_io,
                  "rounds": args.rounds if together else 0,
                  "ratios_from": "side-by-side" if together else "separate processes"}
     for setup in setups:
