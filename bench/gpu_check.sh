@@ -11,12 +11,13 @@
 #   gputests the `gpu`-marked tests
 #   decode   tiercache bench decode --json (with --model MODEL_DIR if given; $DECODE_SETUPS
 #            picks the set-ups)
-#   io       tiercache bench io --json
+#   io       tiercache bench io --json (the store's disk backend: auto, kvikio where installed)
+#   io_posix the same with --disk-io posix, for comparison
 #   suite    the rest of the test suite on this CUDA machine (not the `model` tests)
-# $STEPS (default: all five) picks the steps to run, e.g. STEPS="env gputests io".
+# $STEPS (default: all six) picks the steps to run, e.g. STEPS="env gputests io".
 # Exit status: the number of steps that failed.
 set -u
-STEPS=${STEPS:-env gputests decode io suite}
+STEPS=${STEPS:-env gputests decode io io_posix suite}
 OUT=${1:?usage: gpu_check.sh OUTDIR [MODEL_DIR]}
 MODEL=${2:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,7 +44,7 @@ env_info() {
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
     python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     df -hT "$WORK"; nproc; free -g
-    python3 -c "from tiercache.disk import probe_direct_io; print('O_DIRECT:', probe_direct_io('$WORK'))"
+    python3 -c "from tiercache.disk import probe_direct_io, kvikio_status; print('O_DIRECT:', probe_direct_io('$WORK'), 'kvikio:', kvikio_status())"
 }
 export WORK
 step env 30 bash -c "$(declare -f env_info); env_info"
@@ -51,6 +52,7 @@ step gputests 90 python3 -m pytest "$REPO/tests/test_gpu.py" -v -rfEs --tb=short
 step decode "${DECODE_LIMIT:-240}" python3 -m tiercache.cli bench decode --json --dir "$WORK" \
     ${DECODE_SETUPS:+--setups "$DECODE_SETUPS"} ${MODEL:+--model "$MODEL"}
 step io 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB
+step io_posix 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB --disk-io posix
 # -v: each result is its own line as it comes, so failures are named even if the limit cuts
 # the run short (-rfE's summary would come only at the end)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${SUITE_WORKERS:-12}")  # pytest-xdist if installed
