@@ -134,16 +134,18 @@ class BlockStore:
                 raise
 
     # ---- construction helpers --------------------------------------------------------
-    def _disk_io(self, choice: str) -> str:
-        """The disk backend ``config.disk_io`` names: "auto" is kvikio when the model runs on
-        CUDA and kvikio imports, else posix; "kvikio" where it cannot run is an error that
-        says why."""
-        if choice == "kvikio" and not self._cuda:
-            raise ValueError(f"disk_io: 'kvikio' needs the model on a CUDA device (this store's device is "
-                             f"{self.device}); use disk_io='posix' or 'auto'")
-        if choice != "auto":
+    @staticmethod
+    def _disk_io(choice: str) -> str:
+        """The disk backend ``config.disk_io`` names: "auto" is kvikio where CUDA is and
+        kvikio imports (also for a store whose pools are in RAM, such as the prefix cache's:
+        kvikio reads into host memory too), else posix; "kvikio" where it cannot run is an
+        error that says why."""
+        if choice == "posix":
             return choice
-        return "kvikio" if self._cuda and kvikio_status()[0] else "posix"
+        ok, why = kvikio_status()
+        if choice == "kvikio" and not ok:
+            raise ValueError(f"disk_io: 'kvikio' cannot run here: {why}; use disk_io='posix' or 'auto'")
+        return "kvikio" if ok else "posix"
 
     @staticmethod
     def _slots_for(field: str, budget: int, unit_bytes: int) -> int:
