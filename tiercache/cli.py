@@ -52,13 +52,18 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
 
 def config_from_args(args: argparse.Namespace) -> TierConfig:
     try:
-        return TierConfig(device_budget=args.device_budget, host_budget=args.host_budget,
-                          disk_budget=args.disk_budget, disk_dir=args.disk_dir, block_tokens=args.block_tokens,
-                          eviction=args.eviction, prefetch=args.prefetch, io_workers=args.io_workers,
-                          direct_io=args.direct_io, disk_io=args.disk_io, shared_dir=args.shared_dir,
-                          attend_in_place=args.attend_in_place, remote_url=args.remote_url,
-                          remote_budget=args.remote_budget, remote_namespace=args.remote_namespace,
-                          remote_cluster=args.remote_cluster, remote_timeout=args.remote_timeout)
+        cfg = TierConfig(device_budget=args.device_budget, host_budget=args.host_budget,
+                         disk_budget=args.disk_budget, disk_dir=args.disk_dir, block_tokens=args.block_tokens,
+                         eviction=args.eviction, prefetch=args.prefetch, io_workers=args.io_workers,
+                         direct_io=args.direct_io, disk_io=args.disk_io, shared_dir=args.shared_dir,
+                         attend_in_place=args.attend_in_place, remote_url=args.remote_url,
+                         remote_budget=args.remote_budget, remote_namespace=args.remote_namespace,
+                         remote_cluster=args.remote_cluster, remote_timeout=args.remote_timeout)
+        if cfg.disk_enabled:
+            from tiercache.disk import resolve_disk_io
+
+            resolve_disk_io(cfg.disk_io)  # before the model loads: kvikio asked for where it cannot run
+        return cfg
     except ValueError as exc:
         raise CLIError(str(exc)) from None
 

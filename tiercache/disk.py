@@ -54,6 +54,19 @@ def kvikio_status() -> tuple:
     return True, str(getattr(kvikio, "__version__", "?"))
 
 
+def resolve_disk_io(choice: str) -> str:
+    """The disk backend ``TierConfig.disk_io`` names: "auto" is kvikio where CUDA is and
+    kvikio imports (also for a store whose pools are in RAM, such as the prefix cache's:
+    kvikio reads into host memory too), else posix; "kvikio" where it cannot run raises
+    ``ValueError`` saying why."""
+    if choice == "posix":
+        return choice
+    ok, why = kvikio_status()
+    if choice == "kvikio" and not ok:
+        raise ValueError(f"disk_io: 'kvikio' cannot run here: {why}; use disk_io='posix' or 'auto'")
+    return "kvikio" if ok else "posix"
+
+
 class RecordError(Exception):
     """A record failed validation: bad magic, version, checksum, key or bounds."""
 

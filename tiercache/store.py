@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tiercache.config import TierConfig, format_bytes
-from tiercache.disk import DiskTier, RecordError, kvikio_status
+from tiercache.disk import DiskTier, RecordError, resolve_disk_io
 from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
 from tiercache.policies import make_eviction
@@ -76,7 +76,7 @@ class BlockStore:
         disk_dir = disk_dir or config.disk_dir
         self.disk: Optional[DiskTier] = None
         if config.disk_enabled and disk_dir is not None:
-            disk_io = self._disk_io(config.disk_io)  # before anything is allocated
+            disk_io = resolve_disk_io(config.disk_io)  # before anything is allocated
             record_bytes = DiskTier.record_size(geometry)
             num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes)
         self.table = BlockTable(num_slots)
@@ -138,19 +138,6 @@ class BlockStore:
                 raise
 
     # ---- construction helpers --------------------------------------------------------
-    @staticmethod
-    def _disk_io(choice: str) -> str:
-        """The disk backend ``config.disk_io`` names: "auto" is kvikio where CUDA is and
-        kvikio imports (also for a store whose pools are in RAM, such as the prefix cache's:
-        kvikio reads into host memory too), else posix; "kvikio" where it cannot run is an
-        error that says why."""
-        if choice == "posix":
-            return choice
-        ok, why = kvikio_status()
-        if choice == "kvikio" and not ok:
-            raise ValueError(f"disk_io: 'kvikio' cannot run here: {why}; use disk_io='posix' or 'auto'")
-        return "kvikio" if ok else "posix"
-
     @staticmethod
     def _slots_for(field: str, budget: int, unit_bytes: int) -> int:
         n = budget // unit_bytes
