@@ -177,6 +177,10 @@ class TieredCache(Cache):
         self.prefetch_policy = make_prefetch(self.tier_config.prefetch, **(
             {"depth": self.tier_config.prefetch_depth} if self.tier_config.prefetch == "lookahead" else {}))
         self.seq_id = next(_SEQ_IDS)
+        self._key_rows: list = [[] for _ in layers]  # per layer: BlockKey of block i at [i] (made once)
+        # per layer: (pool K, first slot, slots, K, V, their geometry): views of the device pool
+        # over the slots the layer's blocks were last read from in place (``_update_resident``)
+        self._layer_views: list = [None] * len(layers)
         self.wants_scores = getattr(make_eviction(self.tier_config.eviction), "wants_scores", False)
         self.trace = self._open_trace(trace)
         self._step = -1
@@ -184,6 +188,9 @@ class TieredCache(Cache):
         self._pending_read: Optional[tuple] = None  # (keys, t_us) awaiting the attention hook's scores
         self._pending_scores: Optional[dict] = None
         self.selection_state, self.retention_state = self._make_selection_and_retention()
+        # update() may take the resident fast path: no trace, scores, selection or retention
+        self._plain = (self.trace is None and not self.wants_scores and self.selection_state is None
+                       and self.retention_state is None)
         self._attn_config = text  # selection/retention need tiercache's attention hook on this config
         self._hook_seen = False  # the hook ran for this cache's keys (block attention relies on it)
         self.in_place_steps = 0  # layer-steps of decode attention computed in place (attend_in_place)
@@ -241,6 +248,7 @@ class TieredCache(Cache):
         device = cfg.device or key_states.device
         store = BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
         store.defer_stall = True
+        self._layer_views = [None] * self.num_layers  # views of an older store's pool would keep it alive
         if self._reuse and self.prefix is None:
             self.prefix = self._open_prefix(geometry)
         return store
@@ -406,13 +414,26 @@ class TieredCache(Cache):
         return on_scores
 
     def _key(self, layer_idx: int, index: int) -> BlockKey:
-        return BlockKey(self.seq_id, layer_idx, index)
+        row = self._key_rows[layer_idx]
+        if index >= len(row):
+            self._grow_keys(layer_idx, index + 1)
+        return row[index]
+
+    def _keys(self, layer_idx: int, lo: int, hi: int) -> list:
+        """The keys of blocks ``lo .. hi-1`` of the layer (a fresh list)."""
+        row = self._key_rows[layer_idx]
+        if hi > len(row):
+            self._grow_keys(layer_idx, hi)
+        return row[lo:hi]
+
+    def _grow_keys(self, layer_idx: int, n: int) -> None:
+        row, seq = self._key_rows[layer_idx], self.seq_id
+        row.extend(BlockKey(seq, layer_idx, i) for i in range(len(row), n))
 
     def _blocks_of(self, layer_idx: int) -> list:
         layer = self.layers[layer_idx]
         bt = self.tier_config.block_tokens
-        last = (layer.num_tokens - layer.dropped + bt - 1) // bt
-        return [self._key(layer_idx, i) for i in range(layer.first_block, last)]
+        return self._keys(layer_idx, layer.first_block, (layer.num_tokens - layer.dropped + bt - 1) // bt)
 
     def _check_capacity(self, query_length: int) -> None:
         """Before the first layer of a forward writes anything: will every layer fit?"""
@@ -431,6 +452,8 @@ class TieredCache(Cache):
                 f"{store.num_slots(store.tiers[0])} blocks of {format_bytes(g.block_bytes)}, but attention "
                 f"needs one whole layer resident: {widest} blocks; minimum device_budget = "
                 f"{widest * g.block_bytes} bytes ({format_bytes(widest * g.block_bytes)})")
+        if not new_blocks:  # every live block has a slot already (len(store) walks the table)
+            return
         live = len(store)
         if live + new_blocks > store.capacity_blocks():
             needed = (live + new_blocks) * g.block_bytes
@@ -473,6 +496,10 @@ class TieredCache(Cache):
         store.unpin(self._pinned)  # attention of the previous layer is done
         store.release_views()
         self._pinned = []
+        if self._plain and not self._injecting:
+            out = self._update_resident(layer, key_states, value_states, q)
+            if out is not None:
+                return out
         retention = self.retention_state
         if retention is not None and layer_idx == 0:
             retention.settle(q)  # snapkv: the prompt ended (a no-op if get_mask_sizes did it)
@@ -487,7 +514,7 @@ class TieredCache(Cache):
             self._pinned.append(tail)
             store.begin_write(tail)
             write_keys.append(tail)
-        fresh = [self._key(layer_idx, i) for i in range(first_new, (end + bt - 1) // bt)]
+        fresh = self._keys(layer_idx, first_new, (end + bt - 1) // bt)
         if fresh:
             store.new_blocks(fresh, protect=write_keys, near=self._slot_hint(layer_idx, first_new))
             self._pinned.extend(fresh)
@@ -511,7 +538,7 @@ class TieredCache(Cache):
         read_from = layer.visible_start()  # sliding layers drop nothing: base == 0
         layer.num_tokens = end + base
 
-        needed = [self._key(layer_idx, i) for i in range(read_from // bt, (end + bt - 1) // bt)]
+        needed = self._keys(layer_idx, read_from // bt, (end + bt - 1) // bt)
         offset = read_from - (read_from // bt) * bt
         if self.trace is not None:
             t_us = self.trace.now_us()
@@ -541,6 +568,56 @@ class TieredCache(Cache):
             from tiercache.retention import RetentionPlan
 
             setattr(keys, PLAN_ATTR, RetentionPlan(self, layer_idx, start, values))
+        return keys, values
+
+    def _update_resident(self, layer: TieredLayer, key_states: torch.Tensor, value_states: torch.Tensor,
+                         q: int) -> Optional[tuple]:
+        """``update``'s fast path, for a decode step when nothing has to move: the new tokens
+        go into the layer's tail block without filling it (no new block, no write-behind, no
+        publish), and the blocks attention reads are on the device in adjacent slots, the
+        next layer's too (``BlockStore.hold_resident``). K/V are then views of the device
+        pool (what ``read_layer(hold=True)`` returns) and the write is one copy each, from
+        the pool's geometry kept per layer and slot range. Returns None, having changed
+        nothing, where the general path must run. The caller did what every update does
+        first (capacity, token events, compute stream, unpins, views)."""
+        bt, layer_idx = self.tier_config.block_tokens, layer.layer_idx
+        start = layer.num_tokens  # no retention: nothing dropped, stored index = absolute
+        off = start % bt
+        if not off or off + q >= bt or key_states.requires_grad or value_states.requires_grad:
+            return None
+        tail = start // bt
+        read_from = layer.visible_start()
+        lo = read_from // bt
+        needed = self._keys(layer_idx, lo, tail + 1)
+        prefetch = self.prefetch_policy
+        prefetch.observe(layer_idx, needed)
+        ahead = prefetch.plan(layer_idx, self.num_layers, self._blocks_of)
+        store = self.store
+        first = store.hold_resident(needed[-1], needed, ahead)
+        if first is None:
+            return None
+        self._pinned.append(needed[-1])
+        n = len(needed)
+        pool = store.device_pool
+        geo = self._layer_views[layer_idx]
+        if geo is None or geo[0] is not pool.k or geo[1] != first or geo[2] != n:
+            k, v = pool.view(first, n, n * bt)  # [B, H, n*bt, D] over the slots, in order
+            geo = self._layer_views[layer_idx] = (pool.k, first, n, k, v, k.shape[:2], k.shape[3], k.stride(),
+                                                  k.storage_offset(), v.storage_offset())
+        _, _, _, k, v, bh, d, stride, k0, v0 = geo
+        # as_strided: the same views as narrow() along the tokens, at less dispatch cost
+        at = ((tail - lo) * bt + off) * stride[2]
+        k.as_strided((*bh, q, d), stride, k0 + at).copy_(key_states)
+        v.as_strided((*bh, q, d), stride, v0 + at).copy_(value_states)
+        store.note_tokens(needed[-1], off + q)
+        end = start + q
+        layer.num_tokens = end
+        offset = read_from - lo * bt
+        at, size = offset * stride[2], (*bh, end - read_from, d)
+        keys, values = self._after_read(layer_idx, needed, offset, k.as_strided(size, stride, k0 + at),
+                                        v.as_strided(size, stride, v0 + at), planned=True)
+        if q == 1 and not self._hook_seen and self.tier_config.attend_in_place:
+            setattr(keys, PROBE_ATTR, self._saw_hook)  # the hook will show it sees this cache's keys
         return keys, values
 
     def _slot_hint(self, layer_idx: int, index: int) -> Optional[int]:
@@ -771,6 +848,7 @@ class TieredCache(Cache):
             if self.store is not None:
                 self._last_tiers = self.store.tier_stats()
                 self.store.close()
+            self._layer_views = [None] * self.num_layers
 
     def clear(self, tier: Optional[str] = None) -> int:
         """Drop the prefix cache's blocks of this model: all of them (``tier`` None), or only

@@ -834,6 +834,72 @@ class BlockStore:
         finally:
             self._let_go(held)
 
+    def hold_resident(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = ()) -> Optional[int]:
+        """The decode step's fast path when nothing has to move or wait: in one pass under
+        the lock, what ``ensure_device([write_key])``, ``begin_write(write_key)`` and
+        ``read_layer(keys, hold=True, ahead=ahead)`` would do, then returns the device slot
+        of ``keys[0]`` (the caller reads the views itself). ``write_key`` stays pinned.
+
+        Taken only if ``read_layer`` would read the device tier (not a CPU store with a host
+        tier), every block of ``keys`` is READY on the device in adjacent slots, in order,
+        ``write_key`` is READY there with no move in flight, and every block of ``ahead``
+        has a device copy (its prefetch would start nothing). Otherwise returns None and
+        changes nothing: the caller takes the general path.
+        """
+        if not keys or (self.device.type == "cpu" and Tier.HOST in self.tiers):
+            return None
+        self.release_views()
+        device, ready, filling = Tier.DEVICE, CopyState.READY, CopyState.FILLING
+        with self._lock:
+            get = self.table.get
+            w = get(write_key)
+            if w is None:
+                return None
+            copies = w.copies
+            for c in copies.values():  # entry.in_flight(): begin_write would wait
+                if c.state is filling or c.readers:
+                    return None
+            c = copies.get(device)
+            if c is None or c.state is not ready:
+                return None
+            held = []
+            slot = None
+            for key in keys:
+                entry = get(key)
+                if entry is None:
+                    return None
+                c = entry.copies.get(device)
+                if c is None or c.state is not ready or (slot is not None and c.slot != slot + 1):
+                    return None
+                slot = c.slot
+                held.append((entry, c))
+            for key in ahead:
+                entry = get(key)
+                if entry is not None and device not in entry.copies:
+                    return None
+            # ensure_device([write_key]), then begin_write(write_key): lower copies are stale
+            self.table.pin(write_key)
+            if len(copies) > 1:
+                for tier, s in self.table.drop_others(write_key, device):
+                    self._released(write_key, tier, s)
+            touch, prefetched = self.policies[device].touch, self._prefetched
+            touch(write_key)
+            used = 0
+            if prefetched and prefetched.pop(write_key, None) is not None:
+                used += 1
+            # read_layer(keys, hold=True): views of the device pool, held until release_views
+            for key, (_, c) in zip(keys, held):
+                touch(key)
+                c.readers += 1
+                if prefetched and prefetched.pop(key, None) is not None:
+                    used += 1
+            self._views.extend(held)
+            self.events.hit("device", 1 + len(keys))
+            if used:
+                self.events.prefetch("used", used)
+            self.read_stats["views"] += 1
+            return held[0][1].slot
+
     def _count_gather(self, num_bytes: int, t0: float) -> None:
         """One gather that copied ``num_bytes`` and started at ``t0`` (on CUDA the copy is
         queued, not finished: the seconds are those of queueing it)."""
