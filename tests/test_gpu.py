@@ -185,3 +185,53 @@ def test_kvikio_records_round_trip_and_a_corrupted_one_is_never_returned(tmp_pat
         for k, v in data.items():
             assert torch.equal(store.get(k), v.cpu())
         store.check()
+
+
+@pytest.mark.parametrize("mode", ["fits", "beam3", "batch2-padded", "host-tier"])
+def test_cuda_decode_fast_path_is_exact_and_taken(mode):
+    """``update``'s resident fast path (``BlockStore.hold_resident``) on CUDA: with the whole
+    cache on the device it serves most decode steps, and the tokens and logits equal
+    DynamicCache's (greedy, beam search, a left-padded batch of two); with a host tier,
+    steps switch between it and the general path as blocks move, still exact."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tiercache import TieredCache
+
+    taken = {"fast": 0, "general": 0}
+    hold = BlockStore.hold_resident
+
+    def counting(self, *args, **kwargs):
+        slot = hold(self, *args, **kwargs)
+        taken["fast" if slot is not None else "general"] += 1
+        return slot
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, eos_token_id=None)
+    model = LlamaForCausalLM(cfg).cuda().eval()
+    block = 2 * 2 * 8 * 16 * 4  # K and V of 8 tokens, 2 KV heads of 16, fp32
+    batch = 2 if mode == "batch2-padded" else 1
+    ids = torch.randint(2, 128, (batch, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    if batch == 2:
+        ids[1, :3], mask[1, :3] = 0, 0
+    kw = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              attention_mask=mask, pad_token_id=0)
+    if mode == "beam3":
+        kw.update(num_beams=3, length_penalty=0.0)
+    rows = 3 if mode == "beam3" else batch
+    tc = (TierConfig(device_budget=15 * block, host_budget=64 * 4096, disk_budget=0, block_tokens=8)
+          if mode == "host-tier" else TierConfig(device_budget=rows * 64 * block, host_budget=0, block_tokens=8))
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        BlockStore.hold_resident = counting
+        try:
+            with TieredCache(model, tc) as cache:
+                out = model.generate(ids, cache=cache, **kw)
+                moves = sum(m["blocks"] for m in cache.stats()["moves"].values())
+        finally:
+            BlockStore.hold_resident = hold
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) <= 1e-5
+    assert taken["fast"] > 0, taken
+    if mode == "host-tier":
+        assert moves > 0 and taken["general"] > 0, (moves, taken)
