@@ -179,6 +179,9 @@ def test_kvikio_records_round_trip_and_a_corrupted_one_is_never_returned(tmp_pat
                      disk_budget="16MiB", block_tokens=16, device="cuda")
     with BlockStore(cfg, g, device="cuda") as store:
         assert store.stats()["tiers"]["disk"]["io"] == "kvikio"
+        import kvikio.defaults
+        if "KVIKIO_NTHREADS" not in os.environ:  # the pool grew to the store's I/O workers
+            assert kvikio.defaults.get("num_threads") >= cfg.io_workers
         data = {BlockKey(0, 0, i): torch.randn(g.shape, device="cuda") for i in range(12)}
         for k, v in data.items():
             store.put(k, v)  # device -> disk through pinned staging and kvikio

@@ -92,7 +92,8 @@ class BlockStore:
             if Tier.DISK in num_slots:
                 self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
                                      model_digest=model_digest, persistent=persistent,
-                                     allow_shared_dir=config.shared_dir, io=disk_io)
+                                     allow_shared_dir=config.shared_dir, io=disk_io,
+                                     io_threads=config.io_workers)
         self.policies = {tier: make_eviction(config.eviction) for tier in self.tiers}
         self._lock = threading.RLock()
         self._inflight: dict = {}  # Move -> Future (prepared moves, started or not)
