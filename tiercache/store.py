@@ -652,6 +652,7 @@ class BlockStore:
         keys = list(keys)
         protect = set(keys)
         pinned: list = []
+        pinned_keys: set = set()  # the same, for lookups (a batch may hold hundreds of keys)
         counted: set = set()
         stall = 0.0
         io_failures = 0
@@ -669,9 +670,10 @@ class BlockStore:
                         first = key not in counted
                         counted.add(key)
                         if c is not None and c.state is CopyState.READY:
-                            if key not in pinned:
+                            if key not in pinned_keys:
                                 self.table.pin(key)
                                 pinned.append(key)
+                                pinned_keys.add(key)
                                 self.policies[Tier.DEVICE].touch(key)
                             if first:
                                 self.events.hit("device")
