@@ -1298,9 +1298,11 @@ def test_staged_copies_scatter_and_gather_any_slots_as_host_slots():
         pool.read_block(slot, out)
         assert torch.equal(out, block), slot
     assert bool((pool.k[:, [1, 3, 6]] == -1.0).all()), "a slot nobody wrote changed"
-    for chosen in ([8, 7, 2], [5]):
+    plane = g.block_bytes // 2
+    for chosen, scratch in (([8, 7, 2], None), ([5], None), ([8, 7, 2, 0, 5], torch.empty(plane, dtype=torch.uint8)),
+                            ([2, 8, 0], torch.empty(2 * plane + 100, dtype=torch.uint8))):
         staged = torch.full((len(chosen) * unit,), 0xAB, dtype=torch.uint8)
-        pool.read_staged(chosen, staged, unit)
+        pool.read_staged(chosen, staged, unit, scratch)  # scratch: the gather 1 or 2 blocks at a time
         for i, slot in enumerate(chosen):
             got = staged[i * unit:(i + 1) * unit]
             expect = blocks_in[(slots + [4]).index(slot)]

@@ -42,6 +42,9 @@ LOCK_NAME = "tiercache.lock"
 DATA_NAME = "blocks.dat"
 
 
+_KVIKIO_LOCK = threading.Lock()  # kvikio's settings are process-wide
+
+
 def kvikio_status() -> tuple:
     """Can the kvikio backend run here: ``(True, version)`` or ``(False, why not)``.
     kvikio loads libcuda even for host buffers, so it is only tried where CUDA is."""
@@ -275,9 +278,8 @@ class DiskTier(RecordCodec):
             try:
                 self._cufile = self._open_cufile(io_threads)
             except BaseException:
-                for fd in (self._fd_direct, self._fd, self._lock_fd):
-                    if fd is not None:
-                        os.close(fd)
+                self.closed = False
+                self.close()  # descriptors, lock, and a non-persistent tier's files
                 raise
         elif io != "posix":
             raise ValueError(f"disk_io: unknown backend {io!r}; known: posix, kvikio")
@@ -298,8 +300,10 @@ class DiskTier(RecordCodec):
         import kvikio
         import kvikio.defaults
 
-        if "KVIKIO_NTHREADS" not in os.environ and kvikio.defaults.get("num_threads") < threads:
-            kvikio.defaults.set("num_threads", threads)
+        with _KVIKIO_LOCK:
+            if "KVIKIO_NTHREADS" not in os.environ and kvikio.defaults.get("num_threads") < threads:
+                log.info("tiercache: kvikio's thread pool (process-wide) grows to %d threads", threads)
+                kvikio.defaults.set("num_threads", threads)
         try:
             return kvikio.CuFile(self.path, "r+")
         except RuntimeError as exc:
@@ -382,7 +386,8 @@ class DiskTier(RecordCodec):
 
     def _cufile_io(self, op: str, slot: int, payload: memoryview) -> int:
         """kvikio: the payload through the cuFile handle (queued on kvikio's threads) while
-        the header goes through a file descriptor here; waits for both. A torn record (one
+        the header goes through a file descriptor here; waits for both. kvikio's message is
+        kept, as EIO (it gives no errno). A torn record (one
         written, not the other) fails its checksum on read, as one torn write does."""
         _, _, hmv = self._header_buf()
         offset = slot * self.record_bytes
@@ -445,8 +450,8 @@ class DiskTier(RecordCodec):
         pmv = memoryview(out.numpy())
         fd = self._fd_for(out)
         length = align_up(self.payload_bytes) if fd == self._fd_direct else self.payload_bytes
-        if self._cufile is not None:
-            got = self._cufile_io("read", slot, pmv[:length])
+        if self._cufile is not None:  # exactly the payload: kvikio aligns by itself and raises at EOF
+            got = self._cufile_io("read", slot, pmv[:self.payload_bytes])
         else:
             got = os.preadv(fd, [hmv, pmv[:length]], slot * self.record_bytes)
         if got < HEADER_BYTES + self.payload_bytes:
@@ -566,7 +571,10 @@ class DiskTier(RecordCodec):
             except OSError:
                 pass
         if self._cufile is not None:
-            self._cufile.close()
+            try:
+                self._cufile.close()
+            except Exception as exc:  # noqa: BLE001 - the descriptors and files still go
+                log.warning("tiercache: closing kvikio's handle on %s failed: %s", self.path, exc)
         for fd in (self._fd_direct, self._fd):
             if fd is not None:
                 os.close(fd)

@@ -35,7 +35,8 @@ log = logging.getLogger("tiercache")
 _PIECE_BYTES = 8 << 20
 _CHUNK_BYTES = 16 << 20
 _CUDA_PIECE_BYTES = 64 << 20  # see _submit_all
-_CUDA_JOBS = 2
+_CUDA_JOBS = 2  # copy jobs of a batch, and device staging buffers (_device_lease)
+_GATHER_SPLIT = 4  # a demotion's gather goes through scratch for 1/4 of a piece at a time
 
 
 def _usable_cores() -> int:
@@ -117,6 +118,8 @@ class BlockStore:
         # Host<->device moves through a staging copy on the device (``_host_device_copy``):
         # on CUDA; a test switches it on for a CPU store to check the layout.
         self._staged_copies = self._cuda
+        self._device_staging: Optional[_BufferPool] = None  # made on first use (_device_lease)
+        self._staging_bytes = 0  # of each such buffer, the part for blocks; the rest is gather scratch
         # The stream the model computes on (see ``_compute_barrier``).
         self._compute_stream = torch.cuda.current_stream(self.device) if self._cuda else None
         self.defer_stall = False  # the HF layer records one stall event per layer update
@@ -1833,38 +1836,59 @@ class BlockStore:
         kernels for the lot, where a plain ``copy_`` into a device slot (strided: K and V
         rows lie apart) costs a temporary, a copy and a kernel for each of K and V of each
         block, which kept batches at 0.1-0.3 of the copy rate on an H200. The staging
-        tensor comes from torch's caching allocator on the copy stream: at most
-        ``_CUDA_PIECE_BYTES`` per piece, and ``_CUDA_JOBS`` pieces, in flight."""
+        tensor is one of ``_device_lease``'s buffers."""
         fetch = moves[0].dst is Tier.DEVICE
         pairs = sorted((m.src_slot, m.dst_slot) if fetch else (m.dst_slot, m.src_slot) for m in moves)
         unit = self.host_pool.slot_bytes
-        staged = torch.empty(len(pairs) * unit, dtype=torch.uint8, device=self.device)
         device_slots = [d for _, d in pairs]
-        if not fetch:
-            self.device_pool.read_staged(device_slots, staged, unit)
-        host = self.host_pool.buffer
-        i = 0
-        while i < len(pairs):  # runs of adjacent host slots
-            j = i + 1
-            while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1:
-                j += 1
-            first = pairs[i][0]
-            near, far = staged[i * unit:j * unit], host[first * unit:(first + j - i) * unit]
+        with self._device_lease() as buf:
+            staged, scratch = buf[:len(pairs) * unit], buf[self._staging_bytes:]
+            if not fetch:
+                self.device_pool.read_staged(device_slots, staged, unit, scratch)
+            host = self.host_pool.buffer
+            i = 0
+            while i < len(pairs):  # runs of adjacent host slots
+                j = i + 1
+                while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1:
+                    j += 1
+                first = pairs[i][0]
+                near, far = staged[i * unit:j * unit], host[first * unit:(first + j - i) * unit]
+                if fetch:
+                    near.copy_(far, non_blocking=non_blocking)
+                else:
+                    far.copy_(near, non_blocking=non_blocking)
+                i = j
             if fetch:
-                near.copy_(far, non_blocking=non_blocking)
-            else:
-                far.copy_(near, non_blocking=non_blocking)
-            i = j
-        if fetch:
-            self.device_pool.write_staged(device_slots, staged, unit)
+                self.device_pool.write_staged(device_slots, staged, unit)
+
+    def _device_lease(self) -> "_Lease":
+        """A staging buffer on the device for ``_host_device_copy``: room for the largest
+        piece (``_CUDA_PIECE_BYTES`` of blocks, or the device tier's slots if fewer, laid out
+        as host slots) plus scratch for gathering a quarter of them (K or V) at a time.
+        ``_CUDA_JOBS`` of them, made on first use, outside ``device_budget``: at most
+        2 x 80 MiB at the default block size. A thread that finds none free waits; a
+        buffer goes back as soon as its copies are queued, since everything that uses
+        these buffers runs on the copy stream, in order. (torch's caching allocator would
+        keep every size any thread ever asked for reserved for the copy stream.)"""
+        if self._device_staging is None:
+            with self._lock:
+                if self._device_staging is None:
+                    g = self.geometry
+                    blocks = max(1, min(_CUDA_PIECE_BYTES // g.block_bytes, self.device_pool.num_slots))
+                    plane = g.block_bytes // 2  # K (or V) of one block
+                    self._staging_bytes = blocks * g.padded_bytes
+                    scratch = -(-blocks // _GATHER_SPLIT) * plane
+                    self._device_staging = _BufferPool(self._staging_bytes + scratch, _CUDA_JOBS, device=self.device)
+        return self._device_staging.take()
 
     def _to_device_slot(self, slot: int, buf: torch.Tensor, compute_event) -> None:
         """Copy a block from ``buf`` (uint8, laid out as a host slot) into a device slot."""
         def copy(non_blocking: bool) -> None:
             if self._staged_copies:
-                staged = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
-                staged.copy_(buf, non_blocking=non_blocking)
-                self.device_pool.write_staged([slot], staged, buf.numel())
+                with self._device_lease() as staging:
+                    staged = staging[:buf.numel()]
+                    staged.copy_(buf, non_blocking=non_blocking)
+                    self.device_pool.write_staged([slot], staged, buf.numel())
             else:
                 self.device_pool.write_block(slot, self._as_block(buf), non_blocking=non_blocking)
         self._device_copy(copy, compute_event)
@@ -1873,9 +1897,10 @@ class BlockStore:
         """The reverse of ``_to_device_slot``."""
         def copy(non_blocking: bool) -> None:
             if self._staged_copies:
-                staged = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
-                self.device_pool.read_staged([slot], staged, buf.numel())
-                buf.copy_(staged, non_blocking=non_blocking)
+                with self._device_lease() as staging:
+                    staged = staging[:buf.numel()]
+                    self.device_pool.read_staged([slot], staged, buf.numel())
+                    buf.copy_(staged, non_blocking=non_blocking)
             else:
                 self.device_pool.read_block(slot, self._as_block(buf), non_blocking=non_blocking)
         self._device_copy(copy, compute_event)
@@ -2043,13 +2068,16 @@ class _MoveFuture(Future):
 
 
 class _BufferPool:
-    """Pre-allocated, page-aligned staging buffers for disk I/O (no allocation per call)."""
+    """Pre-allocated staging buffers (no allocation per call): page-aligned host memory for
+    disk I/O, or device memory (``device``: CUDA's host<->device copies)."""
 
-    def __init__(self, num_bytes: int, count: int, pin: bool = False) -> None:
+    def __init__(self, num_bytes: int, count: int, pin: bool = False, device: Optional[torch.device] = None) -> None:
         self._free = []
         self._owners = []
         for _ in range(count):
-            if pin:  # CUDA's pinned allocations are page-aligned
+            if device is not None and device.type != "cpu":
+                tensor, mm = torch.empty(num_bytes, dtype=torch.uint8, device=device), None
+            elif pin:  # CUDA's pinned allocations are page-aligned
                 tensor, mm = torch.empty(max(num_bytes, ALIGN), dtype=torch.uint8, pin_memory=True)[:num_bytes], None
             else:
                 tensor, mm = aligned_buffer(num_bytes)

@@ -143,17 +143,33 @@ class DevicePool:
         self.k.index_copy_(1, index, k)
         self.v.index_copy_(1, index, v)
 
-    def read_staged(self, slots: Sequence[int], staged: torch.Tensor, slot_bytes: int) -> None:
+    def read_staged(self, slots: Sequence[int], staged: torch.Tensor, slot_bytes: int,
+                    scratch: Optional[torch.Tensor] = None) -> None:
         """The reverse of ``write_staged``: gather ``slots`` into ``staged`` as host slots
-        (padding zeroed), ready for one copy down per run of adjacent host slots."""
+        (padding zeroed), ready for one copy down per run of adjacent host slots. The gather
+        goes through ``scratch`` (uint8, on this device; as many blocks' K at a time as it
+        holds, at least one), or through a temporary if it is None."""
         k, v, pad = self._staged(staged, slot_bytes)
-        if len(slots) == 1:
+        n = len(slots)
+        if n == 1:
             k[:, 0].copy_(self.k[:, slots[0]])
             v[:, 0].copy_(self.v[:, slots[0]])
         else:
             index = self._index(slots)
-            k.copy_(self.k.index_select(1, index))
-            v.copy_(self.v.index_select(1, index))
+            rows, width = self.k.shape[0], self.k.shape[2]
+            step = n if scratch is None else scratch.numel() // (rows * width * self.k.element_size())
+            if step < 1:
+                raise ValueError("read_staged: scratch holds less than one block's K")
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                for pool, out in ((self.k, k), (self.v, v)):
+                    if scratch is None:
+                        out[:, lo:hi].copy_(pool.index_select(1, index[lo:hi]))
+                    else:
+                        tmp = scratch[:rows * (hi - lo) * width * pool.element_size()].view(pool.dtype)
+                        tmp = tmp.view(rows, hi - lo, width)
+                        torch.index_select(pool, 1, index[lo:hi], out=tmp)
+                        out[:, lo:hi].copy_(tmp)
         if pad.numel():
             pad.zero_()
 
