@@ -1595,7 +1595,10 @@ class BlockStore:
     def _drain(self, work: "_Work", priority: Optional[Priority], parallel: bool = False) -> None:
         """Copy pieces off ``work`` until it is empty. A worker (``priority`` given) stops
         after ``_CHUNK_BYTES`` and queues itself again, so that a demand read queued
-        meanwhile waits for one chunk at most."""
+        meanwhile waits for one chunk at most. (On CUDA a piece is up to
+        ``_CUDA_PIECE_BYTES``; a demand batch gets jobs of its own, but its copies may
+        still queue on the copy stream behind the pieces already there: two at most,
+        about 2.5 ms at the H200's 53 GB/s.)"""
         done = 0
         while True:
             if priority is not None and work.parallel:  # a waiting thread took the batch
