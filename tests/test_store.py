@@ -1381,3 +1381,27 @@ def test_kvikio_backend_is_refused_with_the_reason_when_it_cannot_run(tmp_path, 
     with pytest.raises(ValueError, match="disk_io: 'kvikio' cannot run here: .*(CUDA|kvikio)"):
         DiskTier(str(tmp_path / "kv"), geometry.with_batch(1), 4, io="kvikio")
     DiskTier(str(tmp_path / "kv"), geometry.with_batch(1), 4).close()  # the lock was released
+
+
+def test_staging_buffers_made_under_inference_mode_serve_moves_outside_it():
+    """The staged host<->device path (CUDA's, switched on for a CPU store) makes its device
+    staging buffers on first use. A model's forward runs under torch.inference_mode(), and
+    a tensor made there cannot be written outside it: the I/O threads (and a caller
+    outside inference mode) must still be able to use buffers first made inside it."""
+    from tiercache.tiers import BlockGeometry
+    g = BlockGeometry(1, 2, 4, 8, torch.float32)
+    cfg = TierConfig(device_budget=4 * g.block_bytes, host_budget=8 * g.padded_bytes, disk_budget=0,
+                     block_tokens=4)
+    with BlockStore(cfg, g) as store:
+        store._staged_copies = True
+        keys = [BlockKey(0, 0, i) for i in range(8)]
+        data = {k: torch.randn(g.shape) for k in keys}
+        with torch.inference_mode():  # the first staged copies happen in here
+            for k in keys:
+                store.put(k, data[k])
+            store.ensure_device(keys[:3], pin=False)
+        wait_all(store.demote_many(keys[:3]))
+        store.ensure_device(keys[4:7], pin=False)
+        for k in keys:
+            assert torch.equal(store.get(k), data[k])
+        assert store.stats()["moves"]["host->device"]["blocks"] > 0

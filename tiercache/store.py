@@ -1881,7 +1881,9 @@ class BlockStore:
                     plane = g.block_bytes // 2  # K (or V) of one block
                     self._staging_bytes = blocks * g.padded_bytes
                     scratch = -(-blocks // _GATHER_SPLIT) * plane
-                    self._device_staging = _BufferPool(self._staging_bytes + scratch, _CUDA_JOBS, device=self.device)
+                    with torch.inference_mode(False):  # as the pools: written outside it too
+                        self._device_staging = _BufferPool(self._staging_bytes + scratch, _CUDA_JOBS,
+                                                           device=self.device)
         return self._device_staging.take()
 
     def _to_device_slot(self, slot: int, buf: torch.Tensor, compute_event) -> None:
