@@ -139,8 +139,8 @@ class TierConfig:
     direct_io: str = "auto"
     # Who reads and writes disk records: "posix" (pread/pwrite on the I/O threads), "kvikio"
     # (NVIDIA KvikIO's cuFile API: GPUDirect Storage where the system has it, its own
-    # thread pool where not; needs CUDA and the `gds` extra), or "auto": kvikio where CUDA
-    # is and kvikio imports, else posix.
+    # thread pool where not; needs CUDA and the `gds` extra), or "auto": kvikio where it
+    # imports and CUDA is in use (the store's device, or the process already), else posix.
     disk_io: str = "auto"
     queue_depth: int = 64
     device: Optional[str] = None

@@ -57,13 +57,14 @@ def kvikio_status() -> tuple:
     return True, str(getattr(kvikio, "__version__", "?"))
 
 
-def resolve_disk_io(choice: str) -> str:
-    """The disk backend ``TierConfig.disk_io`` names: "auto" is kvikio where CUDA is and
-    kvikio imports (also for a store whose pools are in RAM, such as the prefix cache's:
-    kvikio reads into host memory too), else posix; "kvikio" where it cannot run raises
-    ``ValueError`` saying why."""
-    if choice == "posix":
-        return choice
+def resolve_disk_io(choice: str, on_cuda: bool = False) -> str:
+    """The disk backend ``TierConfig.disk_io`` names. "auto" is kvikio where kvikio imports
+    and either the store is on CUDA (``on_cuda``) or this process already uses CUDA (a
+    store whose pools are in RAM, such as the prefix cache's next to a model on the GPU:
+    kvikio reads into host memory too), else posix; it does not start CUDA for a CPU-only
+    job on a GPU machine. "kvikio" where it cannot run raises ``ValueError`` saying why."""
+    if choice == "posix" or (choice == "auto" and not on_cuda and not torch.cuda.is_initialized()):
+        return "posix"
     ok, why = kvikio_status()
     if choice == "kvikio" and not ok:
         raise ValueError(f"disk_io: 'kvikio' cannot run here: {why}; use disk_io='posix' or 'auto'")

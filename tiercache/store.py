@@ -77,7 +77,7 @@ class BlockStore:
         disk_dir = disk_dir or config.disk_dir
         self.disk: Optional[DiskTier] = None
         if config.disk_enabled and disk_dir is not None:
-            disk_io = resolve_disk_io(config.disk_io)  # before anything is allocated
+            disk_io = resolve_disk_io(config.disk_io, self._cuda)  # before anything is allocated
             record_bytes = DiskTier.record_size(geometry)
             num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes)
         self.table = BlockTable(num_slots)
