@@ -417,6 +417,10 @@ def run(argv: Optional[list] = None) -> int:
     if not cuda and set(setups) & set(CUDA_ONLY):
         raise ValueError(f"--setups: {', '.join(sorted(set(setups) & set(CUDA_ONLY)))} needs CUDA, and this "
                          f"machine has none")
+    if args.disk_io == "kvikio" and any(s.startswith(("disk", "quest")) for s in setups):
+        from tiercache.disk import resolve_disk_io
+
+        resolve_disk_io(args.disk_io)  # here, not in every worker: one clear line
     args.setup_list = setups
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-", dir=args.dir or ".") as workdir:
         isolated = {}

@@ -142,6 +142,10 @@ def test_bench_decode_refuses_bad_arguments():
         run(["--setups", "dynamic,warp"])
     with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
         run(["--eviction", "mru"])
+    from tiercache.disk import kvikio_status
+    if not kvikio_status()[0]:  # refused before any worker starts
+        with pytest.raises(ValueError, match="disk_io: 'kvikio' cannot run here"):
+            run(["--setups", "dynamic,disk", "--disk-io", "kvikio"])
 
 
 def test_a_cache_the_model_did_not_use_stops_the_benchmark():

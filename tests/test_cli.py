@@ -72,6 +72,9 @@ def test_real_generation_over_all_tiers_with_stats_and_metrics(tmp_path):
     data = json.loads(stats_file.read_text())
     tiers = data["stats"]["tiers"]
     assert tiers["host"]["blocks"] > 0 and tiers["disk"]["blocks"] > 0
+    assert tiers["disk"]["io"] == "posix"  # no CUDA here: kvikio is not started
+    disk_row = next(line for line in proc.stderr.splitlines() if line.startswith("disk "))
+    assert "(posix, " in disk_row, disk_row
     assert data["stats"]["decode_tokens"] >= 1 and "decode:" in proc.stderr
     assert "tiercache_decode_tokens_total" in prom.read_text()
     assert "metrics: http://127.0.0.1:" in proc.stderr and "metrics: serving 1 s more" in proc.stderr

@@ -87,8 +87,9 @@ def stats_table(stats: dict, seconds: dict) -> str:
     lines = ["tier     budget       used         blocks  hits"]
     for tier in ("device", "host", "disk"):
         t = stats["tiers"].get(tier, {})
+        io = f"   ({t['io']}, {'direct I/O' if t.get('direct_io') else 'page cache'})" if "io" in t else ""
         lines.append(f"{tier:<8} {format_bytes(t.get('budget_bytes', 0)):>11}  {format_bytes(t.get('used_bytes', 0)):>11}"
-                     f"  {t.get('blocks', 0):>6}  {stats['hits'].get(tier, 0)}")
+                     f"  {t.get('blocks', 0):>6}  {stats['hits'].get(tier, 0)}{io}")
     lines.append("moves:")
     for name, m in sorted(stats["moves"].items()):
         lines.append(f"  {name:<14} {m['blocks']:>7} blocks  {format_bytes(m['bytes']):>11}  {m['seconds']:.2f} s")
