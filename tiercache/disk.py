@@ -388,8 +388,8 @@ class DiskTier(RecordCodec):
     def _cufile_io(self, op: str, slot: int, payload: memoryview) -> int:
         """kvikio: the payload through the cuFile handle (queued on kvikio's threads) while
         the header goes through a file descriptor here; waits for both. kvikio's message is
-        kept, as EIO (it gives no errno). A torn record (one
-        written, not the other) fails its checksum on read, as one torn write does."""
+        kept, as EIO (it gives no errno). A torn record (one written, not the other) fails
+        its checksum on read, as one torn write does."""
         _, _, hmv = self._header_buf()
         offset = slot * self.record_bytes
         array = np.frombuffer(payload, dtype=np.uint8)
