@@ -558,7 +558,7 @@ class BlockStore:
                 key = keys[i]
                 decided = self._demote_plan(key)
                 if decided is None:
-                    futures[i] = _done_future(lambda: None)
+                    futures[i] = _done()
                 elif self.table.num_free(decided[1]) >= 1:
                     move = self._prepare(key, decided[0], decided[1], drop_source=True)
                     moves.append(move)
@@ -603,14 +603,14 @@ class BlockStore:
             with self._lock:
                 decided = plan()
                 if decided is None:
-                    return _done_future(lambda: None)
+                    return _done()
                 src, dst, drop_source, priority = decided
                 moves = self._room(dst, 1, {key}, allow_writeback=True)
                 move = None
                 if self.table.num_free(dst) >= 1:
                     move = self._prepare(key, src, dst, drop_source=drop_source)
                 elif not moves:
-                    return _done_future(lambda: None)
+                    return _done()
             if move is not None:
                 self._submit_all(moves, Priority.WRITEBACK)
                 return self._submit(move, priority)
@@ -1498,7 +1498,7 @@ class BlockStore:
             for move in copies:
                 future = self._inflight.get(move)
                 if future is None:  # already completed
-                    futures.append(_done_future(lambda: None))
+                    futures.append(_done())
                     continue
                 futures.append(future)
                 if move not in self._started:
@@ -1708,7 +1708,7 @@ class BlockStore:
         with self._lock:
             future = self._inflight.get(move)
             if future is None:  # already completed
-                return _done_future(lambda: None)
+                return _done()
             if move in self._started:
                 return future
             self._started.add(move)
@@ -2026,6 +2026,22 @@ def _byte_planes(out: torch.Tensor) -> Optional[list]:
     s0, s1, s2 = (s * size for s in out.stride()[:3])
     return [flat[base + a * s0 + b * s1 + h * s2:base + a * s0 + b * s1 + h * s2 + plane]
             for a in range(out.shape[0]) for b in range(out.shape[1]) for h in range(out.shape[2])]
+
+
+_DONE: Optional[Future] = None
+
+
+def _done() -> Future:
+    """A finished future with result None, one for all: a finished future cannot change
+    (``set_result`` raises, ``cancel`` returns False, a callback added runs at once), and
+    each new Future costs a ``threading.Condition`` (a third of the store's Python time
+    per move in a profile of 400-block batches that only dropped copies)."""
+    global _DONE
+    if _DONE is None:
+        done: Future = Future()
+        done.set_result(None)
+        _DONE = done
+    return _DONE
 
 
 def _done_future(fn) -> Future:
