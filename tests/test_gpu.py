@@ -191,22 +191,16 @@ def test_kvikio_records_round_trip_and_a_corrupted_one_is_never_returned(tmp_pat
 
 
 @pytest.mark.parametrize("mode", ["fits", "beam3", "batch2-padded", "host-tier"])
-def test_cuda_decode_fast_path_is_exact_and_taken(mode):
+def test_cuda_decode_fast_path_is_exact_and_taken(mode, monkeypatch):
     """``update``'s resident fast path (``BlockStore.hold_resident``) on CUDA: with the whole
     cache on the device it serves most decode steps, and the tokens and logits equal
     DynamicCache's (greedy, beam search, a left-padded batch of two); with a host tier,
     steps switch between it and the general path as blocks move, still exact."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from test_resident_fast_path import _spy_fast
     from tiercache import TieredCache
 
-    taken = {"fast": 0, "general": 0}
-    hold = BlockStore.hold_resident
-
-    def counting(self, *args, **kwargs):
-        slot = hold(self, *args, **kwargs)
-        taken["fast" if slot is not None else "general"] += 1
-        return slot
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, eos_token_id=None)
@@ -226,13 +220,10 @@ def test_cuda_decode_fast_path_is_exact_and_taken(mode):
           if mode == "host-tier" else TierConfig(device_budget=rows * 64 * block, host_budget=0, block_tokens=8))
     with torch.no_grad():
         ref = model.generate(ids, **kw)
-        BlockStore.hold_resident = counting
-        try:
-            with TieredCache(model, tc) as cache:
-                out = model.generate(ids, cache=cache, **kw)
-                moves = sum(m["blocks"] for m in cache.stats()["moves"].values())
-        finally:
-            BlockStore.hold_resident = hold
+        taken = _spy_fast(monkeypatch)
+        with TieredCache(model, tc) as cache:
+            out = model.generate(ids, cache=cache, **kw)
+            moves = sum(m["blocks"] for m in cache.stats()["moves"].values())
     assert torch.equal(ref.sequences, out.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) <= 1e-5
     assert taken["fast"] > 0, taken
