@@ -1559,7 +1559,7 @@ class BlockStore:
         does (``_submit_all``); the jobs, once they run, find it taken and stop.
         Interrupted, it leaves what is left to a worker (as ``_help``)."""
         claimed = False
-        if not work.parallel and len(work) == work.total and not self._cuda:
+        if not work.parallel and len(work) == work.total and not self._staged_copies:
             with self._lock:
                 if not work.parallel and len(work) == work.total and len(self._inflight) == work.moves:
                     work.parallel = claimed = True
