@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ _PIECE_BYTES = 8 << 20
 _CHUNK_BYTES = 16 << 20
 _CUDA_PIECE_BYTES = 64 << 20  # see _submit_all
 _CUDA_JOBS = 2  # copy jobs of a batch, and device staging buffers (_device_lease)
+_first = operator.itemgetter(0)
 _GATHER_SPLIT = 4  # a demotion's gather goes through scratch for 1/4 of a piece at a time
 
 
@@ -574,14 +576,21 @@ class BlockStore:
         """Under the lock: sorts blocks by the slot of their best copy. Planned in that order,
         moves get destination slots (lowest free first) that line up with their sources,
         adjacent on both sides: one copy for a run (``_slot_runs``), in disk order for reads."""
-        tier = self.table.best_source(key)
-        copy = None if tier is None else self.table.copy(key, tier)
-        return (1, 0, 0) if copy is None else (0, int(tier), copy.slot)
+        found = self.table.best_copy(key)
+        return (1, 0, 0) if found is None else (0, int(found[0]), found[1].slot)
 
     def _in_source_order(self, keys: list) -> list:
         """Under the lock: [(key, its best source tier, or None)] in ``_source_order``."""
-        ordered = sorted(((self._source_order(key), key) for key in keys), key=lambda pair: pair[0])
-        return [(key, None if no_copy else Tier(tier)) for (no_copy, tier, _), key in ordered]
+        best = self.table.best_copy
+        planned = []
+        for key in keys:
+            found = best(key)
+            if found is None:
+                planned.append(((1, 0, 0), key, None))
+            else:
+                planned.append(((0, found[0], found[1].slot), key, found[0]))
+        planned.sort(key=_first)
+        return [(key, tier) for _, key, tier in planned]
 
     def _demote_plan(self, key: Hashable) -> Optional[tuple]:
         """Under the lock: (src, dst, drop_source, priority) of demoting ``key``, or None."""
@@ -665,6 +674,7 @@ class BlockStore:
                 waits: list = []
                 with self._lock:
                     missing = []
+                    hits: dict = {}  # tier label -> blocks found there first (one event each)
                     for key in keys:
                         entry = self.table.get(key)
                         if entry is None:
@@ -679,22 +689,24 @@ class BlockStore:
                                 pinned_keys.add(key)
                                 self.policies[Tier.DEVICE].touch(key)
                             if first:
-                                self.events.hit("device")
-                                if self._prefetched.pop(key, None) is not None:
+                                hits["device"] = hits.get("device", 0) + 1
+                                if self._prefetched and self._prefetched.pop(key, None) is not None:
                                     self.events.prefetch("used")
                         elif c is not None:  # FILLING: a prefetch is on its way
                             waits.append(self._to_device[key])
-                            if first and self._prefetched.pop(key, None) is not None:
+                            if first and self._prefetched and self._prefetched.pop(key, None) is not None:
                                 self.events.prefetch("late")
-                                self.events.hit("device")
+                                hits["device"] = hits.get("device", 0) + 1
                         else:
                             src = self.table.best_source(key)
                             if src is None:
                                 waits.extend(self._inflight_for(key))
                                 continue
                             if first:
-                                self.events.hit(src.label)
+                                hits[src.label] = hits.get(src.label, 0) + 1
                             missing.append((key, src))
+                    for label, n in hits.items():
+                        self.events.hit(label, n)
                     if missing:
                         try:
                             submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
