@@ -674,6 +674,7 @@ class BlockStore:
                 waits: list = []
                 with self._lock:
                     missing = []
+                    fresh = []  # READY on the device, not pinned by this call yet
                     hits: dict = {}  # tier label -> blocks found there first (one event each)
                     for key in keys:
                         entry = self.table.get(key)
@@ -684,9 +685,7 @@ class BlockStore:
                         counted.add(key)
                         if c is not None and c.state is CopyState.READY:
                             if key not in pinned_keys:
-                                self.table.pin(key)
-                                pinned.append(key)
-                                pinned_keys.add(key)
+                                fresh.append(key)
                                 self.policies[Tier.DEVICE].touch(key)
                             if first:
                                 hits["device"] = hits.get("device", 0) + 1
@@ -707,6 +706,13 @@ class BlockStore:
                             missing.append((key, src))
                     for label, n in hits.items():
                         self.events.hit(label, n)
+                    if pin or missing or waits:
+                        # Pinned while the rest comes (or for the caller). Not in the last
+                        # pass of ``pin=False``: those pins would go again at once.
+                        for key in fresh:
+                            self.table.pin(key)
+                            pinned.append(key)
+                            pinned_keys.add(key)
                     if missing:
                         try:
                             submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
@@ -1768,8 +1774,9 @@ class BlockStore:
         """Under the lock: the table part of ``_finish_move``; returns the write-behind move
         to start, if any."""
         follow = None
-        evicted_down = move in self._evicted_down
-        self._evicted_down.discard(move)
+        evicted_down = bool(self._evicted_down) and move in self._evicted_down
+        if evicted_down:
+            self._evicted_down.discard(move)
         # Out of the in-flight maps first: nothing below may leave the move there for good.
         future = self._inflight.pop(move, None)
         self._started.discard(move)

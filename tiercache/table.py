@@ -228,21 +228,12 @@ class BlockTable:
         """Reserve a slot on ``tier`` for a new copy of ``key`` (FILLING): ``prefer`` when
         that slot is free, else any."""
         entry = self._blocks.get(key)
-        if entry is not None and tier in entry.copies:
-            raise TableError(f"block {key!r} already has a copy on {tier.label}")
-        slots = self._slots[tier]
-        if prefer is not None and slots.is_free(prefer):
-            slots.take(prefer)
-            slot = prefer
-        else:
-            slot = slots.alloc()
-        if slot is None:
-            raise TableError(f"no free slot on {tier.label}")
         if entry is None:
-            entry = self._blocks[key] = BlockEntry(key)
-        entry.copies[tier] = Copy(slot, CopyState.FILLING)
-        self._on_tier[tier].add(key)
-        return slot
+            entry = BlockEntry(key)
+            slot = self._new_copy(entry, tier, prefer)
+            self._blocks[key] = entry
+            return slot
+        return self._new_copy(entry, tier, prefer)
 
     def adopt(self, key: Hashable, tier: Tier, slot: int) -> None:
         """Register an existing READY copy in a given slot (used when reopening a disk tier)."""
@@ -274,9 +265,9 @@ class BlockTable:
         c = entry.copies.get(src)
         if c is None or c.state is not CopyState.READY:
             raise TableError(f"block {key!r} has no READY copy on {src.label}")
-        if drop_source and not self.is_movable(key, src):
+        if drop_source and (c.readers or (src is Tier.DEVICE and entry.pins)):  # not is_movable
             raise TableError(f"block {key!r} on {src.label} is pinned or busy")
-        dst_slot = self.allocate(key, dst)
+        dst_slot = self._new_copy(entry, dst)
         c.readers += 1
         return Move(key, src, c.slot, dst, dst_slot, drop_source, entry)
 
@@ -352,6 +343,22 @@ class BlockTable:
         entry.pins -= 1
 
     # ---- internals -----------------------------------------------------------------
+    def _new_copy(self, entry: BlockEntry, tier: Tier, prefer: Optional[int] = None) -> int:
+        """A FILLING copy of ``entry`` on ``tier`` in a free slot (``prefer`` if free)."""
+        if tier in entry.copies:
+            raise TableError(f"block {entry.key!r} already has a copy on {tier.label}")
+        slots = self._slots[tier]
+        if prefer is not None and slots.is_free(prefer):
+            slots.take(prefer)
+            slot = prefer
+        else:
+            slot = slots.alloc()
+            if slot is None:
+                raise TableError(f"no free slot on {tier.label}")
+        entry.copies[tier] = Copy(slot, CopyState.FILLING)
+        self._on_tier[tier].add(entry.key)
+        return slot
+
     def _free_copy(self, entry: BlockEntry, tier: Tier) -> int:
         c = entry.copies.pop(tier)
         if c.readers:
