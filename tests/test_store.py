@@ -1405,3 +1405,31 @@ def test_staging_buffers_made_under_inference_mode_serve_moves_outside_it():
         for k in keys:
             assert torch.equal(store.get(k), data[k])
         assert store.stats()["moves"]["host->device"]["blocks"] > 0
+
+
+def test_a_fetch_counts_each_block_once_where_it_was_found_and_pin_false_leaves_no_pin(make_store, geometry):
+    """6 device slots, 6 blocks: 2 stay on the device, 2 go to the host, 2 down to disk.
+    ensure_device of all six (pin=False) counts one hit per block, on the tier it came
+    from (2 device, 2 host, 2 disk), however many passes it takes; afterwards no block is
+    pinned, so every one of them can be demoted at once. With pin=True all six stay pinned
+    until unpinned."""
+    store = make_store(device_blocks=6, host_blocks=6)
+    data = blocks(geometry, 6, seed=11)
+    keys = list(data)
+    for key, block in data.items():
+        store.put(key, block)
+    wait_all(store.demote_many(keys[2:]))
+    wait_all(store.demote_many(keys[4:]))
+    assert [store.tiers_of(k)[0] for k in keys] == [Tier.DEVICE] * 2 + [Tier.HOST] * 2 + [Tier.DISK] * 2
+    hits0 = dict(store.stats()["hits"])
+    store.ensure_device(keys, pin=False)
+    hits = store.stats()["hits"]
+    assert {t: hits[t] - hits0[t] for t in ("device", "host", "disk")} == {"device": 2, "host": 2, "disk": 2}
+    assert all(store.table.get(k).pins == 0 for k in keys)
+    assert wait_all(store.demote_many(keys)) == []
+    assert all(Tier.DEVICE not in store.tiers_of(k) for k in keys)
+    store.ensure_device(keys)  # pin=True
+    assert all(store.table.get(k).pins == 1 for k in keys)
+    store.unpin(keys)
+    assert_all_come_up_exact(store, data)
+    store.check()

@@ -115,3 +115,40 @@ def test_adopt_registers_records_found_on_disk():
     assert t.best_source("a") is K and t.num_free(K) == 3
     with pytest.raises(TableError):
         t.adopt("b", K, 2)
+
+
+def test_moves_are_immutable_and_told_apart_by_identity():
+    """The store keys its in-flight maps by move. Block 1 moves down, the move rolls back, and
+    block 1 moves down again into the same slot: the two moves have the same fields but are
+    two moves, and neither can be changed after prepare_move made it."""
+    t = table()
+    ready(t, 1)
+    first = t.prepare_move(1, D, H, drop_source=True)
+    t.complete_move(first, ok=False)
+    second = t.prepare_move(1, D, H, drop_source=True)
+    assert (first.key, first.src_slot, first.dst_slot) == (second.key, second.src_slot, second.dst_slot)
+    assert first != second and len({first: 1, second: 2}) == 2
+    with pytest.raises(AttributeError):
+        second.dst_slot = 5
+    assert "device[0] -> host[0]" in repr(second)
+    t.complete_move(second, ok=True)
+    t.check()
+
+
+def test_prepare_move_refuses_a_busy_source_or_a_taken_destination():
+    """A demotion (drop_source) of a pinned device copy, or of one an in-flight move reads, is
+    refused; so is a move to a tier where the block already has a copy. None changes a slot."""
+    t = table()
+    ready(t, 1)
+    t.pin(1)
+    with pytest.raises(TableError, match="pinned or busy"):
+        t.prepare_move(1, D, H, drop_source=True)
+    t.unpin(1)
+    reading = t.prepare_move(1, D, H, drop_source=False)
+    with pytest.raises(TableError, match="pinned or busy"):
+        t.prepare_move(1, D, K, drop_source=True)
+    with pytest.raises(TableError, match="already has a copy on host"):
+        t.prepare_move(1, D, H, drop_source=False)
+    assert t.num_free(D) == 3 and t.num_free(H) == 1 and t.num_free(K) == 4
+    t.complete_move(reading, ok=True)
+    t.check()
