@@ -1433,3 +1433,35 @@ def test_a_fetch_counts_each_block_once_where_it_was_found_and_pin_false_leaves_
     store.unpin(keys)
     assert_all_come_up_exact(store, data)
     store.check()
+
+
+def test_a_fast_decode_step_that_fails_freeing_a_stale_copy_leaves_no_pin(make_store, geometry):
+    """hold_resident (the decode fast path) frees the write block's lower copies, which are
+    stale once new tokens land in it, and pins it for the caller. On a persistent disk tier,
+    freeing a disk copy writes a tombstone; here that write fails with EIO. The step raises
+    the OSError, and the block is not left pinned: the caller records the pin only when the
+    call returns, so a pin taken before the failure would keep the block on the device for
+    good. Afterwards it can be demoted as any other block. A key given twice to
+    ensure_device is pinned once."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    store = make_store(device_blocks=4, host_blocks=0, disk_blocks=8)
+    data = blocks(geometry, 2, seed=12)
+    k0, k1 = list(data)
+    for key, block in data.items():
+        store.put(key, block)
+    store.flush()
+    store.wait_idle()
+    assert store.tiers_of(k1) == [Tier.DEVICE, Tier.DISK]
+    with _failing("pwrite", errno.EIO, after=0), pytest.raises(OSError, match="Input/output error"):
+        store.hold_resident(k1, [k0, k1])
+    assert store.table.get(k1).pins == 0 and not store._views
+    assert wait_all(store.demote_many([k1])) == [] and store.tiers_of(k1) == [Tier.DISK]
+    assert torch.equal(store.get(k1), data[k1])
+    store.ensure_device([k0, k0])
+    assert store.table.get(k0).pins == 1
+    store.unpin([k0])
+    assert store.table.get(k0).pins == 0
+    store.check()

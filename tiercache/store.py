@@ -661,7 +661,7 @@ class BlockStore:
         ``ahead``: blocks to prefetch to the device once the fetches of ``keys`` are queued
         (behind them), before waiting for those: the next layer's reads then follow this
         layer's without a gap."""
-        keys = list(keys)
+        keys = list(dict.fromkeys(keys))  # once each: a key given twice is pinned once
         protect = set(keys)
         pinned: list = []
         pinned_keys: set = set()  # the same, for lookups (a batch may hold hundreds of keys)
@@ -676,36 +676,38 @@ class BlockStore:
                     missing = []
                     fresh = []  # READY on the device, not pinned by this call yet
                     hits: dict = {}  # tier label -> blocks found there first (one event each)
-                    for key in keys:
-                        entry = self.table.get(key)
-                        if entry is None:
-                            raise BlockCorruptedError(f"block {key!r} is not in the cache (lost or deleted)")
-                        c = entry.copies.get(Tier.DEVICE)
-                        first = key not in counted
-                        counted.add(key)
-                        if c is not None and c.state is CopyState.READY:
-                            if key not in pinned_keys:
-                                fresh.append(key)
-                                self.policies[Tier.DEVICE].touch(key)
-                            if first:
-                                hits["device"] = hits.get("device", 0) + 1
-                                if self._prefetched and self._prefetched.pop(key, None) is not None:
-                                    self.events.prefetch("used")
-                        elif c is not None:  # FILLING: a prefetch is on its way
-                            waits.append(self._to_device[key])
-                            if first and self._prefetched and self._prefetched.pop(key, None) is not None:
-                                self.events.prefetch("late")
-                                hits["device"] = hits.get("device", 0) + 1
-                        else:
-                            src = self.table.best_source(key)
-                            if src is None:
-                                waits.extend(self._inflight_for(key))
-                                continue
-                            if first:
-                                hits[src.label] = hits.get(src.label, 0) + 1
-                            missing.append((key, src))
-                    for label, n in hits.items():
-                        self.events.hit(label, n)
+                    try:
+                        for key in keys:
+                            entry = self.table.get(key)
+                            if entry is None:
+                                raise BlockCorruptedError(f"block {key!r} is not in the cache (lost or deleted)")
+                            c = entry.copies.get(Tier.DEVICE)
+                            first = key not in counted
+                            counted.add(key)
+                            if c is not None and c.state is CopyState.READY:
+                                if key not in pinned_keys:
+                                    fresh.append(key)
+                                    self.policies[Tier.DEVICE].touch(key)
+                                if first:
+                                    hits["device"] = hits.get("device", 0) + 1
+                                    if self._prefetched and self._prefetched.pop(key, None) is not None:
+                                        self.events.prefetch("used")
+                            elif c is not None:  # FILLING: a prefetch is on its way
+                                waits.append(self._to_device[key])
+                                if first and self._prefetched and self._prefetched.pop(key, None) is not None:
+                                    self.events.prefetch("late")
+                                    hits["device"] = hits.get("device", 0) + 1
+                            else:
+                                src = self.table.best_source(key)
+                                if src is None:
+                                    waits.extend(self._inflight_for(key))
+                                    continue
+                                if first:
+                                    hits[src.label] = hits.get(src.label, 0) + 1
+                                missing.append((key, src))
+                    finally:  # counted even if a later key is unknown, as prefetch outcomes are
+                        for label, n in hits.items():
+                            self.events.hit(label, n)
                     if pin or missing or waits:
                         # Pinned while the rest comes (or for the caller). Not in the last
                         # pass of ``pin=False``: those pins would go again at once.
@@ -901,11 +903,13 @@ class BlockStore:
                 entry = get(key)
                 if entry is not None and device not in entry.copies:
                     return None
-            # ensure_device([write_key]), then begin_write(write_key): lower copies are stale
-            self.table.pin(write_key)
+            # ensure_device([write_key]), then begin_write(write_key): lower copies are stale.
+            # The pin comes last: freeing a lower copy can raise (a disk tombstone's write),
+            # and the caller records the pin only once this returns.
             if len(copies) > 1:
                 for tier, s in self.table.drop_others(write_key, device):
                     self._released(write_key, tier, s)
+            self.table.pin(write_key)
             touch, prefetched = self.policies[device].touch, self._prefetched
             touch(write_key)
             used = 0
