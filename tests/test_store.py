@@ -1465,3 +1465,51 @@ def test_a_fast_decode_step_that_fails_freeing_a_stale_copy_leaves_no_pin(make_s
     store.unpin([k0])
     assert store.table.get(k0).pins == 0
     store.check()
+
+
+@pytest.mark.timeout(120)  # a regression hangs on a move left in flight
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_batch_makes_no_future_per_move_and_a_waiter_gets_one_that_resolves(make_store, geometry, staged):
+    """Both I/O workers are held busy, then a prefetch queues 8 host->device copies as one
+    batch behind them: every move is in flight, and none has a future (its batch is what
+    the store keeps for it). A fetch of one of those blocks on this thread finds its device
+    copy filling and waits for it: it gets a future made on demand, which copies the batch's
+    pieces on this thread instead of waiting for the workers, and resolves. Once the
+    workers are let go, nothing is left in flight, no future is left behind, and every block
+    reads back exactly. ``staged``: the same with CUDA's staging path, on CPU."""
+    from concurrent.futures import Future
+
+    from tiercache.store import _Work
+    from tiercache.transfer import Priority
+
+    store = make_store(device_blocks=8, host_blocks=8, disk_blocks=0, io_workers=2)
+    store._staged_copies = staged
+    data = blocks(geometry, 8, seed=31)
+    keys = list(data)
+    for key, block in data.items():
+        store.put(key, block)
+    assert wait_all(store.demote_many(keys)) == []
+    assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)
+    gate, busy = threading.Event(), threading.Barrier(3)
+
+    def hold_worker():
+        busy.wait(10)
+        gate.wait(30)
+    blockers = [store.engine.submit(hold_worker, Priority.DEMAND) for _ in range(2)]
+    try:
+        busy.wait(10)  # both workers are inside hold_worker
+        assert store.prefetch(keys) == 8
+        held = list(store._inflight.values())
+        assert len(held) == 8 and all(type(h) is _Work for h in held) and len({id(h) for h in held}) == 1
+        store.ensure_device([keys[5]], pin=False)  # waits on the filling copy's future
+        assert Tier.DEVICE in store.tiers_of(keys[5])
+        assert not any(isinstance(h, Future) for h in store._inflight.values())
+    finally:
+        gate.set()
+    assert wait_all(blockers) == []
+    assert _idle_within(store)
+    assert not store._inflight and not store._started and not store._to_device
+    store.check()
+    assert all(Tier.DEVICE in store.tiers_of(k) for k in keys)
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)

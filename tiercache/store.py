@@ -99,9 +99,11 @@ class BlockStore:
                                      io_threads=config.io_workers)
         self.policies = {tier: make_eviction(config.eviction) for tier in self.tiers}
         self._lock = threading.RLock()
-        self._inflight: dict = {}  # Move -> Future (prepared moves, started or not)
+        # Prepared moves, started or not -> their waiters' future, made on demand (``_future``):
+        # None, or the batch (``_Work``) copying the move until someone asks for one.
+        self._inflight: dict = {}
         self._started: set = set()
-        self._to_device: dict = {}  # key -> Future of the move filling its device copy
+        self._to_device: dict = {}  # key -> the move filling its device copy
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
         self._token_ids: dict = {}  # key -> packed token ids (prefix-cache blocks)
         self._prefetched: dict = {}  # key -> tier a prefetch brought it to
@@ -324,7 +326,7 @@ class BlockStore:
                         self._discard(key, tier)
                     elif read:  # a use for the tier's policy (not a read that failed)
                         self.policies[tier].touch(key)
-                    lost = corrupted and self.table.best_source(key) is None and not self._inflight_for(key)
+                    lost = corrupted and self.table.best_source(key) is None and not self._moving(key)
                     if lost:
                         self._forget(key)
             if lost:
@@ -416,7 +418,7 @@ class BlockStore:
                     elif isinstance(outcome, RecordError):
                         self.events.integrity_error(tier.label)
                         self._discard(key, tier)
-                        if self.table.best_source(key) is None and not self._inflight_for(key):
+                        if self.table.best_source(key) is None and not self._moving(key):
                             self._forget(key)
                             errors[i] = BlockCorruptedError(
                                 f"block {key!r}: its {tier.label} record failed its integrity check "
@@ -500,7 +502,7 @@ class BlockStore:
         with self._lock:
             def idle(key) -> bool:
                 return self.table.is_movable(key, tier) and not self._extended_on(key, tier) \
-                    and not self._inflight_for(key)
+                    and not self._moving(key)
             victims = self.policies[tier].evict(n, idle)
             if victims is None:
                 victims = [k for k in self.table.keys_on(tier) if idle(k)][:n]
@@ -513,7 +515,7 @@ class BlockStore:
             for key in list(self.table.keys_on(tier)):
                 if self.table.can_drop(key, tier):
                     self._drop(key, tier, evicted=False)
-                elif self.table.is_movable(key, tier) and not self._inflight_for(key):
+                elif self.table.is_movable(key, tier) and not self._moving(key):
                     self._forget(key)
                 else:
                     continue
@@ -564,7 +566,7 @@ class BlockStore:
                 elif self.table.num_free(decided[1]) >= 1:
                     move = self._prepare(key, decided[0], decided[1], drop_source=True)
                     moves.append(move)
-                    futures[i] = self._inflight[move]
+                    futures[i] = self._future(move)
                 else:
                     later.append(i)
         self._submit_all(moves, Priority.WRITEBACK)
@@ -693,7 +695,7 @@ class BlockStore:
                                     if self._prefetched and self._prefetched.pop(key, None) is not None:
                                         self.events.prefetch("used")
                             elif c is not None:  # FILLING: a prefetch is on its way
-                                waits.append(self._to_device[key])
+                                waits.append(self._future(self._to_device[key]))
                                 if first and self._prefetched and self._prefetched.pop(key, None) is not None:
                                     self.events.prefetch("late")
                                     hits["device"] = hits.get("device", 0) + 1
@@ -734,7 +736,7 @@ class BlockStore:
                 ahead = self._prefetch_ahead(ahead, protect, Tier.DEVICE, mine)
                 t0 = time.perf_counter()
                 self._help(mine)
-                errors = wait_all(futures)
+                errors = wait_all(futures) + self._wait_works(mine)
                 stall += time.perf_counter() - t0
                 for exc in errors:
                     if isinstance(exc, BlockCorruptedError):
@@ -1051,7 +1053,7 @@ class BlockStore:
             ahead = self._prefetch_ahead(ahead, set(keys), Tier.HOST, mine)
             t0 = time.perf_counter()
             self._help(mine)
-            errors = wait_all(futures)
+            errors = wait_all(futures) + self._wait_works(mine)
             stall += time.perf_counter() - t0
             for exc in errors:
                 if isinstance(exc, BlockCorruptedError):
@@ -1233,7 +1235,7 @@ class BlockStore:
         """Wait until no move is in flight."""
         while True:
             with self._lock:
-                futures = list(self._inflight.values())
+                futures = [self._future(move) for move in list(self._inflight)]
             if not futures:
                 return
             wait_all(futures)
@@ -1398,7 +1400,12 @@ class BlockStore:
         self._token_ids.pop(key, None)
 
     def _inflight_for(self, key: Hashable) -> list:
-        return [f for m, f in self._inflight.items() if m.key == key]
+        """Under the lock: futures of the moves of ``key`` in flight, to wait on."""
+        return [self._future(m) for m in [m for m in self._inflight if m.key == key]]
+
+    def _moving(self, key: Hashable) -> bool:
+        """Under the lock: whether a move of ``key`` is in flight."""
+        return any(m.key == key for m in self._inflight)
 
     def _capacity_message(self, num_needed: int) -> str:
         g = self.geometry
@@ -1430,12 +1437,12 @@ class BlockStore:
         futures = self._submit_all(moves, Priority.WRITEBACK, mine)
         t0 = time.perf_counter()
         self._help(mine)
-        errors = wait_all(futures)
+        errors = wait_all(futures) + self._wait_works(mine)
         for exc in errors:
             if not isinstance(exc, (OSError, RecordError, BlockCorruptedError)):
                 raise exc
         io = [e for e in errors if isinstance(e, OSError)]
-        if raise_io and io and len(io) == len(futures):
+        if raise_io and io and len(io) == len(futures) + sum(work.moves for work in mine):
             raise self._io_error("making room", io[0])
         return time.perf_counter() - t0
 
@@ -1446,36 +1453,62 @@ class BlockStore:
 
     # ---- internals: moves ------------------------------------------------------------------
     def _prepare(self, key: Hashable, src: Tier, dst: Tier, drop_source: bool) -> Move:
-        """Under the lock: reserve the move in the table and register its future at once,
-        so that anyone who sees the FILLING copy can wait for it."""
+        """Under the lock: reserve the move in the table and register it as in flight at
+        once, so that anyone who sees the FILLING copy can wait for it (``_future``)."""
         move = self.table.prepare_move(key, src, dst, drop_source=drop_source)
-        future = _MoveFuture()
-        self._inflight[move] = future
+        self._inflight[move] = None
         if dst is Tier.DEVICE:
-            self._to_device[key] = future
+            self._to_device[key] = move
         return move
+
+    def _future(self, move: Move) -> Future:
+        """The future of a move's waiters, made on first demand; a finished one once the
+        move is done. Most moves complete with nobody waiting but the batch that copies
+        them (``_Work``), and a future each (a ``threading.Condition`` inside, made, set
+        and waited on) was a quarter of a fetch's Python."""
+        with self._lock:
+            held = self._inflight.get(move, _GONE)
+            if held is _GONE:  # completed (or rolled back)
+                return _done()
+            if held is None or held.__class__ is _Work:
+                future = _MoveFuture()
+                if held is not None:  # a waiter helps copy the batch (``_MoveFuture``)
+                    future.pieces = (self, held)
+                self._inflight[move] = future
+                return future
+            return held
+
+    def _take_waiter(self, move: Move) -> Optional[Future]:
+        """Under the lock: the move leaves the in-flight maps; returns its waiters' future,
+        if anyone asked for one."""
+        held = self._inflight.pop(move, None)
+        self._started.discard(move)
+        if move.dst is Tier.DEVICE and self._to_device.get(move.key) is move:
+            self._to_device.pop(move.key, None)
+        return held if held.__class__ is _MoveFuture else None
 
     def _abandon(self, moves: list) -> None:
         """Under the lock: roll back prepared moves that were never started (planning failed)."""
         for move in moves:
             if move in self._inflight and move not in self._started:
-                future = self._inflight[move]
-                self._roll_back(move)
-                future.set_result(None)
+                waiter = self._roll_back(move)
+                if waiter is not None:
+                    waiter.set_result(None)
 
-    def _roll_back(self, move: Move) -> None:
-        """Under the lock: undo a prepared move that will not run (the caller resolves its
-        future)."""
-        self._started.discard(move)
+    def _roll_back(self, move: Move) -> Optional[Future]:
+        """Under the lock: undo a prepared move that will not run; returns its waiters'
+        future, for the caller to resolve."""
+        waiter = self._take_waiter(move)
+        self._evicted_down.discard(move)
         for tier, slot in self.table.complete_move(move, ok=False):
             self._released(move.key, tier, slot)
-        future = self._inflight.pop(move, None)
-        self._evicted_down.discard(move)
-        if future is not None and move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
-            self._to_device.pop(move.key, None)
+        return waiter
 
     def _submit_all(self, moves: list, priority: Priority, help_here: Optional[list] = None) -> list:
-        """Start prepared moves; returns their futures (not in the order of ``moves``).
+        """Start prepared moves; returns the futures of those that are not copied in a batch
+        of this call (not in the order of ``moves``). A caller that waits for the moves
+        passes ``help_here``: it receives the batches, to help copy (``_help``) and wait for
+        (``_wait_works``).
 
         On CPU a host<->device move is one memcpy of a block (~0.15 ms for 1.5 MiB). Queued
         one job per move, the queue's and the GIL's per-job cost took up to two thirds of
@@ -1516,31 +1549,40 @@ class BlockStore:
                 self._abandon(moves)
             raise
         todo: list = []
+        work = None
         with self._lock:
+            inflight = self._inflight
             for move in copies:
-                future = self._inflight.get(move)
-                if future is None:  # already completed
+                if move not in inflight:  # already completed
                     futures.append(_done())
                     continue
-                futures.append(future)
-                if move not in self._started:
-                    self._started.add(move)
-                    todo.append((move, future))
-            alone = help_here is not None and len(self._inflight) == len(todo)
-        if todo:
-            if self._staged_copies:
-                alone = False
-                fetches = [item for item in todo if item[0].dst is Tier.DEVICE]
-                others = [item for item in todo if item[0].dst is not Tier.DEVICE]
-                work = _Work(_pieces([d for d in (fetches, others) if d],
-                                     max(1, _CUDA_PIECE_BYTES // self.geometry.block_bytes)))
-            else:
-                most = len(todo) if alone else max(1, _PIECE_BYTES // self.geometry.block_bytes)
-                work = _Work(_pieces(_slot_runs(todo), most))
-            work.parallel, work.total, work.moves = alone, len(work), len(todo)
-            work.compute_event = barrier
-            for _, future in todo:
-                future.pieces = (self, work)
+                if move in self._started:  # another batch copies it: wait for that
+                    futures.append(self._future(move))
+                    continue
+                self._started.add(move)
+                todo.append((move, None))
+            alone = help_here is not None and len(inflight) == len(todo)
+            if todo:
+                if self._staged_copies:
+                    alone = False
+                    fetches = [item for item in todo if item[0].dst is Tier.DEVICE]
+                    others = [item for item in todo if item[0].dst is not Tier.DEVICE]
+                    work = _Work(_pieces([d for d in (fetches, others) if d],
+                                         max(1, _CUDA_PIECE_BYTES // self.geometry.block_bytes)), len(todo))
+                else:
+                    most = len(todo) if alone else max(1, _PIECE_BYTES // self.geometry.block_bytes)
+                    work = _Work(_pieces(_slot_runs(todo), most), len(todo))
+                work.parallel, work.total = alone, len(work)
+                work.compute_event = barrier
+                # No future per move: the caller waits for the batch (``_wait_works``), and
+                # whoever else waits for a move gets one that helps copy the batch (``_future``).
+                for move, _ in todo:
+                    held = inflight[move]
+                    if held is None:
+                        inflight[move] = work
+                    else:  # a future made before the move started (``demote_many``)
+                        held.pieces = (self, work)
+        if work is not None:
             jobs = 0 if alone else min(self._copy_jobs, len(work)) - (
                 1 if help_here is not None and not self._staged_copies else 0)
             queued = 0
@@ -1552,13 +1594,22 @@ class BlockStore:
                 if not queued:             # would copy these (the caller does not get to help)
                     while work:
                         try:
-                            self._fail_piece(work.popleft(), exc)
+                            self._fail_piece(work.popleft(), exc, work)
                         except IndexError:
                             break
                 raise
             if help_here is not None:
                 help_here.append(work)
         return futures
+
+    def _wait_works(self, works: list) -> list:
+        """Wait until every move of the batches in ``works`` is done (after ``_help``, the
+        pieces left are those jobs are copying); returns their moves' errors."""
+        errors: list = []
+        for work in works:
+            work.finished.wait()
+            errors.extend(work.errors)
+        return errors
 
     def _help(self, works: list) -> None:
         """The caller copies pieces of ``works`` (from ``_submit_all``) until none is left.
@@ -1595,14 +1646,14 @@ class BlockStore:
                         break
                 runs = _slot_runs([item for piece in runs for item in piece])
                 while runs:
-                    self._run_piece(runs.pop(0), True, work.compute_event)
+                    self._run_piece(runs.pop(0), work, True)
                 return
             while not future.done():
                 try:
                     piece = work.popleft()
                 except IndexError:
                     return
-                self._run_piece(piece, compute_event=work.compute_event)
+                self._run_piece(piece, work)
         finally:
             work.extend(runs)  # not started (an interrupt)
             if claimed or not future.done():
@@ -1629,7 +1680,7 @@ class BlockStore:
                 piece = work.popleft()
             except IndexError:
                 return
-            self._run_piece(piece, parallel, work.compute_event)
+            self._run_piece(piece, work, parallel)
             done += len(piece) * self.geometry.block_bytes
             if priority is not None and done >= _CHUNK_BYTES and work:
                 try:
@@ -1639,58 +1690,69 @@ class BlockStore:
                     pass
                 done = 0
 
-    def _run_piece(self, piece: list, parallel: bool = False, compute_event=None) -> None:
+    def _run_piece(self, piece: list, work: "_Work", parallel: bool = False) -> None:
         """CPU copy moves of adjacent slots (both sides): one copy call per pool, not one per
         block (fewer calls, each of which takes the GIL back when it returns). CUDA: the
-        piece's copies go on the copy stream back to back, after ``compute_event``, with one
-        wait. A piece whose copy fails is done again block by block, so that only a move
-        that fails by itself is rolled back."""
+        piece's copies go on the copy stream back to back, after the batch's compute event,
+        with one wait. A piece whose copy fails is done again block by block, so that only
+        a move that fails by itself is rolled back. The piece's moves are then settled in
+        ``work``; a waiter's future (``_future``), if one was made, gets the outcome."""
+        compute_event = work.compute_event
         try:
             seconds = self._copy_run(piece, parallel, compute_event) if len(piece) > 1 else None
         except BaseException as exc:  # an interrupt on a helping caller: the piece rolls back
-            self._fail_piece(piece, exc)
+            self._fail_piece(piece, exc, work)
             raise
+        errors: list = []
         if seconds is None:  # a single block, or a run that failed: block by block
-            for move, future in piece:
+            for move, _ in piece:
                 try:
-                    self._run_move(move, compute_event, chain=False)
-                except BaseException as exc:  # noqa: BLE001 - rolled back; delivered to its waiters
-                    future.set_exception(exc)
-                else:
-                    future.set_result(None)
+                    error = self._run_move(move, compute_event, chain=False, deliver=True)
+                except BaseException as exc:  # noqa: BLE001 - an interrupt between its steps
+                    error = exc
+                if error is not None:
+                    errors.append(error)
+            work.settle(len(piece), errors, self._lock)
             return
         # Copied: the moves complete under one hold of the lock and are counted at once.
         done = []
         with self._lock:
             for move, _ in piece:
+                waiter = self._take_waiter(move)
                 try:
-                    done.append((self._complete(move, None, False, chain=False), None))
+                    done.append((self._complete(move, None, False, chain=False), waiter, None))
                 except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
-                    done.append((None, exc))
+                    done.append((None, waiter, exc))
         first = piece[0][0]
         self.events.move(first.src.label, first.dst.label, self.geometry.block_bytes, seconds,
-                         blocks=sum(error is None for _, error in done))
-        for (move, future), (follow, error) in zip(piece, done):
+                         blocks=sum(error is None for _, _, error in done))
+        for follow, waiter, error in done:
             try:
                 if error is not None:
                     raise error
                 if follow is not None:
                     self._submit(follow, Priority.WRITEBACK, chain=True, blocking=False)
             except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
-                future.set_exception(exc)
+                errors.append(exc)
+                if waiter is not None:
+                    waiter.set_exception(exc)
             else:
-                future.set_result(None)
+                if waiter is not None:
+                    waiter.set_result(None)
+        work.settle(len(piece), errors, self._lock)
 
-    def _fail_piece(self, piece: list, exc: BaseException) -> None:
+    def _fail_piece(self, piece: list, exc: BaseException, work: "_Work") -> None:
         """Roll back the moves of a piece that will not be copied; their waiters get ``exc``."""
-        for move, future in piece:
+        errors = []
+        for move, _ in piece:
             try:
-                self._finish_move(move, 0.0, exc, False, chain=False)
-            except BaseException as error:  # noqa: BLE001 - delivered to its waiters
-                future.set_exception(error)
+                errors.append(self._finish_move(move, 0.0, exc, False, chain=False, deliver=True))
+            except BaseException as error:  # noqa: BLE001 - an interrupt between its steps
+                errors.append(error)
+        work.settle(len(piece), [e for e in errors if e is not None], self._lock)
 
     def _copy_run(self, run: list, parallel: bool = False, compute_event=None) -> Optional[float]:
-        """CPU: copy a run of host<->device moves ((move, future) pairs from ``_slot_runs``)
+        """CPU: copy a run of host<->device moves ((move, _) pairs from ``_slot_runs``)
         as one strided copy per pool; returns the seconds per move, or None if it failed.
         ``parallel``: torch copies with the intra-op threads (a caller alone, see
         ``_submit_all``), else numpy copies (one thread, no OpenMP region: a job's, or a
@@ -1726,12 +1788,10 @@ class BlockStore:
         return (time.perf_counter() - t0) / len(run)
 
     def _submit(self, move: Move, priority: Priority, chain: bool = False, blocking: bool = True) -> Future:
-        """Start a prepared move (once); returns its future."""
+        """Start a prepared move (once) as a job of its own; returns its future."""
         with self._lock:
-            future = self._inflight.get(move)
-            if future is None:  # already completed
-                return _done()
-            if move in self._started:
+            future = self._future(move)  # a finished one if the move is done
+            if move not in self._inflight or move in self._started:
                 return future
             self._started.add(move)
         try:
@@ -1751,7 +1811,8 @@ class BlockStore:
         inner.add_done_callback(lambda f: _relay(f, future))
         return future
 
-    def _run_move(self, move: Move, compute_event, chain: bool) -> None:
+    def _run_move(self, move: Move, compute_event, chain: bool, deliver: bool = False) -> Optional[BaseException]:
+        """Copy one move and finish it (``_finish_move``)."""
         t0 = time.perf_counter()
         error: Optional[BaseException] = None
         corrupted = False
@@ -1764,28 +1825,38 @@ class BlockStore:
                                         f"check ({exc}); it is never returned as data")
         except BaseException as exc:  # noqa: BLE001 - rolled back, then re-raised to waiters
             error = exc
-        self._finish_move(move, time.perf_counter() - t0, error, corrupted, chain)
+        return self._finish_move(move, time.perf_counter() - t0, error, corrupted, chain, deliver)
 
     def _finish_move(self, move: Move, seconds: float, error: Optional[BaseException], corrupted: bool,
-                     chain: bool) -> None:
+                     chain: bool, deliver: bool = False) -> Optional[BaseException]:
         """After a move's copy: complete it in the table (or roll it back on ``error``), count
-        it, start a write-behind it calls for, and raise ``error`` to the move's waiters."""
-        with self._lock:
-            follow = self._complete(move, error, corrupted, chain)
-        self._counted(move, seconds, error, corrupted, follow)
+        it, start a write-behind it calls for, and raise ``error`` (``_submit``'s job: its
+        future carries it to the waiters). With ``deliver`` (a batch's move), the waiters'
+        future, if one was made, gets the outcome instead, and the error is returned."""
+        waiter = None
+        try:
+            with self._lock:
+                # out of the in-flight maps first: nothing below may leave the move there for good
+                waiter = self._take_waiter(move)
+                follow = self._complete(move, error, corrupted, chain)
+            self._counted(move, seconds, error, corrupted, follow)
+        except BaseException as exc:  # noqa: BLE001 - delivered below, or raised
+            if not deliver:
+                raise
+            if waiter is not None:
+                waiter.set_exception(exc)
+            return exc
+        if deliver and waiter is not None:
+            waiter.set_result(None)
+        return None
 
     def _complete(self, move: Move, error: Optional[BaseException], corrupted: bool, chain: bool) -> Optional[Move]:
-        """Under the lock: the table part of ``_finish_move``; returns the write-behind move
-        to start, if any."""
+        """Under the lock, once the move has left the in-flight maps (``_take_waiter``): the
+        table part of ``_finish_move``; returns the write-behind move to start, if any."""
         follow = None
         evicted_down = bool(self._evicted_down) and move in self._evicted_down
         if evicted_down:
             self._evicted_down.discard(move)
-        # Out of the in-flight maps first: nothing below may leave the move there for good.
-        future = self._inflight.pop(move, None)
-        self._started.discard(move)
-        if move.dst is Tier.DEVICE and self._to_device.get(move.key) is future:
-            self._to_device.pop(move.key, None)
         # The block may have been deleted while it moved, and its key given to a new block:
         # then the policy, the checksum's verdict and the write-behind concern the old one,
         # which only needs its copies freed.
@@ -1989,7 +2060,7 @@ def _pieces(runs: list, most: int) -> list:
 
 
 def _slot_runs(todo: list) -> list:
-    """(move, future) pairs, sorted by source slot and cut into runs that one copy can do:
+    """(move, _) pairs, sorted by source slot and cut into runs that one copy can do:
     the same direction, source slots adjacent, destination slots adjacent in one direction
     (moves are planned so that they line up ascending; a run downwards is one copy too)."""
     runs: list = []
@@ -2052,6 +2123,7 @@ def _byte_planes(out: torch.Tensor) -> Optional[list]:
 
 
 _DONE: Optional[Future] = None
+_GONE = object()  # _future: a move no longer in flight
 
 
 def _done() -> Future:
@@ -2080,12 +2152,31 @@ class _Work(collections.deque):
     """A batch's copy pieces, shared by the jobs and helping threads (``_submit_all``):
     ``total`` pieces for ``moves`` moves; ``parallel`` while one thread copies them all
     with torch's intra-op threads; ``compute_event``: on CUDA, what the copies wait for
-    (``_compute_barrier`` when the batch started)."""
+    (``_compute_barrier`` when the batch started). Every piece taken off it is settled
+    once (``settle``), copied or rolled back; ``finished`` is set when all moves are,
+    ``errors`` holds the failed moves' exceptions."""
 
     compute_event = None
     parallel = False
     total = 0
-    moves = 0
+
+    def __init__(self, pieces: list, moves: int) -> None:
+        super().__init__(pieces)
+        self.moves = moves
+        self.pending = moves
+        self.errors: list = []
+        self.finished = threading.Event()
+        if not moves:
+            self.finished.set()
+
+    def settle(self, num_moves: int, errors: list, lock) -> None:
+        """``num_moves`` moves of the batch are done (``errors`` for those that failed)."""
+        with lock:
+            self.errors.extend(errors)
+            self.pending -= num_moves
+            done = self.pending <= 0
+        if done:
+            self.finished.set()
 
 
 class _MoveFuture(Future):
