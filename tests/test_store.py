@@ -1513,3 +1513,64 @@ def test_a_batch_makes_no_future_per_move_and_a_waiter_gets_one_that_resolves(ma
     assert all(Tier.DEVICE in store.tiers_of(k) for k in keys)
     for key, block in data.items():
         assert torch.equal(store.get(key), block)
+
+
+@pytest.mark.timeout(120)  # a regression hangs the batch's owner
+def test_ctrl_c_on_a_thread_helping_another_batch_leaves_the_owner_no_wait(make_store, geometry, monkeypatch):
+    """Thread B fetches 8 host blocks as one batch (both I/O workers held busy, so only
+    threads that wait copy it). This thread waits for one of those moves, so it helps copy
+    the batch, and Ctrl-C reaches it right after a piece's moves completed, before they
+    were counted (inside the move event). The interrupt reaches this thread; B's fetch
+    still returns, with every block on the device, exact, and nothing left in flight."""
+    from tiercache import store as store_module
+    from tiercache.transfer import Priority
+
+    monkeypatch.setattr(store_module, "_PIECE_BYTES", 2 * geometry.block_bytes)  # pieces of 2 blocks
+    store = make_store(device_blocks=8, host_blocks=8, disk_blocks=0, io_workers=2)
+    data = blocks(geometry, 8, seed=37)
+    keys = list(data)
+    for key, block in data.items():
+        store.put(key, block)
+    assert wait_all(store.demote_many(keys)) == []
+    gate, busy = threading.Event(), threading.Barrier(3)
+
+    def hold_worker():
+        busy.wait(10)
+        gate.wait(60)
+    blockers = [store.engine.submit(hold_worker, Priority.DEMAND) for _ in range(2)]
+    busy.wait(10)
+    main = threading.current_thread()
+    real_help, entered, go = store._help, threading.Event(), threading.Event()
+
+    def help_later(works):  # B queues its batch, then lets this thread help first
+        if threading.current_thread() is not main:
+            entered.set()
+            go.wait(10)
+        return real_help(works)
+    monkeypatch.setattr(store, "_help", help_later)
+    owner = threading.Thread(target=lambda: store.ensure_device(keys, pin=False), daemon=True)
+    owner.start()
+    assert entered.wait(10)
+    real_move, fired = store.events.move, []
+
+    def interrupted_move_event(*args, **kwargs):
+        if threading.current_thread() is main and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return real_move(*args, **kwargs)
+    monkeypatch.setattr(store.events, "move", interrupted_move_event)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            wait_all([store._future(next(iter(store._inflight)))])
+    finally:
+        go.set()
+        gate.set()
+    owner.join(30)
+    assert not owner.is_alive(), "the batch's owner waits for a piece nobody will settle"
+    assert wait_all(blockers) == []
+    assert _idle_within(store)
+    assert not store._inflight and not store._started
+    store.check()
+    assert all(Tier.DEVICE in store.tiers_of(k) for k in keys)
+    monkeypatch.undo()
+    assert_all_come_up_exact(store, data)

@@ -623,7 +623,12 @@ class BlockStore:
                 elif not moves:
                     return _done()
             if move is not None:
-                self._submit_all(moves, Priority.WRITEBACK)
+                try:
+                    self._submit_all(moves, Priority.WRITEBACK)
+                except BaseException:  # interrupted or closing: the prepared move goes back
+                    with self._lock:
+                        self._abandon([move])
+                    raise
                 return self._submit(move, priority)
             self._wait_moves(moves, raise_io=True)
 
@@ -1705,13 +1710,17 @@ class BlockStore:
             raise
         errors: list = []
         if seconds is None:  # a single block, or a run that failed: block by block
-            for move, _ in piece:
+            for i, (move, _) in enumerate(piece):
                 try:
                     error = self._run_move(move, compute_event, chain=False, deliver=True)
                 except BaseException as exc:  # noqa: BLE001 - an interrupt between its steps
                     error = exc
                 if error is not None:
                     errors.append(error)
+                    if not isinstance(error, Exception):  # Ctrl-C on this thread: the rest of
+                        work.settle(i + 1, errors, self._lock)  # the piece rolls back, and the
+                        self._fail_piece(piece[i + 1:], error, work)  # interrupt goes on up
+                        raise error
             work.settle(len(piece), errors, self._lock)
             return
         # Copied: the moves complete under one hold of the lock and are counted at once.
@@ -1724,22 +1733,36 @@ class BlockStore:
                 except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
                     done.append((None, waiter, exc))
         first = piece[0][0]
-        self.events.move(first.src.label, first.dst.label, self.geometry.block_bytes, seconds,
-                         blocks=sum(error is None for _, _, error in done))
-        for follow, waiter, error in done:
-            try:
-                if error is not None:
-                    raise error
-                if follow is not None:
-                    self._submit(follow, Priority.WRITEBACK, chain=True, blocking=False)
-            except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
-                errors.append(exc)
-                if waiter is not None:
-                    waiter.set_exception(exc)
-            else:
-                if waiter is not None:
-                    waiter.set_result(None)
-        work.settle(len(piece), errors, self._lock)
+        resolved = 0
+        try:
+            self.events.move(first.src.label, first.dst.label, self.geometry.block_bytes, seconds,
+                             blocks=sum(error is None for _, _, error in done))
+            for follow, waiter, error in done:
+                try:
+                    if error is not None:
+                        raise error
+                    if follow is not None:
+                        self._submit(follow, Priority.WRITEBACK, chain=True, blocking=False)
+                except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
+                    errors.append(exc)
+                    if waiter is not None:
+                        waiter.set_exception(exc)
+                else:
+                    if waiter is not None:
+                        waiter.set_result(None)
+                resolved += 1
+        finally:
+            if resolved < len(done):  # interrupted (Ctrl-C on a helping thread): the moves are
+                rest = done[resolved:]  # complete; their write-behinds go back, waiters learn
+                with self._lock:
+                    self._abandon([follow for follow, _, _ in rest if follow is not None])
+                for _, waiter, error in rest:
+                    if waiter is not None and not waiter.done():
+                        if error is None:
+                            waiter.set_result(None)
+                        else:
+                            waiter.set_exception(error)
+            work.settle(len(piece), errors, self._lock)
 
     def _fail_piece(self, piece: list, exc: BaseException, work: "_Work") -> None:
         """Roll back the moves of a piece that will not be copied; their waiters get ``exc``."""
