@@ -2203,10 +2203,11 @@ class _Work(collections.deque):
 
 
 class _MoveFuture(Future):
-    """A move's future. For a CPU copy started with others (``_submit_all``), ``pieces``
-    is (store, the batch's shared pieces): a thread that waits for the result without a
-    timeout copies pieces on its own thread first, instead of sleeping until a worker the
-    scheduler wakes late (0.7-1 ms on two busy cores) gets to them."""
+    """A move's future, made when someone waits on the move (``BlockStore._future``). For
+    a copy started with others (``_submit_all``), ``pieces`` is (store, the batch's shared
+    pieces): a thread that waits for the result without a timeout copies pieces on its own
+    thread first, instead of sleeping until a worker the scheduler wakes late (0.7-1 ms on
+    two busy cores) gets to them."""
 
     pieces: Optional[tuple] = None
 
