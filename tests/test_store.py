@@ -745,7 +745,7 @@ def test_moves_started_together_line_up_as_one_copy_whatever_order_they_come_in(
     copy_run = store._copy_run
 
     def spy(run, parallel=False, compute_event=None):
-        calls.append(([m.src_slot for m, _ in run], [m.dst_slot for m, _ in run], parallel))
+        calls.append(([m.src_slot for m in run], [m.dst_slot for m in run], parallel))
         return copy_run(run, parallel, compute_event)
     store._copy_run = spy
     events: list = []
@@ -907,7 +907,7 @@ def test_a_waiter_who_comes_first_takes_the_whole_batch_and_copies_whole_runs(ma
     waiter_thread: list = []
 
     def spy(run, parallel=False, compute_event=None):
-        calls.append(([m.src_slot for m, _ in run], parallel, threading.current_thread() in waiter_thread))
+        calls.append(([m.src_slot for m in run], parallel, threading.current_thread() in waiter_thread))
         if interrupt == "copy" and len(calls) == 1:
             raise KeyboardInterrupt
         return copy_run(run, parallel, compute_event)
@@ -1068,10 +1068,10 @@ def test_slot_runs_cut_where_a_single_copy_could_not_do_the_moves():
     from tiercache.table import Move
 
     def move(src_slot, dst_slot, src=Tier.DEVICE, dst=Tier.HOST):
-        return (Move(("k", src, src_slot), src, src_slot, dst, dst_slot, True), None)
+        return Move(("k", src, src_slot), src, src_slot, dst, dst_slot, True)
 
     def cut(*moves):
-        return [[(m.src_slot, m.dst_slot) for m, _ in run] for run in _slot_runs(list(moves))]
+        return [[(m.src_slot, m.dst_slot) for m in run] for run in _slot_runs(list(moves))]
 
     assert cut(move(2, 7), move(0, 5), move(1, 6)) == [[(0, 5), (1, 6), (2, 7)]]  # sorted first
     assert cut(move(0, 9), move(1, 8), move(2, 7)) == [[(0, 9), (1, 8), (2, 7)]]  # destination downwards

@@ -1565,13 +1565,13 @@ class BlockStore:
                     futures.append(self._future(move))
                     continue
                 self._started.add(move)
-                todo.append((move, None))
+                todo.append(move)
             alone = help_here is not None and len(inflight) == len(todo)
             if todo:
                 if self._staged_copies:
                     alone = False
-                    fetches = [item for item in todo if item[0].dst is Tier.DEVICE]
-                    others = [item for item in todo if item[0].dst is not Tier.DEVICE]
+                    fetches = [move for move in todo if move.dst is Tier.DEVICE]
+                    others = [move for move in todo if move.dst is not Tier.DEVICE]
                     work = _Work(_pieces([d for d in (fetches, others) if d],
                                          max(1, _CUDA_PIECE_BYTES // self.geometry.block_bytes)), len(todo))
                 else:
@@ -1581,7 +1581,7 @@ class BlockStore:
                 work.compute_event = barrier
                 # No future per move: the caller waits for the batch (``_wait_works``), and
                 # whoever else waits for a move gets one that helps copy the batch (``_future``).
-                for move, _ in todo:
+                for move in todo:
                     held = inflight[move]
                     if held is None:
                         inflight[move] = work
@@ -1649,7 +1649,7 @@ class BlockStore:
                         runs.append(work.popleft())
                     except IndexError:
                         break
-                runs = _slot_runs([item for piece in runs for item in piece])
+                runs = _slot_runs([move for piece in runs for move in piece])
                 while runs:
                     self._run_piece(runs.pop(0), work, True)
                 return
@@ -1710,7 +1710,7 @@ class BlockStore:
             raise
         errors: list = []
         if seconds is None:  # a single block, or a run that failed: block by block
-            for i, (move, _) in enumerate(piece):
+            for i, move in enumerate(piece):
                 try:
                     error = self._run_move(move, compute_event, chain=False, deliver=True)
                 except BaseException as exc:  # noqa: BLE001 - an interrupt between its steps
@@ -1726,13 +1726,13 @@ class BlockStore:
         # Copied: the moves complete under one hold of the lock and are counted at once.
         done = []
         with self._lock:
-            for move, _ in piece:
+            for move in piece:
                 waiter = self._take_waiter(move)
                 try:
                     done.append((self._complete(move, None, False, chain=False), waiter, None))
                 except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
                     done.append((None, waiter, exc))
-        first = piece[0][0]
+        first = piece[0]
         resolved = 0
         try:
             self.events.move(first.src.label, first.dst.label, self.geometry.block_bytes, seconds,
@@ -1767,7 +1767,7 @@ class BlockStore:
     def _fail_piece(self, piece: list, exc: BaseException, work: "_Work") -> None:
         """Roll back the moves of a piece that will not be copied; their waiters get ``exc``."""
         errors = []
-        for move, _ in piece:
+        for move in piece:
             try:
                 errors.append(self._finish_move(move, 0.0, exc, False, chain=False, deliver=True))
             except BaseException as error:  # noqa: BLE001 - an interrupt between its steps
@@ -1775,7 +1775,7 @@ class BlockStore:
         work.settle(len(piece), [e for e in errors if e is not None], self._lock)
 
     def _copy_run(self, run: list, parallel: bool = False, compute_event=None) -> Optional[float]:
-        """CPU: copy a run of host<->device moves ((move, _) pairs from ``_slot_runs``)
+        """CPU: copy a run of host<->device moves (from ``_slot_runs``)
         as one strided copy per pool; returns the seconds per move, or None if it failed.
         ``parallel``: torch copies with the intra-op threads (a caller alone, see
         ``_submit_all``), else numpy copies (one thread, no OpenMP region: a job's, or a
@@ -1784,12 +1784,12 @@ class BlockStore:
         t0 = time.perf_counter()
         if self._staged_copies:
             try:
-                self._device_copy(lambda nb: self._host_device_copy([m for m, _ in run], nb), compute_event)
+                self._device_copy(lambda nb: self._host_device_copy(run, nb), compute_event)
             except Exception:  # noqa: BLE001 - the caller does the run again block by block
                 return None
             return (time.perf_counter() - t0) / len(run)
         _, _, host_k, host_v = self._byte_pools()
-        first, last = run[0][0], run[-1][0]
+        first, last = run[0], run[-1]
         src = slice(first.src_slot, last.src_slot + 1)
         step = 1 if last.dst_slot >= first.dst_slot else -1
         end = last.dst_slot + step
@@ -2083,21 +2083,20 @@ def _pieces(runs: list, most: int) -> list:
 
 
 def _slot_runs(todo: list) -> list:
-    """(move, _) pairs, sorted by source slot and cut into runs that one copy can do:
-    the same direction, source slots adjacent, destination slots adjacent in one direction
-    (moves are planned so that they line up ascending; a run downwards is one copy too)."""
+    """Moves, sorted by source slot and cut into runs that one copy can do: the same
+    direction, source slots adjacent, destination slots adjacent in one direction (moves
+    are planned so that they line up ascending; a run downwards is one copy too)."""
     runs: list = []
-    for item in sorted(todo, key=lambda pair: (pair[0].src, pair[0].dst, pair[0].src_slot)):
-        move = item[0]
+    for move in sorted(todo, key=lambda m: (m.src, m.dst, m.src_slot)):
         if runs:
             run = runs[-1]
-            prev = run[-1][0]
+            prev = run[-1]
             step = move.dst_slot - prev.dst_slot
             if (move.src is prev.src and move.dst is prev.dst and move.src_slot == prev.src_slot + 1
-                    and step in (1, -1) and (len(run) == 1 or step == prev.dst_slot - run[-2][0].dst_slot)):
-                run.append(item)
+                    and step in (1, -1) and (len(run) == 1 or step == prev.dst_slot - run[-2].dst_slot)):
+                run.append(move)
                 continue
-        runs.append([item])
+        runs.append([move])
     return runs
 
 
