@@ -13,6 +13,7 @@ import torch
 
 from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig
 from tiercache.disk import DATA_NAME, HEADER_BYTES
+from tiercache.policies import EVICTION_POLICIES
 from tiercache.store import BlockStore
 from tiercache.transfer import wait_all
 
@@ -1235,6 +1236,58 @@ def test_a_block_still_being_filled_is_evicted_from_the_device_last(make_store, 
         store.put(key, data[key], num_tokens=1)
     store.flush()
     for key in keys[:7]:
+        assert torch.equal(store.get(key), data[key])
+    store.check()
+
+
+@pytest.mark.parametrize("eviction", sorted(EVICTION_POLICIES))
+def test_a_cpu_host_tier_evicts_copies_of_blocks_on_the_device_first(make_store, geometry, eviction):
+    """On CPU attention reads each block where it lies, on the device or the host, so a
+    host copy of a block that is READY on the device is never read. The host tier gives
+    those slots up first, whatever the policy: in the 8k disk set-up of bench decode such
+    copies held 30 of the host's 67 slots, and every step read their worth again from disk.
+
+    Two device slots, three host slots, five blocks put: three of them on the host. The
+    one put last of those is fetched to the device (its host copy stays, clean). Reading a
+    block up from the disk then needs one host slot: it is that copy that goes, not one of
+    the other two, which the policy alone would pick (lru: the least recently used).
+    Every block still reads back exact."""
+    store = make_store(device_blocks=2, host_blocks=3, disk_blocks=8, eviction=eviction)
+    data = blocks(geometry, 5, seed=1)
+    keys = list(data)
+    for key in keys:
+        store.put(key, data[key])
+    store.flush()
+    on_host = [k for k in keys if store.table.is_ready(k, Tier.HOST)]
+    assert len(on_host) == 3
+    fetched = on_host[-1]
+    store.ensure_device([fetched], pin=False)
+    assert store.tiers_of(fetched) == [Tier.DEVICE, Tier.HOST, Tier.DISK]
+    on_disk = next(k for k in keys if store.tiers_of(k) == [Tier.DISK])
+    k, v = store.read_layer([on_disk], geometry.block_tokens)  # disk -> host, then read
+    assert torch.equal(torch.stack([k, v]), data[on_disk])
+    assert store.tiers_of(fetched) == [Tier.DEVICE, Tier.DISK]
+    assert {k for k in keys if store.table.is_ready(k, Tier.HOST)} == set(on_host[:2]) | {on_disk}
+    for key in keys:
+        assert torch.equal(store.get(key), data[key])
+    store.check()
+
+
+def test_a_cpu_host_tier_that_needs_more_than_the_redundant_copies_takes_the_rest_by_policy(make_store, geometry):
+    """Room for two blocks on a full host tier holding one copy of a block on the device:
+    that copy goes, and one more chosen by the policy (lru: the least recently used)."""
+    store = make_store(device_blocks=2, host_blocks=3, disk_blocks=8, eviction="lru")
+    data = blocks(geometry, 5, seed=1)
+    keys = list(data)
+    for key in keys:
+        store.put(key, data[key])
+    store.flush()
+    on_host = [k for k in keys if store.table.is_ready(k, Tier.HOST)]
+    store.ensure_device([on_host[-1]], pin=False)
+    with store._lock:
+        assert store._room(Tier.HOST, 2, set(), allow_writeback=True) == []  # clean: dropped at once
+    assert [k for k in keys if store.table.is_ready(k, Tier.HOST)] == [on_host[1]]
+    for key in keys:
         assert torch.equal(store.get(key), data[key])
     store.check()
 
