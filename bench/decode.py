@@ -15,6 +15,9 @@ context length:
 - hf_offload: transformers' own ``DynamicCache(offloading=True)`` (a peer, CUDA only: it
            keeps every layer on the host and brings whole layers back each step; a default
            set-up where CUDA is present).
+A tiered set-up followed by ``@POLICY`` (``disk@lfu``) is that set-up with that eviction
+policy, so that two policies run side by side in one run: the ratios of the default
+policy's set-up and of ``disk@lfu`` are then measured in the same rounds.
 Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
 ``--new-tokens`` steps of every set-up in turn, the order reversed every other round; the
 median per set-up): on a shared machine a slow spell then slows every set-up alike, where
@@ -42,6 +45,7 @@ from typing import Optional
 SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
 CUDA_ONLY = ("hf_offload",)  # transformers' offloaded cache needs CUDA streams
 IN_PLACE = "_inplace"  # suffix: the set-up without it, with attend_in_place=True
+WITH_POLICY = "@"  # "disk@lfu": the disk set-up with eviction="lfu"
 SIDE_BY_SIDE = "side-by-side"  # the worker that runs every set-up in one process
 
 
@@ -75,6 +79,9 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
 
     from tiercache import TierConfig, TieredCache
 
+    name = setup.replace(WITH_POLICY, "-")  # its own disk directory
+    setup, _, policy = setup.partition(WITH_POLICY)
+    eviction = policy or eviction
     if setup == "dynamic":
         return DynamicCache(config=model.config)
     if setup == "hf_offload":
@@ -87,7 +94,7 @@ def _make_cache(setup: str, model, context: int, new_tokens: int, block_tokens: 
         # reuse=False: this measures decode streaming; the prefix cache (on by default with a
         # disk_dir) would copy every sealed block into its own host tier and write it to disk.
         "disk": dict(device_budget=int(kv * device_fraction), host_budget=int(kv * host_fraction),
-                     disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, f"kv-{setup}"), direct_io="auto",
+                     disk_budget=int(kv * 1.2), disk_dir=os.path.join(workdir, f"kv-{name}"), direct_io="auto",
                      reuse=False),
     }["disk" if base == "quest" else base]
     if setup != base:
@@ -289,6 +296,11 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _base(setup: str) -> str:
+    """The set-up without its ``@POLICY``."""
+    return setup.partition(WITH_POLICY)[0]
+
+
 def _disk_bound(setup: str, results: dict, dyn: float, gbps: Optional[float]) -> dict:
     """``setup``'s bound and its ratio to it. The bound is the slower of DynamicCache's
     tokens/s and the disk's read rate over the bytes read from disk per token. With the
@@ -411,9 +423,16 @@ def run(argv: Optional[list] = None) -> int:
     setups = [s for s in args.setups.split(",") if s]
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
-    unknown = sorted(set(setups) - set(SETUPS))
+    unknown = sorted(s for s in setups if s.partition(WITH_POLICY)[0] not in SETUPS)
     if unknown:
-        raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}")
+        raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}, each tiered one also as "
+                         f"SETUP@POLICY (an eviction policy)")
+    for setup in setups:
+        name, _, policy = setup.partition(WITH_POLICY)
+        if policy or WITH_POLICY in setup:
+            if name in ("dynamic",) + CUDA_ONLY:
+                raise ValueError(f"--setups: {setup}: {name} is not a tiered set-up; it has no eviction policy")
+            TierConfig(eviction=policy)  # an unknown policy: ValueError listing the known ones
     if not cuda and set(setups) & set(CUDA_ONLY):
         raise ValueError(f"--setups: {', '.join(sorted(set(setups) & set(CUDA_ONLY)))} needs CUDA, and this "
                          f"machine has none")
@@ -453,11 +472,11 @@ def run(argv: Optional[list] = None) -> int:
         out["side_by_side"] = together
     dyn = results.get("dynamic", {}).get("tps")
     if dyn:
-        for setup in ("fits", "host", "host" + IN_PLACE, "hf_offload"):
-            if setup in results:
+        for setup in setups:
+            if _base(setup) in ("fits", "host", "host" + IN_PLACE, "hf_offload"):
                 out[f"{setup}_ratio"] = results[setup]["tps"] / dyn
-    for setup in ("disk", "disk" + IN_PLACE):
-        if setup in results and dyn:
+    for setup in setups:
+        if _base(setup) in ("disk", "disk" + IN_PLACE) and dyn:
             out.update(_disk_bound(setup, results, dyn, gbps))
     if "quest" in results and "disk" in results:
         out["quest_vs_disk_ratio"] = out["quest_ratio"] = results["quest"]["tps"] / results["disk"]["tps"]
@@ -479,7 +498,7 @@ def run(argv: Optional[list] = None) -> int:
         if "quest_vs_disk_ratio" in out:
             print(f"  quest / disk streaming: {out['quest_vs_disk_ratio']:.2f}x (read "
                   f"{100 * out.get('quest_pages_read_fraction', 1.0):.0f}% of the pages per decode step)")
-        for setup in ("disk", "disk" + IN_PLACE):
+        for setup in setups:
             if f"{setup}_bound_tps" in out:
                 print(f"  {setup} bound {out[setup + '_bound_tps']:.2f} tok/s ({out['disk_read_gbps']:.2f} GB/s "
                       f"over {out[setup + '_read_bytes_per_token'] / 2**20:.1f} MiB read from disk per token; "

@@ -19,17 +19,18 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     except ModelNotFoundError as exc:
         pytest.skip(f"default model unavailable: {exc}")
     cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "256", "--new-tokens", "2",
-           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest,host_inplace,disk_inplace",
+           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest,host_inplace,disk_inplace,disk@lfu",
            "--selection-budget", "96", "--disk-gbps", "1.0", "--dir", str(tmp_path), "--eviction", "layer-cycle",
            "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["ratios_from"] == "side-by-side" and r["rounds"] == 2
-    order = ["dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace"]
+    order = ["dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "disk@lfu"]
     assert r["side_by_side"]["turn_order_rounds"] == [order, order[::-1]]  # no set-up always follows another
     assert r["eviction"] == "layer-cycle" and r["setups"]["disk"]["eviction"] == "layer-cycle"
-    for setup in ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace"):
+    assert r["setups"]["disk@lfu"]["eviction"] == "lfu"  # SETUP@POLICY: the same set-up, another policy
+    for setup in order:
         assert r[f"{setup}_tps"] > 0 and r["isolated_tps"][setup] > 0
         assert r["peak_rss_bytes"][setup] > 100 << 20
         assert len(r["side_by_side"][setup]["tps_rounds"]) == 2
@@ -39,6 +40,8 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     assert r["disk_read_bytes_per_token"] > 0
     assert r["disk_bound_tps"] == pytest.approx(min(r["dynamic_tps"], 1e9 / r["disk_read_bytes_per_token"]))
     assert r["disk_bound_ratio"] == pytest.approx(r["disk_tps"] / r["disk_bound_tps"])
+    assert r["disk@lfu_read_bytes_per_token"] > 0
+    assert r["disk@lfu_bound_ratio"] == pytest.approx(r["disk@lfu_tps"] / r["disk@lfu_bound_tps"])
     # the in-place set-ups attend over the blocks in place; the others gather
     assert r["host_inplace_ratio"] == pytest.approx(r["host_inplace_tps"] / r["dynamic_tps"])
     assert r["disk_inplace_bound_ratio"] == pytest.approx(r["disk_inplace_tps"] / r["disk_inplace_bound_tps"])
@@ -140,6 +143,12 @@ def test_bench_decode_refuses_bad_arguments():
         run(["--rounds", "-1"])
     with pytest.raises(ValueError, match="--setups"):
         run(["--setups", "dynamic,warp"])
+    with pytest.raises(ValueError, match="--setups"):
+        run(["--setups", "dynamic,warp@lfu"])
+    with pytest.raises(ValueError, match="dynamic@lfu: dynamic is not a tiered set-up"):
+        run(["--setups", "dynamic@lfu,disk"])
+    with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
+        run(["--setups", "dynamic,disk@mru"])
     with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
         run(["--eviction", "mru"])
     from tiercache.disk import kvikio_status
