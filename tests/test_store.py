@@ -277,7 +277,8 @@ def test_a_key_deleted_and_put_again_while_its_old_block_moves_names_only_the_ne
     raise ``TableError`` from ``put(D)`` and leave the move in flight for good, so that
     ``close`` hung), no stale key in the host tier's eviction policy. Both new blocks read
     back exactly."""
-    store = make_store(device_blocks=3, host_blocks=2, disk_blocks=20, io_workers=1)
+    # lfu: A, put first and never read, is its first victim
+    store = make_store(device_blocks=3, host_blocks=2, disk_blocks=20, io_workers=1, eviction="lfu")
     a, b, c, d = (BlockKey(0, 0, i) for i in range(4))
     data = blocks(geometry, 4, seed=21)
     for key in (a, b, c):

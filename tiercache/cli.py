@@ -26,7 +26,7 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
     g.add_argument("--disk-budget", default=disk, help="disk tier budget; 0 disables it (default %(default)s)")
     g.add_argument("--disk-dir", default=None, help="directory of the disk tier (disk disabled without it)")
     g.add_argument("--block-tokens", type=int, default=TierConfig.block_tokens, help="tokens per block")
-    g.add_argument("--eviction", default=TierConfig.eviction, help="eviction policy: lfu (default), layer-cycle, "
+    g.add_argument("--eviction", default=TierConfig.eviction, help="eviction policy: layer-cycle (default), lfu, "
                    "lru, fifo, arc, s3fifo, sinks-recent, attention-score")
     g.add_argument("--prefetch", default=TierConfig.prefetch, help="prefetch policy: next-layer (default), none, "
                    "lookahead, history")
