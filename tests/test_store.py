@@ -1241,6 +1241,22 @@ def test_a_block_still_being_filled_is_evicted_from_the_device_last(make_store, 
     store.check()
 
 
+def _a_host_copy_of_a_block_on_the_device(make_store, geometry, eviction: str) -> tuple:
+    """Two device slots, three host slots, five blocks put: three on the host; the one of
+    those put last is then fetched to the device, and its host copy stays (clean).
+    Returns the store, the data and the three keys on the host, in the order put."""
+    store = make_store(device_blocks=2, host_blocks=3, disk_blocks=8, eviction=eviction)
+    data = blocks(geometry, 5, seed=1)
+    for key, block in data.items():
+        store.put(key, block)
+    store.flush()
+    on_host = [k for k in data if store.table.is_ready(k, Tier.HOST)]
+    assert len(on_host) == 3
+    store.ensure_device([on_host[-1]], pin=False)
+    assert store.tiers_of(on_host[-1]) == [Tier.DEVICE, Tier.HOST, Tier.DISK]
+    return store, data, on_host
+
+
 @pytest.mark.parametrize("eviction", sorted(EVICTION_POLICIES))
 def test_a_cpu_host_tier_evicts_copies_of_blocks_on_the_device_first(make_store, geometry, eviction):
     """On CPU attention reads each block where it lies, on the device or the host, so a
@@ -1253,17 +1269,9 @@ def test_a_cpu_host_tier_evicts_copies_of_blocks_on_the_device_first(make_store,
     block up from the disk then needs one host slot: it is that copy that goes, not one of
     the other two, which the policy alone would pick (lru: the least recently used).
     Every block still reads back exact."""
-    store = make_store(device_blocks=2, host_blocks=3, disk_blocks=8, eviction=eviction)
-    data = blocks(geometry, 5, seed=1)
+    store, data, on_host = _a_host_copy_of_a_block_on_the_device(make_store, geometry, eviction)
     keys = list(data)
-    for key in keys:
-        store.put(key, data[key])
-    store.flush()
-    on_host = [k for k in keys if store.table.is_ready(k, Tier.HOST)]
-    assert len(on_host) == 3
     fetched = on_host[-1]
-    store.ensure_device([fetched], pin=False)
-    assert store.tiers_of(fetched) == [Tier.DEVICE, Tier.HOST, Tier.DISK]
     on_disk = next(k for k in keys if store.tiers_of(k) == [Tier.DISK])
     k, v = store.read_layer([on_disk], geometry.block_tokens)  # disk -> host, then read
     assert torch.equal(torch.stack([k, v]), data[on_disk])
@@ -1277,14 +1285,8 @@ def test_a_cpu_host_tier_evicts_copies_of_blocks_on_the_device_first(make_store,
 def test_a_cpu_host_tier_that_needs_more_than_the_redundant_copies_takes_the_rest_by_policy(make_store, geometry):
     """Room for two blocks on a full host tier holding one copy of a block on the device:
     that copy goes, and one more chosen by the policy (lru: the least recently used)."""
-    store = make_store(device_blocks=2, host_blocks=3, disk_blocks=8, eviction="lru")
-    data = blocks(geometry, 5, seed=1)
+    store, data, on_host = _a_host_copy_of_a_block_on_the_device(make_store, geometry, "lru")
     keys = list(data)
-    for key in keys:
-        store.put(key, data[key])
-    store.flush()
-    on_host = [k for k in keys if store.table.is_ready(k, Tier.HOST)]
-    store.ensure_device([on_host[-1]], pin=False)
     with store._lock:
         assert store._room(Tier.HOST, 2, set(), allow_writeback=True) == []  # clean: dropped at once
     assert [k for k in keys if store.table.is_ready(k, Tier.HOST)] == [on_host[1]]
