@@ -1241,10 +1241,10 @@ def test_a_block_still_being_filled_is_evicted_from_the_device_last(make_store, 
     store.check()
 
 
-def _a_host_copy_of_a_block_on_the_device(make_store, geometry, eviction: str) -> tuple:
-    """Two device slots, three host slots, five blocks put: three on the host; the one of
-    those put last is then fetched to the device, and its host copy stays (clean).
-    Returns the store, the data and the three keys on the host, in the order put."""
+def _a_host_copy_of_a_block_on_the_device(make_store, geometry, eviction: str, fetch: int) -> tuple:
+    """Two device slots, three host slots, five blocks put: three on the host; the
+    ``fetch``-th of those (in the order put) is then fetched to the device, and its host
+    copy stays (clean). Returns the store, the data and the three keys on the host."""
     store = make_store(device_blocks=2, host_blocks=3, disk_blocks=8, eviction=eviction)
     data = blocks(geometry, 5, seed=1)
     for key, block in data.items():
@@ -1252,8 +1252,8 @@ def _a_host_copy_of_a_block_on_the_device(make_store, geometry, eviction: str) -
     store.flush()
     on_host = [k for k in data if store.table.is_ready(k, Tier.HOST)]
     assert len(on_host) == 3
-    store.ensure_device([on_host[-1]], pin=False)
-    assert store.tiers_of(on_host[-1]) == [Tier.DEVICE, Tier.HOST, Tier.DISK]
+    store.ensure_device([on_host[fetch]], pin=False)
+    assert store.tiers_of(on_host[fetch]) == [Tier.DEVICE, Tier.HOST, Tier.DISK]
     return store, data, on_host
 
 
@@ -1265,18 +1265,18 @@ def test_a_cpu_host_tier_evicts_copies_of_blocks_on_the_device_first(make_store,
     copies held 30 of the host's 67 slots, and every step read their worth again from disk.
 
     Two device slots, three host slots, five blocks put: three of them on the host. The
-    one put last of those is fetched to the device (its host copy stays, clean). Reading a
-    block up from the disk then needs one host slot: it is that copy that goes, not one of
-    the other two, which the policy alone would pick (lru: the least recently used).
-    Every block still reads back exact."""
-    store, data, on_host = _a_host_copy_of_a_block_on_the_device(make_store, geometry, eviction)
+    second of those is fetched to the device (its host copy stays, clean). Reading a block
+    up from the disk then needs one host slot: it is that copy that goes, not one of the
+    other two, one of which the policy alone would pick (every registered policy does:
+    without the rule this fails for each). Every block still reads back exact."""
+    store, data, on_host = _a_host_copy_of_a_block_on_the_device(make_store, geometry, eviction, fetch=1)
     keys = list(data)
-    fetched = on_host[-1]
+    fetched = on_host[1]
     on_disk = next(k for k in keys if store.tiers_of(k) == [Tier.DISK])
     k, v = store.read_layer([on_disk], geometry.block_tokens)  # disk -> host, then read
     assert torch.equal(torch.stack([k, v]), data[on_disk])
     assert store.tiers_of(fetched) == [Tier.DEVICE, Tier.DISK]
-    assert {k for k in keys if store.table.is_ready(k, Tier.HOST)} == set(on_host[:2]) | {on_disk}
+    assert {k for k in keys if store.table.is_ready(k, Tier.HOST)} == {on_host[0], on_host[2], on_disk}
     for key in keys:
         assert torch.equal(store.get(key), data[key])
     store.check()
@@ -1285,12 +1285,40 @@ def test_a_cpu_host_tier_evicts_copies_of_blocks_on_the_device_first(make_store,
 def test_a_cpu_host_tier_that_needs_more_than_the_redundant_copies_takes_the_rest_by_policy(make_store, geometry):
     """Room for two blocks on a full host tier holding one copy of a block on the device:
     that copy goes, and one more chosen by the policy (lru: the least recently used)."""
-    store, data, on_host = _a_host_copy_of_a_block_on_the_device(make_store, geometry, "lru")
+    store, data, on_host = _a_host_copy_of_a_block_on_the_device(make_store, geometry, "lru", fetch=2)
     keys = list(data)
     with store._lock:
         assert store._room(Tier.HOST, 2, set(), allow_writeback=True) == []  # clean: dropped at once
     assert [k for k in keys if store.table.is_ready(k, Tier.HOST)] == [on_host[1]]
     for key in keys:
+        assert torch.equal(store.get(key), data[key])
+    store.check()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "layer-cycle"])
+def test_an_eviction_of_several_blocks_drops_the_clean_ones_before_making_room_below(make_store, geometry,
+                                                                                     eviction):
+    """The device evicts three blocks at once: V2 and V3 have host copies (fetched up from
+    the host), V1 has none (put on the device). The clean ones go first: had V1's write-down
+    come first, making room for it on the host would have dropped V2's or V3's host copy
+    (copies of device blocks go first on a CPU host tier), and that block, no longer clean,
+    would have been written down too: three device -> host copies instead of one."""
+    store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20, eviction=eviction)
+    data = blocks(geometry, 7, seed=4)
+    h, v1, v2, v3, n1, n2, n3 = data
+    store.put(h, data[h], tier=Tier.HOST)
+    store.flush()
+    store.put(v2, data[v2], tier=Tier.HOST)
+    store.put(v3, data[v3], tier=Tier.HOST)
+    store.put(v1, data[v1])
+    store.ensure_device([v2, v3], pin=False)
+    store.wait_idle()
+    assert store.stats()["moves"].get("device->host", {}).get("blocks", 0) == 0
+    store.new_blocks([n1, n2, n3])
+    store.unpin([n1, n2, n3])
+    store.wait_idle()
+    assert store.stats()["moves"]["device->host"]["blocks"] == 1  # V1 only
+    for key in (h, v1, v2, v3):
         assert torch.equal(store.get(key), data[key])
     store.check()
 

@@ -1360,10 +1360,16 @@ class BlockStore:
             available = sum(1 for key in self.table.keys_on(tier) if evictable(key))
             victims = policy.evict(available, evictable) or []
         moves = []
+        # Clean victims go first: making room below for a dirty one may drop a lower copy
+        # (on a CPU host tier, copies of device blocks go first), and if that copy is what
+        # made another victim here clean, that victim would have to be written down too.
+        dirty = []
         for key in victims:
             if self.table.can_drop(key, tier):
                 self._drop(key, tier, evicted=True)
-                continue
+            else:
+                dirty.append(key)
+        for key in dirty:
             if self.table.num_free(lower) < 1:
                 # `protect` guards copies on this tier only: below, dropping a clean copy
                 # of a protected block loses nothing.
