@@ -17,7 +17,10 @@ context length:
            set-up where CUDA is present).
 A tiered set-up followed by ``@POLICY`` (``disk@lfu``) is that set-up with that eviction
 policy, so that two policies run side by side in one run: the ratios of the default
-policy's set-up and of ``disk@lfu`` are then measured in the same rounds.
+policy's set-up and of ``disk@lfu`` are then measured in the same rounds. Every disk
+set-up's bound in a round uses the raw read taken after the plain ``disk`` set-up's turn
+(without ``disk`` in the list, one rate measured after the run); ``quest@P`` is scored
+against ``disk@P`` when that runs too, else against ``disk``.
 Then every set-up runs again side by side in one process (``--rounds`` rounds, each timing
 ``--new-tokens`` steps of every set-up in turn, the order reversed every other round; the
 median per set-up): on a shared machine a slow spell then slows every set-up alike, where
@@ -269,7 +272,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
         out[setup] = {"tps": statistics.median(tps[setup]), "tps_rounds": tps[setup],
                       "disk_read_bytes_per_token": sum(disk_read[setup]) / rounds if disk_read[setup] else 0.0,
                       "disk_read_bytes_per_token_rounds": disk_read[setup]}
-        if setup == "quest":
+        if _base(setup) == "quest":
             out[setup]["attention"] = caches[setup].attention_stats()
         if hasattr(caches[setup], "close"):
             caches[setup].close()
@@ -364,7 +367,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-tokens", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--setups", default=None, help="comma list of %s (default: all; hf_offload only where CUDA "
-                   "is present)" % ", ".join(SETUPS))
+                   "is present); a tiered one as SETUP@POLICY (disk@lfu) runs with that eviction policy"
+                   % ", ".join(SETUPS))
     p.add_argument("--dir", default=None, help="work directory for the disk tier (default: a temp dir under .)")
     p.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (default: measured now)")
     p.add_argument("--io-size", default="512MiB", help="bytes the raw disk reads after the disk set-up's turn "
@@ -432,7 +436,10 @@ def run(argv: Optional[list] = None) -> int:
         if policy or WITH_POLICY in setup:
             if name in ("dynamic",) + CUDA_ONLY:
                 raise ValueError(f"--setups: {setup}: {name} is not a tiered set-up; it has no eviction policy")
-            TierConfig(eviction=policy)  # an unknown policy: ValueError listing the known ones
+            try:
+                TierConfig(eviction=policy)
+            except ValueError as exc:  # an unknown policy: the message lists the known ones
+                raise ValueError(f"--setups: {setup}: {exc}") from None
     if not cuda and set(setups) & set(CUDA_ONLY):
         raise ValueError(f"--setups: {', '.join(sorted(set(setups) & set(CUDA_ONLY)))} needs CUDA, and this "
                          f"machine has none")
@@ -478,26 +485,35 @@ def run(argv: Optional[list] = None) -> int:
     for setup in setups:
         if _base(setup) in ("disk", "disk" + IN_PLACE) and dyn:
             out.update(_disk_bound(setup, results, dyn, gbps))
-    if "quest" in results and "disk" in results:
-        out["quest_vs_disk_ratio"] = out["quest_ratio"] = results["quest"]["tps"] / results["disk"]["tps"]
-        sel = results["quest"].get("attention", {}).get("selection") or {}
+    for setup in setups:  # quest@P against disk@P (exact streaming with the same policy), else disk
+        if _base(setup) != "quest":
+            continue
+        policy = setup.partition(WITH_POLICY)[2]
+        disk = next((d for d in (f"disk{WITH_POLICY}{policy}" if policy else "", "disk") if d in results), None)
+        if disk is None:
+            continue
+        out[f"{setup}_vs_disk_ratio"] = out[f"{setup}_ratio"] = results[setup]["tps"] / results[disk]["tps"]
+        sel = results[setup].get("attention", {}).get("selection") or {}
         if sel.get("pages_total"):
-            out["quest_pages_read_fraction"] = sel["pages_read"] / sel["pages_total"]
+            out[f"{setup}_pages_read_fraction"] = sel["pages_read"] / sel["pages_total"]
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         how = (f"median of {args.rounds} side-by-side rounds of {args.new_tokens} steps" if together
                else f"{args.new_tokens} steps")
         print(f"decode tokens/s at {args.context} tokens of context ({how}; alone: each set-up in its own process):")
+        width = max(12, *(len(s) for s in setups))
         for setup in setups:
-            ratio = out.get(setup + "_bound_ratio", out.get(setup + "_ratio", 1.0))
+            ratio = out.get(setup + "_bound_ratio", out.get(setup + "_ratio"))
+            ratio = "  -  " if ratio is None else f"{ratio:.2f}"  # dynamic: the reference
             gpu = isolated[setup].get("peak_device_bytes")
-            print(f"  {setup:<12} {results[setup]['tps']:6.2f} tok/s  ratio {ratio:.2f}   alone "
+            print(f"  {setup:<{width}} {results[setup]['tps']:6.2f} tok/s  ratio {ratio}   alone "
                   f"{isolated[setup]['tps']:6.2f} tok/s  peak RSS {isolated[setup]['peak_rss_bytes'] / 2**20:7.0f} MiB"
                   + (f"  peak GPU {gpu / 2**20:7.0f} MiB" if gpu is not None else ""))
-        if "quest_vs_disk_ratio" in out:
-            print(f"  quest / disk streaming: {out['quest_vs_disk_ratio']:.2f}x (read "
-                  f"{100 * out.get('quest_pages_read_fraction', 1.0):.0f}% of the pages per decode step)")
+        for setup in setups:
+            if f"{setup}_vs_disk_ratio" in out:
+                print(f"  {setup} / disk streaming: {out[setup + '_vs_disk_ratio']:.2f}x (read "
+                      f"{100 * out.get(setup + '_pages_read_fraction', 1.0):.0f}% of the pages per decode step)")
         for setup in setups:
             if f"{setup}_bound_tps" in out:
                 print(f"  {setup} bound {out[setup + '_bound_tps']:.2f} tok/s ({out['disk_read_gbps']:.2f} GB/s "

@@ -8,7 +8,8 @@ LRU, FIFO, LFU, ARC, S3-FIFO and Belady's optimum. It prints the best runtime po
 regime (context, prefetch, budget band), and overall the policy with the least estimated
 stall summed over every trace, prefetch policy and budget (the time attention would wait for
 blocks; ties go to fewer bytes moved). The replay reads from the device tier, as on CUDA;
-README ("Policy lab") says why ``TierConfig.eviction`` still defaults to ``lfu``.
+README ("Policy lab") says how the default (``layer-cycle``) was chosen on CPU, where
+attention reads device and host blocks where they lie.
 """
 from __future__ import annotations
 

@@ -19,14 +19,14 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
     except ModelNotFoundError as exc:
         pytest.skip(f"default model unavailable: {exc}")
     cmd = [sys.executable, "-m", "tiercache.cli", "bench", "decode", "--context", "256", "--new-tokens", "2",
-           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest,host_inplace,disk_inplace,disk@lfu",
+           "--rounds", "2", "--block-tokens", "32", "--setups", "dynamic,fits,host,disk,quest,host_inplace,disk_inplace,disk@lfu,quest@lfu",
            "--selection-budget", "96", "--disk-gbps", "1.0", "--dir", str(tmp_path), "--eviction", "layer-cycle",
            "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["ratios_from"] == "side-by-side" and r["rounds"] == 2
-    order = ["dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "disk@lfu"]
+    order = ["dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "disk@lfu", "quest@lfu"]
     assert r["side_by_side"]["turn_order_rounds"] == [order, order[::-1]]  # no set-up always follows another
     assert r["eviction"] == "layer-cycle" and r["setups"]["disk"]["eviction"] == "layer-cycle"
     assert r["setups"]["disk@lfu"]["eviction"] == "lfu"  # SETUP@POLICY: the same set-up, another policy
@@ -55,6 +55,9 @@ def test_bench_decode_json_has_every_rate_ratio_and_rss(tmp_path):
         assert r["setups"][setup]["gather_s"] == 0 and r["setups"][setup]["gathered_bytes_per_token"] == 0
     # the quest set-up selects pages (it is not exact streaming under another name)
     assert 0 < r["quest_pages_read_fraction"] < 0.9 and r["quest_vs_disk_ratio"] > 0
+    # quest@lfu is scored against exact streaming with the same policy, disk@lfu
+    assert r["quest@lfu_vs_disk_ratio"] == pytest.approx(r["quest@lfu_tps"] / r["disk@lfu_tps"])
+    assert 0 < r["quest@lfu_pages_read_fraction"] < 0.9
     assert list(tmp_path.iterdir()) == []  # the work directory is removed
 
 
@@ -147,8 +150,10 @@ def test_bench_decode_refuses_bad_arguments():
         run(["--setups", "dynamic,warp@lfu"])
     with pytest.raises(ValueError, match="dynamic@lfu: dynamic is not a tiered set-up"):
         run(["--setups", "dynamic@lfu,disk"])
-    with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
+    with pytest.raises(ValueError, match="--setups: disk@mru: eviction: unknown policy 'mru'; known: .*layer-cycle"):
         run(["--setups", "dynamic,disk@mru"])
+    with pytest.raises(ValueError, match="--setups: disk@: eviction: unknown policy ''"):
+        run(["--setups", "dynamic,disk@"])
     with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
         run(["--eviction", "mru"])
     from tiercache.disk import kvikio_status
