@@ -142,20 +142,18 @@ def test_transformers_offloaded_cache_is_refused_without_cuda():
 def test_bench_decode_refuses_bad_arguments():
     from tiercache.bench.decode import run
 
-    with pytest.raises(ValueError, match="--rounds"):
-        run(["--rounds", "-1"])
-    with pytest.raises(ValueError, match="--setups"):
-        run(["--setups", "dynamic,warp"])
-    with pytest.raises(ValueError, match="--setups"):
-        run(["--setups", "dynamic,warp@lfu"])
-    with pytest.raises(ValueError, match="dynamic@lfu: dynamic is not a tiered set-up"):
-        run(["--setups", "dynamic@lfu,disk"])
-    with pytest.raises(ValueError, match="--setups: disk@mru: eviction: unknown policy 'mru'; known: .*layer-cycle"):
-        run(["--setups", "dynamic,disk@mru"])
-    with pytest.raises(ValueError, match="--setups: disk@: eviction: unknown policy ''"):
-        run(["--setups", "dynamic,disk@"])
-    with pytest.raises(ValueError, match="eviction: unknown policy 'mru'; known: .*layer-cycle"):
-        run(["--eviction", "mru"])
+    refusals = [  # (arguments, what the error says)
+        (["--rounds", "-1"], "--rounds"),
+        (["--setups", "dynamic,warp"], "--setups: unknown"),
+        (["--setups", "dynamic,warp@lfu"], "--setups: unknown"),
+        (["--setups", "dynamic@lfu,disk"], "dynamic@lfu: dynamic is not a tiered set-up"),
+        (["--setups", "dynamic,disk@mru"], "--setups: disk@mru: eviction: unknown policy 'mru'; known: .*layer-cycle"),
+        (["--setups", "dynamic,disk@"], "--setups: disk@: eviction: unknown policy ''"),
+        (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: .*layer-cycle"),
+    ]
+    for argv, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            run(argv)
     from tiercache.disk import kvikio_status
     if not kvikio_status()[0]:  # refused before any worker starts
         with pytest.raises(ValueError, match="disk_io: 'kvikio' cannot run here"):
