@@ -5,7 +5,7 @@ One measurement (``measure_io``) does, in one fresh directory and one run:
 1. puts ``num_blocks`` blocks on the device tier, then times the store moving all of them
    device->host (d2h), then host->disk (write), and, after dropping the page cache,
    disk->host (read) and host->device (h2d). Each phase is cut into rounds of about
-   ``ROUND_BYTES``; a round submits its moves at once (``demote_many``, ``promote`` per
+   ``ROUND_BYTES``; a round submits its moves at once (``demote_now``, ``promote`` per
    block, ``ensure_device``) and waits for all of them, so ``io_workers`` moves are in
    flight: rate = bytes / wall time;
 2. in every round, right before or after the store's turn (the order alternating: store,
@@ -146,7 +146,7 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
             return time.perf_counter() - t0
 
         def demote(group: list) -> Callable[[], None]:
-            return lambda: _raise_first(wait_all(store.demote_many(group)))
+            return lambda: _raise_first(store.demote_now(group))
 
         def read_up(group: list) -> Callable[[], None]:
             return lambda: _raise_first(wait_all([store.promote(key, Tier.HOST) for key in group]))

@@ -1323,6 +1323,43 @@ def test_an_eviction_of_several_blocks_drops_the_clean_ones_before_making_room_b
     store.check()
 
 
+def test_demote_now_moves_a_batch_down_and_waits_for_it_without_a_future_per_block(make_store, geometry,
+                                                                                    monkeypatch):
+    """``demote_now`` is ``demote_many`` waited for, without a future per block (the caller
+    waits for the batch, as ``ensure_device`` does). Six blocks on the device go down to the
+    host in one call that returns no error and asks for no move's future. Then the disk
+    fails (EIO on every record write): demoting them on to the disk returns one error per
+    block, and every block stays on the host, exact. With the disk back, the same call
+    takes them all down; one key given twice, or with nothing below to go to, is no error."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    store = make_store(device_blocks=6, host_blocks=6, disk_blocks=20)
+    data = blocks(geometry, 6, seed=9)
+    keys = list(data)
+    for key in keys:
+        store.put(key, data[key])
+    futures_made = []
+    real_future = store._future
+    monkeypatch.setattr(store, "_future", lambda move: futures_made.append(move) or real_future(move))
+    assert store.demote_now(keys) == []
+    assert futures_made == []
+    assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)
+    with _failing("pwritev", errno.EIO, after=0):
+        errors = store.demote_now(keys)
+    assert len(errors) == 6 and all(isinstance(e, OSError) for e in errors)
+    assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)  # rolled back: nothing lost
+    for key in keys:
+        assert torch.equal(store.get(key), data[key])
+    assert store.demote_now(keys + keys[:1]) == []
+    assert all(store.tiers_of(k) == [Tier.DISK] for k in keys)
+    assert store.demote_now(keys[:2]) == []  # nothing below the disk: nothing to do
+    for key in keys:
+        assert torch.equal(store.get(key), data[key])
+    store.check()
+
+
 def test_a_disk_without_room_for_the_step_ahead_still_takes_a_record_that_fits(tmp_path, geometry, monkeypatch):
     """The data file grows ahead in steps; on a disk with room for 6 records only (the
     allocation fails with ENOSPC past that, injected), the step ahead does not fit but the
