@@ -183,7 +183,9 @@ def test_scrapes_during_and_after_a_generation_that_uses_every_tier_agree_with_s
     assert all(stats["tiers"][t]["blocks"] > 0 for t in ("device", "host", "disk")), stats["tiers"]
     assert {"device->host", "host->disk"} <= set(stats["moves"])
     assert {"disk->host", "disk->device"} & set(stats["moves"])  # read back up from disk
-    assert stats["hits"]["host"] > 0 and stats["hits"]["disk"] > 0
+    # hits below the device (a read that a prefetch served in time counts where it landed,
+    # so which lower tier gets them depends on timing)
+    assert stats["hits"]["host"] + stats["hits"]["disk"] > 0, stats["hits"]
     text = scrape(port)
     assert samples(text) == expected(stats)
 

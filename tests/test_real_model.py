@@ -89,10 +89,9 @@ def test_real_model_matches_dynamic_cache(real_model, tmp_path):
     moves = {name: m["blocks"] for name, m in stats["moves"].items()}
     assert moves.get("device->host", 0) > 0, moves  # demoted to host ...
     assert moves.get("host->disk", 0) + moves.get("device->disk", 0) > 0, moves  # ... and on to disk
-    # ... and read back. (Layers are visited cyclically, so LRU finds the next layer's blocks
-    # on disk rather than on host: host hits may be zero; disk reads may not.)
+    # ... and read back. (Hits per tier depend on the policy and on timing: a read that a
+    # prefetch served in time counts where it landed. Reads from disk cannot be zero.)
     assert moves.get("disk->device", 0) + moves.get("disk->host", 0) > 0, moves
-    assert stats["hits"]["disk"] > 0, stats["hits"]
     assert tiers["host"]["blocks"] > 0
     assert stats["prefill_tokens"] == PROMPT_TOKENS and stats["decode_tokens"] == NEW - 1
 
@@ -119,7 +118,7 @@ one (layer 0 of the first decode step gathers, and shows that the hook sees the 
     diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
     assert diff <= 1e-4, f"max abs logit difference {diff:.3g}"
     assert steps == 30 * (NEW - 1) - 1, steps  # 7 decode steps of 30 layers; layer 0 of the first probes the hook
-    assert stats["hits"]["disk"] > 0 and stats["moves"]["disk->host"]["blocks"] > 0, stats["moves"]
+    assert stats["moves"]["disk->host"]["blocks"] > 0, stats["moves"]  # read back up from disk
 
 
 def test_real_model_prefix_reuse_matches_a_cold_run(real_model, tmp_path):

@@ -252,4 +252,6 @@ def test_quest_on_the_real_model(tmp_path):
                 assert sel["pages_read"] == sel["pages_total"] > 0
             else:
                 assert sel["pages_read"] < 0.75 * sel["pages_total"], sel
-    assert stats["hits"]["disk"] > 0
+    # read back from disk (as demand reads, or as prefetches that landed in time: those
+    # count as hits where they landed, so disk hits alone may be zero)
+    assert sum(m["blocks"] for name, m in stats["moves"].items() if name.startswith("disk->")) > 0, stats["moves"]
