@@ -573,7 +573,9 @@ class BlockStore:
         back; nothing is lost). No future per block: the caller waits for the batch and helps
         copy it, as ``ensure_device`` does for fetches and the store's own evictions do. On
         CPU a future per block cost ~0.5 ms per round of 43 blocks of 1.5 MiB, 10% of the
-        copy (``bench io``'s device->host rounds, which use this)."""
+        copy (``bench io``'s device->host rounds, which use this). A block with no room
+        below waits for room as ``demote`` does, and raises ``TierIOError`` as it does when
+        the storage cannot give any."""
         keys = list(keys)
         with self._lock:
             moves, _, later = self._plan_demotions(keys)
