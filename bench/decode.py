@@ -427,13 +427,13 @@ def run(argv: Optional[list] = None) -> int:
     setups = [s for s in args.setups.split(",") if s]
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
-    unknown = sorted(s for s in setups if s.partition(WITH_POLICY)[0] not in SETUPS)
+    unknown = sorted(s for s in setups if _base(s) not in SETUPS)
     if unknown:
         raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}, each tiered one also as "
                          f"SETUP@POLICY (an eviction policy)")
     for setup in setups:
-        name, _, policy = setup.partition(WITH_POLICY)
-        if policy or WITH_POLICY in setup:
+        name, with_policy, policy = setup.partition(WITH_POLICY)
+        if with_policy:
             if name in ("dynamic",) + CUDA_ONLY:
                 raise ValueError(f"--setups: {setup}: {name} is not a tiered set-up; it has no eviction policy")
             try:
@@ -489,7 +489,8 @@ def run(argv: Optional[list] = None) -> int:
         if _base(setup) != "quest":
             continue
         policy = setup.partition(WITH_POLICY)[2]
-        disk = next((d for d in (f"disk{WITH_POLICY}{policy}" if policy else "", "disk") if d in results), None)
+        candidates = ([f"disk{WITH_POLICY}{policy}"] if policy else []) + ["disk"]
+        disk = next((d for d in candidates if d in results), None)
         if disk is None:
             continue
         out[f"{setup}_vs_disk_ratio"] = out[f"{setup}_ratio"] = results[setup]["tps"] / results[disk]["tps"]
