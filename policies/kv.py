@@ -13,9 +13,12 @@ K = Hashable
 
 
 def _block_coords(key: K) -> Optional[tuple]:
-    """(seq_id, layer, index) for a block key, None for any other key."""
-    if isinstance(key, tuple) and len(key) == 3 and all(isinstance(x, int) for x in key):
-        return tuple(key)
+    """(seq_id, layer, index) for a block key, None for any other key. Called per block
+    moved (an insert per arrival): no generator, which cost as much as the rest of it."""
+    if isinstance(key, tuple) and len(key) == 3:
+        seq_id, layer, index = key
+        if isinstance(seq_id, int) and isinstance(layer, int) and isinstance(index, int):
+            return seq_id, layer, index
     return None
 
 
@@ -175,8 +178,12 @@ class LayerCyclePolicy(EvictionPolicy):
         if layer is None:
             self._other[key] = None
             return
-        self._layers.setdefault(layer, OrderedDict())[key] = None
-        self._highest = max(self._highest, layer)
+        group = self._layers.get(layer)
+        if group is None:  # not setdefault: that builds an OrderedDict per insert
+            group = self._layers[layer] = OrderedDict()
+        group[key] = None
+        if layer > self._highest:
+            self._highest = layer
         if not self._read_yet:
             self._current = layer
 

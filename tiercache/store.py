@@ -37,7 +37,8 @@ _PIECE_BYTES = 8 << 20
 _CHUNK_BYTES = 16 << 20
 _CUDA_PIECE_BYTES = 64 << 20  # see _submit_all
 _CUDA_JOBS = 2  # copy jobs of a batch, and device staging buffers (_device_lease)
-_first = operator.itemgetter(0)
+# _slot_runs' sort key, (src, dst, src_slot) of a Move: a C getter, not a lambda per move
+_RUN_ORDER = operator.itemgetter(*(Move._fields.index(f) for f in ("src", "dst", "src_slot")))
 _GATHER_SPLIT = 4  # a demotion's gather goes through scratch for 1/4 of a piece at a time
 
 
@@ -87,6 +88,7 @@ class BlockStore:
         # threads write them outside it.
         with torch.inference_mode(False):
             self.tiers = self.table.tiers()
+            self._below = dict(zip(self.tiers, self.tiers[1:]))  # tier -> the next one down
             self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
             self.host_pool: Optional[HostPool] = None
             if Tier.HOST in num_slots:
@@ -591,20 +593,19 @@ class BlockStore:
 
     def _plan_demotions(self, keys: list) -> tuple:
         """Under the lock: prepare the demotions of ``keys`` that have room below, in source
-        order (``_source_order``). Returns (moves, the index in ``keys`` of each move's
+        order (``_in_source_order``). Returns (moves, the index in ``keys`` of each move's
         key, the indices of keys that must wait for room); keys with nothing to demote are
         in neither."""
         moves: list = []
         placed: list = []
         later: list = []
         try:
-            for i in sorted(range(len(keys)), key=lambda i: self._source_order(keys[i])):
-                key = keys[i]
-                decided = self._demote_plan(key)
+            for key, src, i in self._in_source_order(keys):
+                decided = self._demote_plan(key, src)
                 if decided is None:
                     continue
                 if self.table.num_free(decided[1]) >= 1:
-                    moves.append(self._prepare(key, decided[0], decided[1], drop_source=True))
+                    moves.append(self._prepare(key, src, decided[1], drop_source=True))
                     placed.append(i)
                 else:
                     later.append(i)
@@ -613,29 +614,26 @@ class BlockStore:
             raise
         return moves, placed, later
 
-    def _source_order(self, key: Hashable) -> tuple:
-        """Under the lock: sorts blocks by the slot of their best copy. Planned in that order,
-        moves get destination slots (lowest free first) that line up with their sources,
-        adjacent on both sides: one copy for a run (``_slot_runs``), in disk order for reads."""
-        found = self.table.best_copy(key)
-        return (1, 0, 0) if found is None else (0, int(found[0]), found[1].slot)
-
     def _in_source_order(self, keys: list) -> list:
-        """Under the lock: [(key, its best source tier, or None)] in ``_source_order``."""
+        """Under the lock: [(key, its best source tier, its index in ``keys``)], sorted by
+        the slot of each key's best copy; keys with no READY copy are left out. Planned in
+        that order, moves get destination slots (lowest free first) that line up with their
+        sources, adjacent on both sides: one copy for a run (``_slot_runs``), in disk order
+        for reads. (One lookup per key: a batch's planning is a share of its moves' cost.)"""
         best = self.table.best_copy
         planned = []
-        for key in keys:
+        for i, key in enumerate(keys):
             found = best(key)
-            if found is None:
-                planned.append(((1, 0, 0), key, None))
-            else:
-                planned.append(((0, found[0], found[1].slot), key, found[0]))
-        planned.sort(key=_first)
-        return [(key, tier) for _, key, tier in planned]
+            if found is not None:
+                planned.append((found[0], found[1].slot, i, key))
+        planned.sort()  # no ties: the indices differ
+        return [(key, tier, i) for tier, _, i, key in planned]
 
-    def _demote_plan(self, key: Hashable) -> Optional[tuple]:
-        """Under the lock: (src, dst, drop_source, priority) of demoting ``key``, or None."""
-        src = self.table.best_source(key)
+    def _demote_plan(self, key: Hashable, src: Optional[Tier] = None) -> Optional[tuple]:
+        """Under the lock: (src, dst, drop_source, priority) of demoting ``key`` from ``src``
+        (default: its best source), or None."""
+        if src is None:
+            src = self.table.best_source(key)
         lower = self._lower(src) if src is not None else None
         if lower is None or not self.table.is_movable(key, src):
             return None
@@ -766,7 +764,7 @@ class BlockStore:
                             submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
                             # sources looked up after _room: eviction may have dropped a copy
                             planned = self._in_source_order([key for key, _ in missing])
-                            for key, src in planned[:self.table.num_free(Tier.DEVICE)]:
+                            for key, src, _ in planned[:self.table.num_free(Tier.DEVICE)]:
                                 submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
                         except BaseException:
                             self._abandon(submit)
@@ -1069,12 +1067,12 @@ class BlockStore:
                         submit.extend(self._room(Tier.HOST, len(missing), protect, allow_writeback=False))
                         planned = self._in_source_order(missing)
                         to_host = min(len(planned), self.table.num_free(Tier.HOST))
-                        for key, src in planned[:to_host]:
+                        for key, src, _ in planned[:to_host]:
                             submit.append(self._prepare(key, src, Tier.HOST, False))
                         rest = planned[to_host:]
                         if rest:
                             submit.extend(self._room(Tier.DEVICE, len(rest), protect, allow_writeback=True))
-                            for key, src in rest[:self.table.num_free(Tier.DEVICE)]:
+                            for key, src, _ in rest[:self.table.num_free(Tier.DEVICE)]:
                                 submit.append(self._prepare(key, src, Tier.DEVICE, False))
                     except BaseException:
                         self._abandon(submit)
@@ -1360,10 +1358,7 @@ class BlockStore:
 
     # ---- internals: eviction ------------------------------------------------------------
     def _lower(self, tier: Tier) -> Optional[Tier]:
-        for t in self.tiers:
-            if t > tier:
-                return t
-        return None
+        return self._below.get(tier)
 
     def _room(self, tier: Tier, n: int, protect: set, allow_writeback: bool) -> list:
         """Under the lock: free up to ``n`` slots on ``tier``. Clean copies are dropped now;
@@ -2157,7 +2152,7 @@ def _slot_runs(todo: list) -> list:
     direction, source slots adjacent, destination slots adjacent in one direction (moves
     are planned so that they line up ascending; a run downwards is one copy too)."""
     runs: list = []
-    for move in sorted(todo, key=lambda m: (m.src, m.dst, m.src_slot)):
+    for move in sorted(todo, key=_RUN_ORDER):
         if runs:
             run = runs[-1]
             prev = run[-1]
