@@ -1016,7 +1016,7 @@ def test_a_layers_blocks_a_constant_stride_apart_are_gathered_in_one_copy(make_s
     strided copy (per K and V), not block by block: two layers' blocks interleaved on the
     host (slots 0, 2, 4, ... and 1, 3, 5, ...) are one run each with step 2, and the K and
     V read come back exact, whole or from token 1 to 3 tokens short of the end. Both ways
-    of copying: torch's, and numpy's while a move is in flight."""
+    of copying: torch's, and numpy's while a host<->device copy is in flight."""
     from tiercache import store as store_module
     from tiercache.transfer import Priority
 
@@ -1045,7 +1045,7 @@ def test_a_layers_blocks_a_constant_stride_apart_are_gathered_in_one_copy(make_s
         store.engine.submit(gate.wait, Priority.DEMAND)
         store.put(BlockKey(1, 0, 0), torch.zeros(geometry.shape))
         store.demote(BlockKey(1, 0, 0))
-        assert store._inflight
+        assert store._copying == 1  # a device->host copy: the gathers take numpy's way
     for keys in (layer_a, layer_b):
         first = store.table.copy(keys[0], Tier.HOST).slot
         expected_k = torch.cat([data[key][0] for key in keys], dim=2)
@@ -1056,9 +1056,67 @@ def test_a_layers_blocks_a_constant_stride_apart_are_gathered_in_one_copy(make_s
             assert runs_seen == [[(False, first, 6, 2)]]
             assert torch.equal(k, expected_k[:, :, start:start + n])
             assert torch.equal(v, expected_v[:, :, start:start + n])
-    assert bool(store._inflight) == moves_in_flight
+    assert store._copying == moves_in_flight
     gate.set()
     store.wait_idle()
+    assert store._copying == 0
+    store.check()
+
+
+def test_only_host_device_copies_in_flight_make_the_gather_copy_with_numpy(make_store, geometry, monkeypatch):
+    """The CPU gather copies with numpy (one thread, no OpenMP region) only while a
+    host<->device copy is in flight: such a copy is a memcpy that holds a core, and an
+    OpenMP region then waits for it. A disk move's thread mostly waits in the kernel, so
+    with only disk moves in flight the gather copies with torch on every core (the disk
+    set-up of bench decode ran ~30% faster for it). Scenario: a worker is held up; a
+    host->disk write queues behind it, and the gather still takes torch's way; a
+    device->host demotion queues too, and the gather takes numpy's; once both land, torch's
+    again. Every gather returns the exact bytes."""
+    from tiercache import store as store_module
+    from tiercache.transfer import Priority
+
+    store = make_store(device_blocks=4, host_blocks=4, disk_blocks=4, io_workers=1)
+    g = torch.Generator().manual_seed(5)
+    keys = [BlockKey(0, 0, i) for i in range(2)]
+    data = {key: torch.randn(geometry.shape, generator=g) for key in keys}
+    for key in keys:
+        store.put(key, data[key])
+    on_disk = BlockKey(1, 0, 0)
+    store.put(on_disk, torch.zeros(geometry.shape))
+    assert store.demote(on_disk).exception(timeout=30) is None  # now on the host
+    numpy_copies = []  # np.copyto calls on this thread (the gather's; workers copy too)
+    copyto, me = store_module.np.copyto, threading.get_ident()
+
+    def recording_copyto(*args, **kwargs):
+        if threading.get_ident() == me:
+            numpy_copies.append(1)
+        return copyto(*args, **kwargs)
+
+    monkeypatch.setattr(store_module.np, "copyto", recording_copyto)
+    expected_k = torch.cat([data[key][0] for key in keys], dim=2)
+    t = geometry.block_tokens
+
+    def gather_by_numpy() -> bool:
+        numpy_copies.clear()
+        k, v = store.read_layer(keys, 2 * t)
+        assert torch.equal(k, expected_k)
+        return bool(numpy_copies)
+
+    gate = threading.Event()
+    store.engine.submit(gate.wait, Priority.DEMAND)
+    try:
+        write = store.demote(on_disk)  # host -> disk, queued behind the gate
+        assert store._inflight and store._copying == 0
+        assert not gather_by_numpy()
+        store.put(BlockKey(2, 0, 0), torch.zeros(geometry.shape))
+        down = store.demote(BlockKey(2, 0, 0))  # device -> host
+        assert store._copying == 1
+        assert gather_by_numpy()
+    finally:
+        gate.set()
+    assert write.exception(timeout=30) is None and down.exception(timeout=30) is None
+    store.wait_idle()
+    assert store._copying == 0 and not gather_by_numpy()
     store.check()
 
 

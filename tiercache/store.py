@@ -107,6 +107,7 @@ class BlockStore:
         # Prepared moves, started or not -> their waiters' future, made on demand (``_future``):
         # None, or the batch (``_Work``) copying the move until someone asks for one.
         self._inflight: dict = {}
+        self._copying = 0  # moves in ``_inflight`` between the device and the host (CPU: memcpy)
         self._started: set = set()
         self._to_device: dict = {}  # key -> the move filling its device copy
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
@@ -1130,12 +1131,16 @@ class BlockStore:
         saves a fresh allocation, and its page faults, per layer and step.
 
         One copy per run of blocks whose slots on one tier go up by one step (``_runs``),
-        of the tokens read only (a partly read first or last block is copied alone). With
-        moves in flight they are numpy copies of bytes (a plain single-threaded memcpy):
+        of the tokens read only (a partly read first or last block is copied alone). While
+        host<->device copies are in flight (``_copying``: memcpy jobs that hold a core for
+        their whole piece) they are numpy copies of bytes (a plain single-threaded memcpy):
         torch's ``copy_`` of a block this size starts an OpenMP parallel region, which cost
         ~8 ms per copy instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the
-        other core. With nothing in flight (the host set-up's steady state) they are torch
-        copies, which use every core: ~20% faster per gather on 2 cores.
+        other core. Otherwise they are torch copies, which use every core: ~20% faster per
+        gather on 2 cores. Disk moves do not count: their threads wait in the kernel for the
+        disk most of the time, and the disk set-up of bench decode ran at 5.5-6.1 tok/s
+        alone with torch copies against 4.1-6.0 with numpy ones while disk reads were in
+        flight (``/tmp/w9/tcpu.py``, not kept, 6 runs each, alternating).
         """
         g = self.geometry
         rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
@@ -1148,7 +1153,7 @@ class BlockStore:
         else:
             out_k = torch.empty(rows, n, width, dtype=g.dtype, device=self.device)
             out_v = torch.empty_like(out_k)
-        if self._inflight:
+        if self._copying:
             outs = (out_k.view(torch.uint8).numpy(), out_v.view(torch.uint8).numpy())
             dev_k, dev_v, host_k, host_v = self._byte_pools()
             copy = np.copyto
@@ -1355,6 +1360,8 @@ class BlockStore:
             for tier, stats in self.tier_stats().items():
                 if stats["budget_bytes"]:
                     assert stats["used_bytes"] <= stats["budget_bytes"], f"{tier} over budget"
+            copying = sum(Tier.DISK not in (m.src, m.dst) for m in self._inflight)
+            assert self._copying == copying, f"_copying is {self._copying}, {copying} copies in flight"
 
     # ---- internals: eviction ------------------------------------------------------------
     def _lower(self, tier: Tier) -> Optional[Tier]:
@@ -1527,6 +1534,8 @@ class BlockStore:
         once, so that anyone who sees the FILLING copy can wait for it (``_future``)."""
         move = self.table.prepare_move(key, src, dst, drop_source=drop_source)
         self._inflight[move] = None
+        if src is not Tier.DISK and dst is not Tier.DISK:
+            self._copying += 1
         if dst is Tier.DEVICE:
             self._to_device[key] = move
         return move
@@ -1551,7 +1560,9 @@ class BlockStore:
     def _take_waiter(self, move: Move) -> Optional[Future]:
         """Under the lock: the move leaves the in-flight maps; returns its waiters' future,
         if anyone asked for one."""
-        held = self._inflight.pop(move, None)
+        held = self._inflight.pop(move, _GONE)
+        if held is not _GONE and move.src is not Tier.DISK and move.dst is not Tier.DISK:
+            self._copying -= 1
         self._started.discard(move)
         if move.dst is Tier.DEVICE and self._to_device.get(move.key) is move:
             self._to_device.pop(move.key, None)
