@@ -1390,7 +1390,8 @@ def test_demote_now_moves_a_batch_down_and_waits_for_it_without_a_future_per_blo
     host in one call that returns no error and asks for no move's future. Then the disk
     fails (EIO on every record write): demoting them on to the disk returns one error per
     block, and every block stays on the host, exact. With the disk back, the same call
-    takes them all down; one key given twice, or with nothing below to go to, is no error."""
+    takes them all down; one key given twice, or with nothing below to go to, is no error.
+    A key given twice moves one tier, not two."""
     import errno
 
     from tiercache.bench.faults import _failing
@@ -1403,9 +1404,9 @@ def test_demote_now_moves_a_batch_down_and_waits_for_it_without_a_future_per_blo
     futures_made = []
     real_future = store._future
     monkeypatch.setattr(store, "_future", lambda move: futures_made.append(move) or real_future(move))
-    assert store.demote_now(keys) == []
+    assert store.demote_now(keys + keys[:1]) == []
     assert futures_made == []
-    assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)
+    assert all(store.tiers_of(k) == [Tier.HOST] for k in keys)  # the first one too: not on to disk
     with _failing("pwritev", errno.EIO, after=0):
         errors = store.demote_now(keys)
     assert len(errors) == 6 and all(isinstance(e, OSError) for e in errors)
@@ -1417,6 +1418,27 @@ def test_demote_now_moves_a_batch_down_and_waits_for_it_without_a_future_per_blo
     assert store.demote_now(keys[:2]) == []  # nothing below the disk: nothing to do
     for key in keys:
         assert torch.equal(store.get(key), data[key])
+    store.check()
+
+
+def test_demote_many_moves_a_key_given_twice_one_tier_and_gives_both_places_its_future(make_store, geometry):
+    """demote_many plans each key once: three blocks on the device, named five times, make
+    three device->host moves and nothing more (a block named twice moves one tier down, not
+    two), and both places of a block named twice hold the same future."""
+    store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20)
+    data = blocks(geometry, 3, seed=4)
+    a, b, c = list(data)
+    for key, block in data.items():
+        store.put(key, block)
+    futures = store.demote_many([a, b, a, c, b])
+    assert futures[0] is futures[2] and futures[1] is futures[4]
+    assert wait_all(futures) == []
+    store.wait_idle()
+    assert all(store.tiers_of(k) == [Tier.HOST] for k in (a, b, c))
+    moves = store.stats()["moves"]
+    assert moves["device->host"]["blocks"] == 3 and moves.get("host->disk", {}).get("blocks", 0) == 0
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
     store.check()
 
 

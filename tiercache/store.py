@@ -107,7 +107,9 @@ class BlockStore:
         # Prepared moves, started or not -> their waiters' future, made on demand (``_future``):
         # None, or the batch (``_Work``) copying the move until someone asks for one.
         self._inflight: dict = {}
-        self._copying = 0  # moves in ``_inflight`` between the device and the host (CPU: memcpy)
+        # moves in ``_inflight`` to or from the device: on CPU each is a memcpy on the thread
+        # that runs it (device<->host, or through the staging buffer to or from the disk)
+        self._copying = 0
         self._started: set = set()
         self._to_device: dict = {}  # key -> the move filling its device copy
         self._tokens: dict = {}  # key -> tokens written (for disk headers)
@@ -558,8 +560,10 @@ class BlockStore:
     def demote_many(self, keys: Iterable[Hashable]) -> list:
         """``demote`` for many blocks: one future per key, in order. The moves that have
         room below start together (on CPU, host<->device copies in chunks: see
-        ``_submit_all``); the rest go one by one as ``demote``, waiting for room."""
-        keys = list(keys)
+        ``_submit_all``); the rest go one by one as ``demote``, waiting for room. A key
+        given twice moves one tier, once; both places get that move's future."""
+        given = list(keys)
+        keys = list(dict.fromkeys(given))
         futures: list = [_done()] * len(keys)  # in the order of keys
         with self._lock:
             moves, placed, later = self._plan_demotions(keys)
@@ -568,18 +572,21 @@ class BlockStore:
         self._submit_all(moves, Priority.WRITEBACK)
         for i in later:
             futures[i] = self.demote(keys[i])
-        return futures
+        if len(keys) == len(given):
+            return futures
+        of = dict(zip(keys, futures))
+        return [of[key] for key in given]
 
     def demote_now(self, keys: Iterable[Hashable]) -> list:
-        """``demote_many``, waited for: every block of ``keys`` moves one tier down, and this
-        returns when all moves are done, with the errors of those that failed (each rolled
+        """``demote_many``, waited for: every block of ``keys`` moves one tier down (once, if
+        given twice), and this returns when all moves are done, with the errors of those that failed (each rolled
         back; nothing is lost). No future per block: the caller waits for the batch and helps
         copy it, as ``ensure_device`` does for fetches and the store's own evictions do. On
         CPU a future per block cost ~0.5 ms per round of 43 blocks of 1.5 MiB, 10% of the
         copy (``bench io``'s device->host rounds, which use this). A block with no room
         below waits for room as ``demote`` does, and raises ``TierIOError`` as it does when
         the storage cannot give any."""
-        keys = list(keys)
+        keys = list(dict.fromkeys(keys))
         with self._lock:
             moves, _, later = self._plan_demotions(keys)
         mine: list = []
@@ -1132,15 +1139,16 @@ class BlockStore:
 
         One copy per run of blocks whose slots on one tier go up by one step (``_runs``),
         of the tokens read only (a partly read first or last block is copied alone). While
-        host<->device copies are in flight (``_copying``: memcpy jobs that hold a core for
-        their whole piece) they are numpy copies of bytes (a plain single-threaded memcpy):
+        moves to or from the device are in flight (``_copying``: each is a memcpy that holds
+        a core while it runs) they are numpy copies of bytes (a plain single-threaded memcpy):
         torch's ``copy_`` of a block this size starts an OpenMP parallel region, which cost
         ~8 ms per copy instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the
         other core. Otherwise they are torch copies, which use every core: ~20% faster per
-        gather on 2 cores. Disk moves do not count: their threads wait in the kernel for the
-        disk most of the time, and the disk set-up of bench decode ran at 5.5-6.1 tok/s
-        alone with torch copies against 4.1-6.0 with numpy ones while disk reads were in
-        flight (``/tmp/w9/tcpu.py``, not kept, 6 runs each, alternating).
+        gather on 2 cores. Moves between the host and the disk do not count: their threads
+        wait in the kernel for the disk most of the time (the payload goes straight between
+        the host slot and the file), and the disk set-up of bench decode ran at 5.3-6.1 tok/s
+        alone with torch copies against 4.0-6.0 with numpy ones while disk reads were in
+        flight (docs/measurements.md, 2026-12-05).
         """
         g = self.geometry
         rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
@@ -1360,8 +1368,8 @@ class BlockStore:
             for tier, stats in self.tier_stats().items():
                 if stats["budget_bytes"]:
                     assert stats["used_bytes"] <= stats["budget_bytes"], f"{tier} over budget"
-            copying = sum(Tier.DISK not in (m.src, m.dst) for m in self._inflight)
-            assert self._copying == copying, f"_copying is {self._copying}, {copying} copies in flight"
+            copying = sum(Tier.DEVICE in (m.src, m.dst) for m in self._inflight)
+            assert self._copying == copying, f"_copying is {self._copying}, {copying} device moves in flight"
 
     # ---- internals: eviction ------------------------------------------------------------
     def _lower(self, tier: Tier) -> Optional[Tier]:
@@ -1534,7 +1542,7 @@ class BlockStore:
         once, so that anyone who sees the FILLING copy can wait for it (``_future``)."""
         move = self.table.prepare_move(key, src, dst, drop_source=drop_source)
         self._inflight[move] = None
-        if src is not Tier.DISK and dst is not Tier.DISK:
+        if src is Tier.DEVICE or dst is Tier.DEVICE:
             self._copying += 1
         if dst is Tier.DEVICE:
             self._to_device[key] = move
@@ -1561,7 +1569,7 @@ class BlockStore:
         """Under the lock: the move leaves the in-flight maps; returns its waiters' future,
         if anyone asked for one."""
         held = self._inflight.pop(move, _GONE)
-        if held is not _GONE and move.src is not Tier.DISK and move.dst is not Tier.DISK:
+        if held is not _GONE and (move.src is Tier.DEVICE or move.dst is Tier.DEVICE):
             self._copying -= 1
         self._started.discard(move)
         if move.dst is Tier.DEVICE and self._to_device.get(move.key) is move:
