@@ -572,20 +572,18 @@ class BlockStore:
         self._submit_all(moves, Priority.WRITEBACK)
         for i in later:
             futures[i] = self.demote(keys[i])
-        if len(keys) == len(given):
-            return futures
         of = dict(zip(keys, futures))
         return [of[key] for key in given]
 
     def demote_now(self, keys: Iterable[Hashable]) -> list:
         """``demote_many``, waited for: every block of ``keys`` moves one tier down (once, if
-        given twice), and this returns when all moves are done, with the errors of those that failed (each rolled
-        back; nothing is lost). No future per block: the caller waits for the batch and helps
-        copy it, as ``ensure_device`` does for fetches and the store's own evictions do. On
-        CPU a future per block cost ~0.5 ms per round of 43 blocks of 1.5 MiB, 10% of the
-        copy (``bench io``'s device->host rounds, which use this). A block with no room
-        below waits for room as ``demote`` does, and raises ``TierIOError`` as it does when
-        the storage cannot give any."""
+        given twice), and this returns when all moves are done, with the errors of those that
+        failed (each rolled back; nothing is lost). No future per block: the caller waits for
+        the batch and helps copy it, as ``ensure_device`` does for fetches and the store's
+        own evictions do. On CPU a future per block cost ~0.5 ms per round of 43 blocks of
+        1.5 MiB, 10% of the copy (``bench io``'s device->host rounds, which use this). A
+        block with no room below waits for room as ``demote`` does, and raises
+        ``TierIOError`` as it does when the storage cannot give any."""
         keys = list(dict.fromkeys(keys))
         with self._lock:
             moves, _, later = self._plan_demotions(keys)
@@ -1368,7 +1366,7 @@ class BlockStore:
             for tier, stats in self.tier_stats().items():
                 if stats["budget_bytes"]:
                     assert stats["used_bytes"] <= stats["budget_bytes"], f"{tier} over budget"
-            copying = sum(Tier.DEVICE in (m.src, m.dst) for m in self._inflight)
+            copying = sum(_touches_device(m) for m in self._inflight)
             assert self._copying == copying, f"_copying is {self._copying}, {copying} device moves in flight"
 
     # ---- internals: eviction ------------------------------------------------------------
@@ -1542,7 +1540,7 @@ class BlockStore:
         once, so that anyone who sees the FILLING copy can wait for it (``_future``)."""
         move = self.table.prepare_move(key, src, dst, drop_source=drop_source)
         self._inflight[move] = None
-        if src is Tier.DEVICE or dst is Tier.DEVICE:
+        if _touches_device(move):
             self._copying += 1
         if dst is Tier.DEVICE:
             self._to_device[key] = move
@@ -1569,7 +1567,7 @@ class BlockStore:
         """Under the lock: the move leaves the in-flight maps; returns its waiters' future,
         if anyone asked for one."""
         held = self._inflight.pop(move, _GONE)
-        if held is not _GONE and (move.src is Tier.DEVICE or move.dst is Tier.DEVICE):
+        if held is not _GONE and _touches_device(move):
             self._copying -= 1
         self._started.discard(move)
         if move.dst is Tier.DEVICE and self._to_device.get(move.key) is move:
@@ -2164,6 +2162,11 @@ def _copy_tokens(copy, dst, src, lo: int, hi: int, block_tokens: int, unit: int)
 def _pieces(runs: list, most: int) -> list:
     """``runs`` cut into pieces of at most ``most`` moves."""
     return [run[i:i + most] for run in runs for i in range(0, len(run), most)]
+
+
+def _touches_device(move: Move) -> bool:
+    """A move to or from the device: counted in ``BlockStore._copying``."""
+    return move.src is Tier.DEVICE or move.dst is Tier.DEVICE
 
 
 def _slot_runs(todo: list) -> list:
