@@ -1368,6 +1368,9 @@ class BlockStore:
                     assert stats["used_bytes"] <= stats["budget_bytes"], f"{tier} over budget"
             copying = sum(_touches_device(m) for m in self._inflight)
             assert self._copying == copying, f"_copying is {self._copying}, {copying} device moves in flight"
+            for tier, policy in self.policies.items():  # each policy ranks its tier's READY blocks
+                ready = len(self.table.ready_keys(tier))
+                assert len(policy) == ready, f"{tier.label} policy ranks {len(policy)} blocks, {ready} are READY there"
 
     # ---- internals: eviction ------------------------------------------------------------
     def _lower(self, tier: Tier) -> Optional[Tier]:
@@ -1469,10 +1472,15 @@ class BlockStore:
             self.disk.tombstone(slot)
         if self.table.copy(key, tier) is not None:
             return  # a zombie's copy went; a newer block with the same key lives on this tier
+        self._gone_from(key, tier)
+
+    def _gone_from(self, key: Hashable, tier: Tier) -> None:
+        """Under the lock: the live block ``key`` has no copy on ``tier`` any more."""
         self.policies[tier].remove(key)
-        if self._prefetched.get(key) is tier:
+        if self._prefetched and self._prefetched.get(key) is tier:
             del self._prefetched[key]
             self.events.prefetch("unused")
+
     def _forget(self, key: Hashable) -> None:
         for tier, slot in self.table.delete(key):
             self._released(key, tier, slot)
@@ -1540,10 +1548,11 @@ class BlockStore:
         once, so that anyone who sees the FILLING copy can wait for it (``_future``)."""
         move = self.table.prepare_move(key, src, dst, drop_source=drop_source)
         self._inflight[move] = None
-        if _touches_device(move):
-            self._copying += 1
         if dst is Tier.DEVICE:
+            self._copying += 1
             self._to_device[key] = move
+        elif src is Tier.DEVICE:  # as _touches_device(move), without the call
+            self._copying += 1
         return move
 
     def _future(self, move: Move) -> Future:
@@ -1624,11 +1633,14 @@ class BlockStore:
         profile on an H200 the copy engine ran at ~51 GB/s while busy but idled two thirds
         of the time, waiting on the store's Python; 64 MiB pieces instead of 16 took a
         host->device batch from 17 to 23 GB/s, one job instead of four from 17 to 21."""
-        copies = [m for m in moves if Tier.DISK not in (m.src, m.dst)]
+        disk = Tier.DISK
+        copies, disk_moves = [], []
+        for m in moves:
+            (disk_moves if m.src is disk or m.dst is disk else copies).append(m)
         try:
             if len(copies) < (1 if help_here is not None else 2):
                 return [self._submit(m, priority) for m in moves]
-            futures = [self._submit(m, priority) for m in moves if Tier.DISK in (m.src, m.dst)]
+            futures = [self._submit(m, priority) for m in disk_moves]
             # before any copy is marked started: if it fails, all go back
             barrier = self._compute_barrier()
         except BaseException:  # interrupted while queueing: the moves not started go back
@@ -1806,19 +1818,13 @@ class BlockStore:
             work.settle(len(piece), errors, self._lock)
             return
         # Copied: the moves complete under one hold of the lock and are counted at once.
-        done = []
         with self._lock:
-            for move in piece:
-                waiter = self._take_waiter(move)
-                try:
-                    done.append((self._complete(move, None, False, chain=False), waiter, None))
-                except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
-                    done.append((None, waiter, exc))
+            done = self._complete_copied(piece)
         first = piece[0]
         resolved = 0
         try:
             self.events.move(first.src.label, first.dst.label, self.geometry.block_bytes, seconds,
-                             blocks=sum(error is None for _, _, error in done))
+                             blocks=len(piece) - sum(error is not None for _, _, error in done))
             for follow, waiter, error in done:
                 try:
                     if error is not None:
@@ -1845,6 +1851,43 @@ class BlockStore:
                         else:
                             waiter.set_exception(error)
             work.settle(len(piece), errors, self._lock)
+
+    def _complete_copied(self, piece: list) -> list:
+        """Under the lock: ``_take_waiter`` and ``_complete`` of every move of a copied piece
+        (host<->device, one direction). Returns [(write-behind move or None, waiters' future
+        or None, error or None)] for the moves that need more than that: those someone
+        waits for, those an eviction started (a write-behind may follow), a deleted block's,
+        and any that failed to complete. The others, nearly all, are done here inline: a
+        batch of 43 blocks spent ~6 µs a block in the general path's calls."""
+        first = piece[0]
+        src, dst = first.src, first.dst
+        inflight, started, evicted_down = self._inflight, self._started, self._evicted_down
+        to_device = self._to_device if dst is Tier.DEVICE else None
+        live, commit = self.table.get, self.table.commit_copied
+        gone, insert = self._gone_from, self.policies[dst].insert
+        rest: list = []
+        for move in piece:
+            key = move.key
+            if (inflight.get(move).__class__ is _MoveFuture or (evicted_down and move in evicted_down)
+                    or live(key) is not move.entry):
+                waiter = self._take_waiter(move)
+                try:
+                    rest.append((self._complete(move, None, False, chain=False), waiter, None))
+                except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
+                    rest.append((None, waiter, exc))
+                continue
+            try:
+                if inflight.pop(move, _GONE) is not _GONE:
+                    self._copying -= 1  # every move of a piece touches the device
+                started.discard(move)
+                if to_device is not None and to_device.get(key) is move:
+                    del to_device[key]
+                if commit(move) is not None:  # the source copy went (``_released``: not a disk
+                    gone(key, src)            # slot, and the block is live, so not a zombie's)
+                insert(key)
+            except BaseException as exc:  # noqa: BLE001 - a bug in the books: delivered as the move's error
+                rest.append((None, None, exc))
+        return rest
 
     def _fail_piece(self, piece: list, exc: BaseException, work: "_Work") -> None:
         """Roll back the moves of a piece that will not be copied; their waiters get ``exc``."""

@@ -166,6 +166,12 @@ class BlockTable:
     def keys_on(self, tier: Tier) -> set:
         return self._on_tier.get(tier, set())
 
+    def ready_keys(self, tier: Tier) -> set:
+        """Keys with a READY copy on ``tier``, a deleted block's copy still read or held
+        included (its key leaves the tier's policy when that copy is freed)."""
+        entries = list(self._blocks.values()) + list(self._zombies.values())
+        return {e.key for e in entries if tier in e.copies and e.copies[tier].state is CopyState.READY}
+
     def copy(self, key: Hashable, tier: Tier) -> Optional[Copy]:
         entry = self.get(key)
         return None if entry is None else entry.copies.get(tier)
@@ -286,6 +292,20 @@ class BlockTable:
         if entry.deleted or not entry.copies:  # else _collect has nothing to do
             freed.extend(self._collect(entry))
         return freed
+
+    def commit_copied(self, move: Move) -> Optional[int]:
+        """``complete_move(move, ok=True)`` for a block that is not deleted (the caller
+        checks): its destination copy becomes READY, and its source copy is freed if the
+        move drops it. Returns that source slot, or None. (A batch completes tens of moves
+        under one hold of the store's lock; this skips ``complete_move``'s list and checks.)"""
+        entry = move.entry
+        copies = entry.copies
+        src = copies[move.src]
+        src.readers -= 1
+        copies[move.dst].state = CopyState.READY
+        if move.drop_source and not src.readers and not (move.src is Tier.DEVICE and entry.pins):
+            return self._free_copy(entry, move.src)
+        return None
 
     def drop(self, key: Hashable, tier: Tier) -> int:
         """Free the copy on ``tier``; requires ``can_drop``. Returns the freed slot."""

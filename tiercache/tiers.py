@@ -255,6 +255,7 @@ class HostPool:
         total = self.slot_bytes * num_slots
         self.pinned = False
         self._mm = None
+        self._kv_rows: Optional[tuple] = None  # see kv_rows
         if pin:
             try:
                 self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -280,16 +281,21 @@ class HostPool:
         return self.raw(slot)[:g.block_bytes].view(g.dtype).view(g.shape)
 
     def kv_rows(self) -> tuple:
-        """K and V of every slot as [B*H, num_slots, T*D] strided views (for gathers)."""
+        """K and V of every slot as [B*H, num_slots, T*D] strided views (for gathers and
+        copies; made once: each batch of moves asks for them)."""
+        if self._kv_rows is not None:
+            return self._kv_rows
         g = self.geometry
         rows, width = g.batch * g.kv_heads, g.block_tokens * g.head_dim
         per_slot = self.slot_bytes // g.itemsize
         flat = self.buffer.view(g.dtype)  # [num_slots * per_slot]
         k = flat.as_strided((rows, self.num_slots, width), (width, per_slot, 1))
         v = flat.as_strided((rows, self.num_slots, width), (width, per_slot, 1), rows * width)
+        self._kv_rows = (k, v)
         return k, v
 
     def close(self) -> None:
+        self._kv_rows = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
         if self._mm is not None:
             try:
