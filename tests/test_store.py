@@ -1139,6 +1139,9 @@ def test_slot_runs_cut_where_a_single_copy_could_not_do_the_moves():
     assert cut(move(0, 5), move(2, 6)) == [[(0, 5)], [(2, 6)]]  # a gap in the source
     assert cut(move(0, 5), move(1, 7)) == [[(0, 5)], [(1, 7)]]  # a gap in the destination
     assert cut(move(0, 5), move(1, 6, Tier.HOST, Tier.DEVICE)) == [[(0, 5)], [(1, 6)]]  # two directions
+    # sources adjacent but not the destinations in order, or two directions (the one-run shortcut)
+    assert cut(move(0, 5), move(1, 7), move(2, 6)) == [[(0, 5)], [(1, 7), (2, 6)]]
+    assert cut(move(0, 5), move(1, 6), move(2, 7, Tier.HOST, Tier.DEVICE)) == [[(0, 5), (1, 6)], [(2, 7)]]
     assert cut() == []
 
 

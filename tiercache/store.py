@@ -620,16 +620,17 @@ class BlockStore:
             raise
         return moves, placed, later
 
-    def _in_source_order(self, keys: list) -> list:
+    def _in_source_order(self, keys: list, best_copies: Optional[list] = None) -> list:
         """Under the lock: [(key, its best source tier, its index in ``keys``)], sorted by
         the slot of each key's best copy; keys with no READY copy are left out. Planned in
         that order, moves get destination slots (lowest free first) that line up with their
         sources, adjacent on both sides: one copy for a run (``_slot_runs``), in disk order
-        for reads. (One lookup per key: a batch's planning is a share of its moves' cost.)"""
+        for reads. (One lookup per key: a batch's planning is a share of its moves' cost.)
+        ``best_copies``: each key's ``best_copy``, if the caller has just looked them up."""
         best = self.table.best_copy
         planned = []
         for i, key in enumerate(keys):
-            found = best(key)
+            found = best(key) if best_copies is None else best_copies[i]
             if found is not None:
                 planned.append((found[0], found[1].slot, i, key))
         planned.sort()  # no ties: the indices differ
@@ -748,13 +749,13 @@ class BlockStore:
                                     self.events.prefetch("late")
                                     hits["device"] = hits.get("device", 0) + 1
                             else:
-                                src = self.table.best_source(key)
-                                if src is None:
+                                found = self.table.best_copy(key)
+                                if found is None:
                                     waits.extend(self._inflight_for(key))
                                     continue
                                 if first:
-                                    hits[src.label] = hits.get(src.label, 0) + 1
-                                missing.append((key, src))
+                                    hits[found[0].label] = hits.get(found[0].label, 0) + 1
+                                missing.append((key, found))
                     finally:  # counted even if a later key is unknown, as prefetch outcomes are
                         for label, n in hits.items():
                             self.events.hit(label, n)
@@ -767,9 +768,12 @@ class BlockStore:
                             pinned_keys.add(key)
                     if missing:
                         try:
+                            # Sources looked up again after an eviction, which may drop a copy
+                            # (a clean host copy, to make room below for a dirty victim).
+                            evicting = self.table.num_free(Tier.DEVICE) < len(missing)
                             submit.extend(self._room(Tier.DEVICE, len(missing), protect, allow_writeback=True))
-                            # sources looked up after _room: eviction may have dropped a copy
-                            planned = self._in_source_order([key for key, _ in missing])
+                            planned = self._in_source_order([key for key, _ in missing],
+                                                            None if evicting else [found for _, found in missing])
                             for key, src, _ in planned[:self.table.num_free(Tier.DEVICE)]:
                                 submit.append(self._prepare(key, src, Tier.DEVICE, drop_source=False))
                         except BaseException:
@@ -2216,8 +2220,15 @@ def _slot_runs(todo: list) -> list:
     """Moves, sorted by source slot and cut into runs that one copy can do: the same
     direction, source slots adjacent, destination slots adjacent in one direction (moves
     are planned so that they line up ascending; a run downwards is one copy too)."""
+    order = sorted(todo, key=_RUN_ORDER)
+    n = len(order)
+    if n > 1:  # the usual batch, planned in source order: one run, found without a step per move
+        first, last = order[0], order[-1]
+        if (first.src is last.src and first.dst is last.dst and last.src_slot - first.src_slot == n - 1
+                and [m.dst_slot for m in order] == list(range(first.dst_slot, first.dst_slot + n))):
+            return [order]  # sorted by tiers: all of one direction; distinct source slots n - 1 apart: adjacent
     runs: list = []
-    for move in sorted(todo, key=_RUN_ORDER):
+    for move in order:
         if runs:
             run = runs[-1]
             prev = run[-1]
