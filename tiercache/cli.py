@@ -339,6 +339,8 @@ def cmd_bench(args: argparse.Namespace, rest: list) -> int:
         from tiercache.bench.faults import run
     elif args.what == "prefix":
         from tiercache.bench.prefix import run
+    elif args.what == "overhead":
+        from tiercache.bench.overhead import run
     else:  # pragma: no cover - argparse restricts choices
         raise CLIError(f"unknown benchmark {args.what!r}")
     return run(rest)
@@ -395,8 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--records", type=int, default=40)
     demo.add_argument("--disk-dir", default=None)
 
-    bench = sub.add_parser("bench", help="benchmarks (io, decode, policies, prefix); --help after the name for options")
-    bench.add_argument("what", choices=["io", "decode", "policies", "faults", "prefix"])
+    bench = sub.add_parser("bench", help="benchmarks (io, decode, policies, faults, prefix, overhead); --help after "
+                           "the name for options")
+    bench.add_argument("what", choices=["io", "decode", "policies", "faults", "prefix", "overhead"])
 
     ev = sub.add_parser("eval", help="quality of selection/retention: passkey accuracy, fidelity to the full cache")
     ev.add_argument("task", choices=["passkey", "fidelity"])
