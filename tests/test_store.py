@@ -260,6 +260,89 @@ def test_delete_during_flight_never_frees_a_moving_slot(make_store, geometry):
     assert len(store) == 2
 
 
+@pytest.mark.timeout(120)
+def test_a_block_deleted_and_put_again_while_its_batch_is_copied_completes_apart_from_the_batch(make_store, geometry):
+    """Three host blocks are fetched to the device as one batch, whose copy is held. Block 1
+    is deleted and put again under the same key meanwhile. When the copy lands, blocks 0
+    and 2 complete with the batch in one pass (``_complete_copied``); the old block 1 is a
+    deleted block's move, which only frees its copies (the general path). The new block 1
+    is untouched, the books agree at every step (``check``: in-flight maps, the policies
+    rank exactly the live READY blocks), and all three read back exactly."""
+    store = make_store(device_blocks=6, host_blocks=6, disk_blocks=0, io_workers=2)
+    data = blocks(geometry, 3, seed=41)
+    keys = list(data)
+    for key, block in data.items():
+        store.put(key, block, tier=Tier.HOST)
+    entered, go = threading.Event(), threading.Event()
+    copy_run = store._copy_run
+
+    def held_copy_run(run, *args, **kwargs):
+        entered.set()
+        assert go.wait(30)
+        return copy_run(run, *args, **kwargs)
+    store._copy_run = held_copy_run
+    assert store.prefetch(keys) == 3
+    assert entered.wait(30)  # the batch's one copy has started
+    store.delete(keys[1])
+    fresh = torch.full_like(data[keys[1]], 7.0)
+    store.put(keys[1], fresh)
+    store.check()
+    go.set()
+    assert _idle_within(store)
+    store.check()
+    assert not store._inflight and not store._started and not store._to_device and store._copying == 0
+    assert store.table.ready_keys(Tier.DEVICE) == set(keys) and len(store.policies[Tier.DEVICE]) == 3
+    assert torch.equal(store.get(keys[1]), fresh)
+    for key in (keys[0], keys[2]):
+        assert torch.equal(store.get(key), data[key])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("held_on", ["device", "host"])
+def test_the_policies_forget_a_deleted_block_whose_copy_is_still_moving(make_store, geometry, held_on):
+    """A block's move is held; the block is deleted and a new one put under its key, which
+    then moves too. The policies are keyed by key, so they must not take the deleted
+    block's copy for the new block's: ``device``: the old block's device copy is being read
+    (a demotion) while the new block leaves the device; ``host``: the old block's host copy
+    is being read (a prefetch) while the new block's host copy fills. At every step each tier's
+    policy ranks exactly the live blocks READY there (``check``), and the new block reads
+    back exactly."""
+    store = make_store(device_blocks=3, host_blocks=3, disk_blocks=0, io_workers=2)
+    key = BlockKey(0, 0, 0)
+    old, new = torch.ones(geometry.shape), torch.full(geometry.shape, 2.0)
+    store.put(key, old, tier=Tier.DEVICE if held_on == "device" else Tier.HOST)
+    entered, go = threading.Event(), threading.Event()
+    copy, calls = store._copy, []
+
+    def held_first_copy(move, compute_event):
+        calls.append(move)
+        if len(calls) == 1:
+            entered.set()
+            assert go.wait(30)
+        return copy(move, compute_event)
+    store._copy = held_first_copy
+    if held_on == "device":
+        first = store.demote(key)
+    else:
+        assert store.prefetch([key]) == 1  # a worker copies it up
+        first = None
+    assert entered.wait(30)
+    store.delete(key)
+    store.put(key, new)
+    store.check()
+    second = store.demote(key)
+    if held_on == "device":
+        second.result(timeout=30)  # the new block has left the device; the old copy is still read there
+    store.check()
+    go.set()
+    if first is not None:
+        first.result(timeout=30)
+    second.result(timeout=30)
+    assert _idle_within(store)
+    store.check()
+    assert torch.equal(store.get(key), new)
+
+
 def _idle_within(store, seconds: float = 30) -> bool:
     """True when ``wait_idle`` returns in time (a move left in flight would hang it)."""
     idle = threading.Thread(target=store.wait_idle, daemon=True)

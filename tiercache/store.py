@@ -1364,7 +1364,9 @@ class BlockStore:
         self.close()
 
     def check(self) -> None:
-        """Assert the table's invariants and that no tier is over budget (tests)."""
+        """Assert the table's invariants, that no tier is over budget, that the in-flight
+        books agree with one another and that each eviction policy ranks exactly the live
+        blocks READY on its tier (tests)."""
         with self._lock:
             self.table.check()
             for tier, stats in self.tier_stats().items():
@@ -1372,7 +1374,11 @@ class BlockStore:
                     assert stats["used_bytes"] <= stats["budget_bytes"], f"{tier} over budget"
             copying = sum(_touches_device(m) for m in self._inflight)
             assert self._copying == copying, f"_copying is {self._copying}, {copying} device moves in flight"
-            for tier, policy in self.policies.items():  # each policy ranks its tier's READY blocks
+            assert self._started <= self._inflight.keys(), "a started move is not in flight"
+            assert self._evicted_down <= self._inflight.keys(), "an eviction's demotion is not in flight"
+            assert all(m in self._inflight and m.key == k for k, m in self._to_device.items()), \
+                "a device fill is not in flight"
+            for tier, policy in self.policies.items():
                 ready = len(self.table.ready_keys(tier))
                 assert len(policy) == ready, f"{tier.label} policy ranks {len(policy)} blocks, {ready} are READY there"
 
@@ -1486,8 +1492,14 @@ class BlockStore:
             self.events.prefetch("unused")
 
     def _forget(self, key: Hashable) -> None:
+        entry = self.table.get(key)
         for tier, slot in self.table.delete(key):
             self._released(key, tier, slot)
+        # Copies a move still reads or fills, or a view holds, go when that ends, and the key
+        # may name a new block by then: the policies forget the deleted block's now (its
+        # copies cannot be evicted anyway), so that they rank live blocks only.
+        for tier in entry.copies if entry is not None else ():
+            self._gone_from(key, tier)
         self._unlink(key)
         for child in self._children.pop(key, ()):
             self._parent.pop(child, None)

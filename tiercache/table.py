@@ -167,10 +167,9 @@ class BlockTable:
         return self._on_tier.get(tier, set())
 
     def ready_keys(self, tier: Tier) -> set:
-        """Keys with a READY copy on ``tier``, a deleted block's copy still read or held
-        included (its key leaves the tier's policy when that copy is freed)."""
-        entries = list(self._blocks.values()) + list(self._zombies.values())
-        return {e.key for e in entries if tier in e.copies and e.copies[tier].state is CopyState.READY}
+        """Keys of the live blocks with a READY copy on ``tier`` (tests)."""
+        return {key for key, e in self._blocks.items()
+                if not e.deleted and tier in e.copies and e.copies[tier].state is CopyState.READY}
 
     def copy(self, key: Hashable, tier: Tier) -> Optional[Copy]:
         entry = self.get(key)
