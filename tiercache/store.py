@@ -1883,16 +1883,14 @@ class BlockStore:
         gone, insert = self._gone_from, self.policies[dst].insert
         rest: list = []
         for move in piece:
-            key = move.key
-            if (inflight.get(move).__class__ is _MoveFuture or (evicted_down and move in evicted_down)
-                    or live(key) is not move.entry):
-                waiter = self._take_waiter(move)
-                try:
+            waiter = None
+            try:  # whatever happens to one move (a bug, Ctrl-C), the others still complete
+                key = move.key
+                if (inflight.get(move).__class__ is _MoveFuture or (evicted_down and move in evicted_down)
+                        or live(key) is not move.entry):
+                    waiter = self._take_waiter(move)
                     rest.append((self._complete(move, None, False, chain=False), waiter, None))
-                except BaseException as exc:  # noqa: BLE001 - delivered to its waiters
-                    rest.append((None, waiter, exc))
-                continue
-            try:
+                    continue
                 if inflight.pop(move, _GONE) is not _GONE:
                     self._copying -= 1  # every move of a piece touches the device
                 started.discard(move)
@@ -1901,8 +1899,8 @@ class BlockStore:
                 if commit(move) is not None:  # the source copy went (``_released``: not a disk
                     gone(key, src)            # slot, and the block is live, so not a zombie's)
                 insert(key)
-            except BaseException as exc:  # noqa: BLE001 - a bug in the books: delivered as the move's error
-                rest.append((None, None, exc))
+            except BaseException as exc:  # noqa: BLE001 - delivered to its waiters, if any
+                rest.append((None, waiter, exc))
         return rest
 
     def _fail_piece(self, piece: list, exc: BaseException, work: "_Work") -> None:
