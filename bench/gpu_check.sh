@@ -13,11 +13,12 @@
 #            picks the set-ups)
 #   io       tiercache bench io --json (the store's disk backend: auto, kvikio where installed)
 #   io_posix the same with --disk-io posix, for comparison
+#   overhead tiercache bench overhead --device cuda --json (the store's Python per batch)
 #   suite    the rest of the test suite on this CUDA machine (not the `model` tests)
-# $STEPS (default: all six) picks the steps to run, e.g. STEPS="env gputests io".
+# $STEPS (default: all seven) picks the steps to run, e.g. STEPS="env gputests io".
 # Exit status: the number of steps that failed.
 set -u
-STEPS=${STEPS:-env gputests decode io io_posix suite}
+STEPS=${STEPS:-env gputests decode io io_posix overhead suite}
 OUT=${1:?usage: gpu_check.sh OUTDIR [MODEL_DIR]}
 MODEL=${2:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -53,6 +54,7 @@ step decode "${DECODE_LIMIT:-240}" python3 -m tiercache.cli bench decode --json 
     ${DECODE_SETUPS:+--setups "$DECODE_SETUPS"} ${MODEL:+--model "$MODEL"}
 step io 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB
 step io_posix 90 python3 -m tiercache.cli bench io --json --dir "$WORK" --size 1GiB --disk-io posix
+step overhead 60 python3 -m tiercache.cli bench overhead --device cuda --json --repeat 4
 # -v: each result is its own line as it comes, so failures are named even if the limit cuts
 # the run short (-rfE's summary would come only at the end)
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${SUITE_WORKERS:-12}")  # pytest-xdist if installed

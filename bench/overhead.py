@@ -36,9 +36,16 @@ GEOMETRY = BlockGeometry(1, 1, 16, 64, torch.float32)  # 8 KiB of K and V: copie
 BATCHES = (10, 43, 86)  # blocks per round; 43 is a round of bench io (64 MiB of 1.5 MiB blocks)
 
 
-def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int = 64 << 20) -> dict:
+def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int = 64 << 20,
+                     device: str = "cpu") -> dict:
     """Median ms per round of the store's host<->device books, warm and after a cache flush,
-    for each batch size (see the module's docstring)."""
+    for each batch size (see the module's docstring). ``device="cuda"``: the store on the
+    GPU, its moves through the staging buffer and the copy stream (the flush is still a CPU
+    copy: it chills the CPU's caches, where the books run)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device: cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     if repeat < 1:
         raise ValueError(f"--repeat: must be >= 1, got {repeat}")
     if not batches or min(batches) < 2:
@@ -53,7 +60,7 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
     dst = torch.zeros(flush_bytes, dtype=torch.uint8)
     times: dict = {}  # (batch, phase, "warm" | "cold") -> [ms per round]
     generator = torch.Generator().manual_seed(0)
-    with BlockStore(config, GEOMETRY, device=torch.device("cpu"), persistent=False) as store:
+    with BlockStore(config, GEOMETRY, device=torch.device(device), persistent=False) as store:
         for key in keys:
             store.put(key, torch.randn(GEOMETRY.shape, generator=generator))
         for _ in range(repeat):
@@ -90,7 +97,8 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
                          "warm_us_per_block": round(warm * 1e3 / batch, 2),
                          "cold_us_per_block": round(cold * 1e3 / batch, 2),
                          "cold_extra_ms": round(cold - warm, 4)})
-    return {"block_bytes": GEOMETRY.block_bytes, "flush_bytes": flush_bytes, "repeat": repeat, "rows": rows}
+    return {"device": device, "block_bytes": GEOMETRY.block_bytes, "flush_bytes": flush_bytes, "repeat": repeat,
+            "rows": rows}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default=",".join(map(str, BATCHES)),
                    help="blocks per round, a comma list (default %(default)s)")
     p.add_argument("--flush", default="64MiB", help="bytes copied before each cold round (default %(default)s)")
+    p.add_argument("--device", default="cpu", help="the store's device: cpu (default) or cuda")
     return p
 
 
@@ -111,14 +120,14 @@ def run(argv: Optional[list] = None) -> int:
             batches = tuple(int(b) for b in args.batches.split(","))
         except ValueError:
             raise ValueError(f"--batches: a comma list of block counts, got {args.batches!r}") from None
-        result = measure_overhead(batches, args.repeat, parse_bytes(args.flush, "--flush"))
+        result = measure_overhead(batches, args.repeat, parse_bytes(args.flush, "--flush"), args.device)
     except ValueError as exc:
         print(f"tiercache bench overhead: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"tiercache bench overhead: the store's books per round of host<->device moves, "
+    print(f"tiercache bench overhead: the store's books per round of host<->device moves ({result['device']}), "
           f"{result['block_bytes']} B blocks, cold = after a {format_bytes(result['flush_bytes'])} copy")
     print(f"{'blocks':>6} {'phase':>5} | {'warm ms':>8} {'us/blk':>7} | {'cold ms':>8} {'us/blk':>7} | {'extra ms':>8}")
     for r in result["rows"]:

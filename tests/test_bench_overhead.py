@@ -21,7 +21,7 @@ def test_overhead_times_every_batch_size_both_ways_and_both_directions():
     proc = bench("--json", "--repeat", "1", "--batches", "4,8", "--flush", "8MiB")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["flush_bytes"] == 8 << 20
+    assert out["flush_bytes"] == 8 << 20 and out["device"] == "cpu"
     assert [(r["blocks"], r["phase"], r["rounds"]) for r in out["rows"]] == [
         (4, "d2h", 16), (4, "h2d", 16), (8, "d2h", 8), (8, "h2d", 8)]  # 64 blocks, 8 batches of the largest
     for r in out["rows"]:
@@ -45,9 +45,19 @@ def test_overhead_prints_a_table_without_json():
     (["--repeat", "0"], "--repeat: must be >= 1"),
     (["--flush", "0"], "--flush: must be > 0"),
     (["--flush", "lots"], "--flush: cannot parse 'lots'"),
+    (["--device", "tpu"], "--device: cpu or cuda, got 'tpu'"),
 ])
 def test_overhead_refuses_bad_input_in_one_line(args, message):
     proc = bench(*args)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_overhead_on_cuda_is_refused_in_one_line_without_cuda():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: tests/test_gpu.py runs it")
+    proc = bench("--device", "cuda")
+    assert proc.returncode == 2
+    assert "--device cuda: no CUDA device here" in proc.stderr and "Traceback" not in proc.stderr

@@ -229,3 +229,16 @@ def test_cuda_decode_fast_path_is_exact_and_taken(mode, monkeypatch):
     assert taken["fast"] > 0, taken
     if mode == "host-tier":
         assert moves > 0 and taken["general"] > 0, (moves, taken)
+
+
+def test_bench_overhead_times_the_books_of_batches_on_the_cuda_path():
+    """``tiercache bench overhead --device cuda``'s measurement: batches of 4 and 8 blocks
+    moved through the staging buffer and the copy stream, every move completed (it ends with
+    ``check()``), a time per round for each batch size and direction."""
+    from tiercache.bench.overhead import measure_overhead
+
+    out = measure_overhead((4, 8), repeat=1, flush_bytes=8 << 20, device="cuda")
+    assert out["device"] == "cuda"
+    assert [(r["blocks"], r["phase"], r["rounds"]) for r in out["rows"]] == [
+        (4, "d2h", 16), (4, "h2d", 16), (8, "d2h", 8), (8, "h2d", 8)]
+    assert all(r["warm_ms"] > 0 and r["cold_ms"] > 0 for r in out["rows"])
