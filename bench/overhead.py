@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -56,8 +57,15 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
     keys = [BlockKey(0, 0, i) for i in range(num_blocks)]
     config = TierConfig(device_budget=num_blocks * GEOMETRY.block_bytes, host_budget=num_blocks * GEOMETRY.padded_bytes,
                         disk_budget=0, block_tokens=GEOMETRY.block_tokens, io_workers=2)
-    src = torch.ones(flush_bytes, dtype=torch.uint8)
-    dst = torch.zeros(flush_bytes, dtype=torch.uint8)
+    physical = _physical_memory()
+    if physical and 2 * flush_bytes > physical // 2:
+        raise ValueError(f"--flush: two buffers of {format_bytes(flush_bytes)} are more than half of this "
+                         f"machine's memory ({format_bytes(physical)})")
+    try:
+        src = torch.ones(flush_bytes, dtype=torch.uint8)
+        dst = torch.zeros(flush_bytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator: "can't allocate memory"
+        raise ValueError(f"--flush: cannot allocate two buffers of {format_bytes(flush_bytes)} ({exc})") from None
     times: dict = {}  # (batch, phase, "warm" | "cold") -> [ms per round]
     generator = torch.Generator().manual_seed(0)
     with BlockStore(config, GEOMETRY, device=torch.device(device), persistent=False) as store:
@@ -99,6 +107,14 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
                          "cold_extra_ms": round(cold - warm, 4)})
     return {"device": device, "block_bytes": GEOMETRY.block_bytes, "flush_bytes": flush_bytes, "repeat": repeat,
             "rows": rows}
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM, or 0 where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:

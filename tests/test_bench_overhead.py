@@ -46,6 +46,7 @@ def test_overhead_prints_a_table_without_json():
     (["--flush", "0"], "--flush: must be > 0"),
     (["--flush", "lots"], "--flush: cannot parse 'lots'"),
     (["--device", "tpu"], "--device: cpu or cuda, got 'tpu'"),
+    (["--flush", "64TiB"], "--flush: two buffers of 64.0 TiB are more than half of this machine's memory"),
 ])
 def test_overhead_refuses_bad_input_in_one_line(args, message):
     proc = bench(*args)
