@@ -279,24 +279,23 @@ class BlockTable:
     def complete_move(self, move: Move, ok: bool) -> list:
         """Commit or roll back ``move``. Returns the (tier, slot) pairs it freed."""
         entry = move.entry
-        src = entry.copies[move.src]
-        src.readers -= 1
         freed = []
         if ok:
-            entry.copies[move.dst].state = CopyState.READY
-            if move.drop_source and not src.readers and not (move.src is Tier.DEVICE and entry.pins):
-                freed.append((move.src, self._free_copy(entry, move.src)))
+            slot = self.commit_copied(move)
+            if slot is not None:
+                freed.append((move.src, slot))
         else:
+            entry.copies[move.src].readers -= 1
             freed.append((move.dst, self._free_copy(entry, move.dst)))
         if entry.deleted or not entry.copies:  # else _collect has nothing to do
             freed.extend(self._collect(entry))
         return freed
 
     def commit_copied(self, move: Move) -> Optional[int]:
-        """``complete_move(move, ok=True)`` for a block that is not deleted (the caller
-        checks): its destination copy becomes READY, and its source copy is freed if the
-        move drops it. Returns that source slot, or None. (A batch completes tens of moves
-        under one hold of the store's lock; this skips ``complete_move``'s list and checks.)"""
+        """The commit of ``complete_move``: ``move``'s destination copy becomes READY, and its
+        source copy is freed if the move drops it. Returns that source slot, or None. Alone
+        (a batch completing tens of moves under one hold of the store's lock) only for a
+        block that is not deleted: a deleted one's other copies are ``complete_move``'s to free."""
         entry = move.entry
         copies = entry.copies
         src = copies[move.src]
