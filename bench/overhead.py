@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from tiercache.bench.io import _put_random_blocks
 from tiercache.config import TierConfig, format_bytes, parse_bytes
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey, Tier
@@ -67,10 +68,8 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
     except (RuntimeError, MemoryError) as exc:  # torch's allocator: "can't allocate memory"
         raise ValueError(f"--flush: cannot allocate two buffers of {format_bytes(flush_bytes)} ({exc})") from None
     times: dict = {}  # (batch, phase, "warm" | "cold") -> [ms per round]
-    generator = torch.Generator().manual_seed(0)
     with BlockStore(config, GEOMETRY, device=torch.device(device), persistent=False) as store:
-        for key in keys:
-            store.put(key, torch.randn(GEOMETRY.shape, generator=generator))
+        _put_random_blocks(store, keys, GEOMETRY, torch.device(device))
         for _ in range(repeat):
             for batch in batches:
                 groups = [keys[i:i + batch] for i in range(0, num_blocks - batch + 1, batch)]
