@@ -39,6 +39,23 @@ class EvictionPolicy(ABC, Generic[K]):
     def remove(self, key: K) -> None:
         """``key`` left this tier (evicted, moved or deleted). Unknown keys are ignored."""
 
+    def insert_many(self, keys: Iterable[K]) -> None:
+        """``insert`` of each key, in order. The store calls it for a batch of moves; a
+        policy may override it with one loop of its own (it is called per batch, not per
+        block), but must leave the state ``insert`` one by one would."""
+        for key in keys:
+            self.insert(key)
+
+    def touch_many(self, keys: Iterable[K]) -> None:
+        """``touch`` of each key, in order (see ``insert_many``)."""
+        for key in keys:
+            self.touch(key)
+
+    def remove_many(self, keys: Iterable[K]) -> None:
+        """``remove`` of each key, in order (see ``insert_many``)."""
+        for key in keys:
+            self.remove(key)
+
     @abstractmethod
     def evict(self, n: int, is_evictable: Callable[[K], bool]) -> Optional[list[K]]:
         """Return ``n`` victims in eviction order, or None when fewer than ``n`` are evictable.

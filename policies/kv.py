@@ -169,47 +169,67 @@ class LayerCyclePolicy(EvictionPolicy):
         self._read_yet = False
         self._highest = -1
 
+    # One loop per batch: the store inserts, touches and removes a batch of moved or read
+    # blocks at once, and this policy is the default; the one-key calls go through them.
     def insert(self, key: K) -> None:
-        if key in self._layer_of:
-            return
-        coords = _block_coords(key)
-        layer = None if coords is None else coords[1]
-        self._layer_of[key] = layer
-        if layer is None:
-            self._other[key] = None
-            return
-        group = self._layers.get(layer)
-        if group is None:  # not setdefault: that builds an OrderedDict per insert
-            group = self._layers[layer] = OrderedDict()
-        group[key] = None
-        if layer > self._highest:
-            self._highest = layer
-        if not self._read_yet:
-            self._current = layer
+        self.insert_many((key,))
 
     def touch(self, key: K) -> None:
-        if key not in self._layer_of:
-            return
-        layer = self._layer_of[key]
-        if layer is None:
-            self._other.move_to_end(key)
-            return
-        self._layers[layer].move_to_end(key)
-        if layer != self._current:
-            self._current = layer
-            self._this_pass.clear()
-        self._this_pass.add(key)
-        self._read_yet = True
+        self.touch_many((key,))
 
     def remove(self, key: K) -> None:
-        if key not in self._layer_of:
-            return
-        layer = self._layer_of.pop(key)
-        self._this_pass.discard(key)
-        group = self._other if layer is None else self._layers[layer]
-        del group[key]
-        if layer is not None and not group:
-            del self._layers[layer]
+        self.remove_many((key,))
+
+    def insert_many(self, keys) -> None:
+        layer_of, layers = self._layer_of, self._layers
+        last, group = None, None  # the layer of the previous key, and its keys
+        for key in keys:
+            if key in layer_of:
+                continue
+            coords = _block_coords(key)
+            if coords is None:
+                layer_of[key] = None
+                self._other[key] = None
+                continue
+            layer = layer_of[key] = coords[1]
+            if layer != last:
+                group = layers.get(layer)
+                if group is None:  # not setdefault: that builds an OrderedDict per insert
+                    group = layers[layer] = OrderedDict()
+                last = layer
+                if layer > self._highest:
+                    self._highest = layer
+                if not self._read_yet:
+                    self._current = layer
+            group[key] = None
+
+    def touch_many(self, keys) -> None:
+        layer_of, layers, this_pass = self._layer_of, self._layers, self._this_pass
+        for key in keys:
+            if key not in layer_of:
+                continue
+            layer = layer_of[key]
+            if layer is None:
+                self._other.move_to_end(key)
+                continue
+            layers[layer].move_to_end(key)
+            if layer != self._current:
+                self._current = layer
+                this_pass.clear()
+            this_pass.add(key)
+            self._read_yet = True
+
+    def remove_many(self, keys) -> None:
+        layer_of, layers, this_pass = self._layer_of, self._layers, self._this_pass
+        for key in keys:
+            if key not in layer_of:
+                continue
+            layer = layer_of.pop(key)
+            this_pass.discard(key)
+            group = self._other if layer is None else layers[layer]
+            del group[key]
+            if layer is not None and not group:
+                del layers[layer]
 
     def _scan_order(self):
         """Resident keys in eviction order."""

@@ -93,6 +93,29 @@ def test_eviction_contract_random_ops(name):
 
 
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
+def test_eviction_contract_batch_calls_equal_one_by_one(name):
+    """The store inserts, touches and removes a batch of moved blocks in one call
+    (``insert_many``, ``touch_many``, ``remove_many``). Every policy, fed seeded random
+    batches of block keys over three layers (repeats, unknown keys and a non-block key
+    mixed in), ranks exactly as a twin fed the same keys one call each, after every batch."""
+    rng = random.Random(f"batch-{name}")
+    batched, single = make_eviction(name), make_eviction(name)
+    keys = [BlockKey(0, layer, i) for layer in range(3) for i in range(6)] + ["other"]
+    everything = lambda k: True  # noqa: E731
+    for step in range(150):  # inserts only at first: a policy may rank by them until the first read
+        op = "insert" if step < 6 else rng.choice(("insert", "insert", "touch", "remove"))
+        batch = [rng.choice(keys) for _ in range(rng.randrange(0, 9))]
+        if rng.random() < 0.5:  # a batch of one layer in slot order, as the store's usually are
+            layer = rng.randrange(3)
+            batch = [BlockKey(0, layer, i) for i in range(rng.randrange(6), 6)]
+        getattr(batched, f"{op}_many")(batch)
+        for key in batch:
+            getattr(single, op)(key)
+        assert len(batched) == len(single), (step, op, batch)
+        assert batched.evict(len(batched), everything) == single.evict(len(single), everything), (step, op, batch)
+
+
+@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 def test_eviction_contract_reinsert_and_scores_flag(name):
     """Re-inserting a resident key does not duplicate it; ``wants_scores`` is a bool and a
     policy that wants scores accepts them."""
@@ -384,6 +407,25 @@ def test_layer_cycle_is_the_optimum_on_a_decode_scan(layers, blocks, capacity, g
     assert run_cache(make_eviction("layer-cycle"), reads, capacity, touch_misses=True) == optimum
     for name in ("lru", "lfu", "fifo"):
         assert run_cache(make_eviction(name), reads, capacity, touch_misses=True) == 0
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
+def test_layer_cycle_before_any_read_ranks_from_the_layer_inserted_last(batched):
+    """Prefill writes layers 0, 2 and then 1, and nothing has been read yet: the layer
+    inserted last (1) is the current one, needed first. Evicted first: layer 0 (read again
+    furthest ahead on the cycle 1 -> 2 -> 0), then layer 2, then layer 1; within a layer
+    the block inserted last goes first. The same with the store's batch calls and with one
+    call per key (which go through the batch calls: this pins what both do)."""
+    p = make_eviction("layer-cycle", num_layers=3)
+    for layer, n in ((0, 3), (2, 2), (1, 2)):
+        keys = [BlockKey(0, layer, i) for i in range(n)]
+        if batched:
+            p.insert_many(keys)
+        else:
+            for key in keys:
+                p.insert(key)
+    assert p.evict(7, lambda k: True) == [BlockKey(0, 0, 2), BlockKey(0, 0, 1), BlockKey(0, 0, 0),
+                                          BlockKey(0, 2, 1), BlockKey(0, 2, 0), BlockKey(0, 1, 1), BlockKey(0, 1, 0)]
 
 
 def test_layer_cycle_keeps_the_next_layers_prefetch_and_the_unread_rest_of_this_layer():

@@ -264,17 +264,46 @@ class BlockTable:
         return self._free_copy(entry, tier)
 
     def prepare_move(self, key: Hashable, src: Tier, dst: Tier, drop_source: bool) -> Move:
-        entry = self.get(key)
-        if entry is None:
-            raise TableError(f"unknown block {key!r}")
-        c = entry.copies.get(src)
-        if c is None or c.state is not CopyState.READY:
-            raise TableError(f"block {key!r} has no READY copy on {src.label}")
-        if drop_source and (c.readers or (src is Tier.DEVICE and entry.pins)):  # not is_movable
-            raise TableError(f"block {key!r} on {src.label} is pinned or busy")
-        dst_slot = self._new_copy(entry, dst)
-        c.readers += 1
-        return Move(key, src, c.slot, dst, dst_slot, drop_source, entry)
+        return self.prepare_moves([(key, src)], dst, drop_source)[0]
+
+    def prepare_moves(self, planned: list, dst: Tier, drop_source: bool) -> list:
+        """Prepare a move to ``dst`` of each ``(key, src)`` of ``planned``: hold its READY
+        source copy (a reader) and reserve a FILLING copy on ``dst`` in the lowest free slot,
+        in order, so that sources planned in slot order get adjacent destinations. Returns
+        the moves, in order. All or nothing: if one cannot be prepared (unknown or deleted
+        block, no READY source, a pinned or busy source to drop, a copy already on ``dst``,
+        no free slot), those prepared are undone and ``TableError`` says why.
+
+        One loop for a batch, not a call per block and per slot: planning a batch of
+        host<->device moves was about a third of the store's Python per block moved."""
+        moves: list = []
+        blocks, free, on_dst = self._blocks, self._slots[dst], self._on_tier[dst]
+        ready, filling, device = CopyState.READY, CopyState.FILLING, Tier.DEVICE
+        try:
+            for key, src in planned:
+                entry = blocks.get(key)
+                if entry is None or entry.deleted:
+                    raise TableError(f"unknown block {key!r}")
+                copies = entry.copies
+                c = copies.get(src)
+                if c is None or c.state is not ready:
+                    raise TableError(f"block {key!r} has no READY copy on {src.label}")
+                if drop_source and (c.readers or (src is device and entry.pins)):  # not is_movable
+                    raise TableError(f"block {key!r} on {src.label} is pinned or busy")
+                if dst in copies:
+                    raise TableError(f"block {key!r} already has a copy on {dst.label}")
+                slot = free.alloc()
+                if slot is None:
+                    raise TableError(f"no free slot on {dst.label}")
+                copies[dst] = Copy(slot, filling)
+                on_dst.add(key)
+                c.readers += 1
+                moves.append(Move(key, src, c.slot, dst, slot, drop_source, entry))
+        except BaseException:
+            for move in moves:
+                self.complete_move(move, ok=False)
+            raise
+        return moves
 
     def complete_move(self, move: Move, ok: bool) -> list:
         """Commit or roll back ``move``. Returns the (tier, slot) pairs it freed."""
