@@ -13,7 +13,8 @@ this machine's 32 MiB L3): the store's code and data then come back from memory.
 rounds are ``demote_now``, ``h2d`` rounds ``ensure_device`` (pin=False), as in ``bench
 io``. It prints the median milliseconds per round and microseconds per block, and
 ``cold_extra_ms``, cold minus warm: a cost per round, not per block, where it stays flat as
-the batch grows.
+the batch grows. ``--metrics`` attaches the Prometheus exporter (``CacheMetrics``) to the
+store's events first, as ``serve_metrics`` does, so that its cost per batch is counted too.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 
 from tiercache.bench.io import _put_random_blocks
 from tiercache.config import TierConfig, format_bytes, parse_bytes
+from tiercache.metrics import CacheMetrics
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey, Tier
 from tiercache.tiers import BlockGeometry
@@ -39,11 +41,12 @@ BATCHES = (10, 43, 86)  # blocks per round; 43 is a round of bench io (64 MiB of
 
 
 def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int = 64 << 20,
-                     device: str = "cpu") -> dict:
+                     device: str = "cpu", metrics: bool = False) -> dict:
     """Median ms per round of the store's host<->device books, warm and after a cache flush,
     for each batch size (see the module's docstring). ``device="cuda"``: the store on the
     GPU, its moves through the staging buffer and the copy stream (the flush is still a CPU
-    copy: it chills the CPU's caches, where the books run)."""
+    copy: it chills the CPU's caches, where the books run). ``metrics``: with the Prometheus
+    exporter listening to the store's events."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device: cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -69,6 +72,7 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
         raise ValueError(f"--flush: cannot allocate two buffers of {format_bytes(flush_bytes)} ({exc})") from None
     times: dict = {}  # (batch, phase, "warm" | "cold") -> [ms per round]
     with BlockStore(config, GEOMETRY, device=torch.device(device), persistent=False) as store:
+        exporter = CacheMetrics(store) if metrics else None  # reads store.events and store.stats()
         _put_random_blocks(store, keys, GEOMETRY, torch.device(device))
         for _ in range(repeat):
             for batch in batches:
@@ -94,6 +98,11 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
                     finally:
                         gc.enable()
         store.check()
+        exported = None
+        if exporter is not None:  # moves its histogram counted: every one, batched or not
+            family = next(f for f in exporter.collect() if f.name == "tiercache_move_seconds")
+            exported = sum(s.value for s in family.samples if s.name.endswith("_count"))
+            exporter.close()
     rows = []
     for batch in batches:
         for phase in ("d2h", "h2d"):
@@ -105,7 +114,7 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
                          "cold_us_per_block": round(cold * 1e3 / batch, 2),
                          "cold_extra_ms": round(cold - warm, 4)})
     return {"device": device, "block_bytes": GEOMETRY.block_bytes, "flush_bytes": flush_bytes, "repeat": repeat,
-            "rows": rows}
+            "metrics": metrics, "exported_moves": exported, "rows": rows}
 
 
 def _physical_memory() -> int:
@@ -124,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="blocks per round, a comma list (default %(default)s)")
     p.add_argument("--flush", default="64MiB", help="bytes copied before each cold round (default %(default)s)")
     p.add_argument("--device", default="cpu", help="the store's device: cpu (default) or cuda")
+    p.add_argument("--metrics", action="store_true", help="with the Prometheus exporter attached to the store's events")
     return p
 
 
@@ -135,7 +145,8 @@ def run(argv: Optional[list] = None) -> int:
             batches = tuple(int(b) for b in args.batches.split(","))
         except ValueError:
             raise ValueError(f"--batches: a comma list of block counts, got {args.batches!r}") from None
-        result = measure_overhead(batches, args.repeat, parse_bytes(args.flush, "--flush"), args.device)
+        result = measure_overhead(batches, args.repeat, parse_bytes(args.flush, "--flush"), args.device,
+                                  args.metrics)
     except ValueError as exc:
         print(f"tiercache bench overhead: {exc}", file=sys.stderr)
         return 2
@@ -143,7 +154,8 @@ def run(argv: Optional[list] = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"tiercache bench overhead: the store's books per round of host<->device moves ({result['device']}), "
-          f"{result['block_bytes']} B blocks, cold = after a {format_bytes(result['flush_bytes'])} copy")
+          f"{result['block_bytes']} B blocks, cold = after a {format_bytes(result['flush_bytes'])} copy"
+          + (", Prometheus exporter attached" if result["metrics"] else ""))
     print(f"{'blocks':>6} {'phase':>5} | {'warm ms':>8} {'us/blk':>7} | {'cold ms':>8} {'us/blk':>7} | {'extra ms':>8}")
     for r in result["rows"]:
         print(f"{r['blocks']:>6} {r['phase']:>5} | {r['warm_ms']:>8.3f} {r['warm_us_per_block']:>7.2f} | "

@@ -31,6 +31,17 @@ def test_overhead_times_every_batch_size_both_ways_and_both_directions():
         assert r["cold_extra_ms"] == pytest.approx(r["cold_ms"] - r["warm_ms"], abs=1e-3)
 
 
+def test_overhead_with_the_exporter_attached_counts_every_move_in_its_histogram():
+    """``--metrics`` times the books with the Prometheus exporter listening, as
+    ``serve_metrics`` leaves it: its move histogram counted every block moved (warm and
+    cold rounds, both directions), though a batch is one event."""
+    proc = bench("--json", "--repeat", "1", "--batches", "4,8", "--flush", "1MiB", "--metrics")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["metrics"] is True
+    assert out["exported_moves"] == sum(r["rounds"] * r["blocks"] * 2 for r in out["rows"]) == 512
+
+
 def test_overhead_prints_a_table_without_json():
     proc = bench("--repeat", "1", "--batches", "2", "--flush", "1MiB")
     assert proc.returncode == 0, proc.stderr

@@ -272,6 +272,49 @@ def test_textfile_written_after_generation_counts_what_happened_before_attaching
     assert cache.stats()["moves"] and histogram(text, "tiercache_move_seconds") == {}  # only since attaching
 
 
+def test_a_batch_is_one_event_and_the_histogram_matches_prometheus_clients():
+    """A batch of moves is one ``move`` event that carries ``blocks``; the exporter's
+    histogram counts it in one step. Oracle: prometheus_client's own ``Histogram`` fed the
+    same values one observation at a time, in a registry of its own. Both expositions
+    must hold the same ``_bucket`` and ``_count`` samples and the same ``_sum`` to rounding
+    (the values straddle bucket edges, with an exact edge, zero and a value past the last
+    bucket)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tiercache.events import Events
+    from tiercache.metrics import MOVE_BUCKETS
+
+    class Cache:  # what CacheMetrics reads: events and stats()
+        def __init__(self) -> None:
+            self.events = Events()
+
+        def stats(self) -> dict:
+            return self.events.snapshot()
+
+    cache = Cache()
+    seen: list = []
+    cache.events.add_listener(lambda kind, fields: seen.append(fields) if kind == "move" else None)
+    metrics = CacheMetrics(cache)
+    oracle_registry = CollectorRegistry()
+    oracle = Histogram("tiercache_move_seconds", "Duration of one block move", ["src", "dst"],
+                       buckets=MOVE_BUCKETS, registry=oracle_registry)
+    batches = [("device", "host", 2.5e-5, 43), ("device", "host", 3e-5, 1), ("host", "device", 0.0, 7),
+               ("host", "disk", 0.0123, 12), ("disk", "host", 2.0, 3), ("device", "host", 1e-3, 5)]
+    for src, dst, seconds, n in batches:
+        cache.events.move(src, dst, 1 << 20, seconds, blocks=n)
+        for _ in range(n):
+            oracle.labels(src, dst).observe(seconds)
+    assert [(f["src"], f["dst"], f["blocks"]) for f in seen] == [(s, d, n) for s, d, _, n in batches]
+    ours = histogram(generate_latest(metrics.registry).decode(), "tiercache_move_seconds")
+    theirs = histogram(generate_latest(oracle_registry).decode(), "tiercache_move_seconds")
+    assert ours.keys() == theirs.keys() and len(ours) == 4
+    for labels, h in ours.items():  # n * value, not n additions: the sums agree to rounding
+        assert h["buckets"] == theirs[labels]["buckets"] and h["count"] == theirs[labels]["count"]
+        assert h["sum"] == pytest.approx(theirs[labels]["sum"], rel=1e-12)
+    assert ours[(("dst", "host"), ("src", "device"))]["count"] == 49
+    metrics.close()
+
+
 def test_a_broken_event_never_reaches_the_store(make_cache):
     cache = make_cache()
     metrics = metrics_for(cache)

@@ -4,7 +4,8 @@ Counters and gauges are read from ``cache.stats()`` at scrape time, so they agre
 exactly, include what happened before the exporter attached and are never stale. The two
 histograms (move and stall durations) need every single observation, so they are fed by an
 ``Events`` listener and cover what happened after the exporter attached: attach it before
-generating. Nothing here is global: each cache gets its own ``CollectorRegistry``;
+generating. A batch of moves is one event (``blocks`` moves of the same duration), which
+``_Histogram`` counts in one step. Nothing here is global: each cache gets its own ``CollectorRegistry``;
 ``register_default=True`` also registers it into prometheus_client's default registry.
 
 Example::
@@ -16,12 +17,15 @@ Example::
 """
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import threading
 from typing import Any, Iterable, Optional
 
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram, start_http_server, write_to_textfile
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("tiercache")
@@ -54,10 +58,10 @@ class CacheMetrics(Collector):
         self._lock = threading.Lock()
         self._servers: list = []  # (server, thread) pairs from start_http_server
         self._registries: list = []
-        self._move_seconds = Histogram("tiercache_move_seconds", "Duration of one block move",
-                                       ["src", "dst"], buckets=MOVE_BUCKETS, registry=None)
-        self._stall_seconds = Histogram("tiercache_stall_seconds", "One wait of the compute thread "
-                                        "for blocks to reach the device", buckets=STALL_BUCKETS, registry=None)
+        self._move_seconds = _Histogram("tiercache_move_seconds", "Duration of one block move", ["src", "dst"],
+                                        MOVE_BUCKETS)
+        self._stall_seconds = _Histogram("tiercache_stall_seconds", "One wait of the compute thread "
+                                         "for blocks to reach the device", [], STALL_BUCKETS)
         cache.events.add_listener(self._on_event)
         for reg in [self.registry] + ([REGISTRY] if register_default else []):
             reg.register(self)
@@ -70,7 +74,7 @@ class CacheMetrics(Collector):
             return
         try:
             if kind == "move":
-                self._move_seconds.labels(fields["src"], fields["dst"]).observe(fields["seconds"])
+                self._move_seconds.observe(fields["seconds"], (fields["src"], fields["dst"]), fields["blocks"])
             elif kind == "stall":
                 self._stall_seconds.observe(fields["seconds"])
         except Exception:  # noqa: BLE001 - a metrics bug must not break generation
@@ -125,11 +129,7 @@ class CacheMetrics(Collector):
                      [((), s.get("failed_moves", 0))]),
         ]
         out.extend(_remote_families(s.get("remote")))
-        for hist in (self._move_seconds, self._stall_seconds):
-            families = hist.collect() if stats is not None else hist.describe()
-            for family in families:  # _created means little for a cache's lifetime: leave it out
-                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
-            out.extend(families)
+        out.extend(hist.family(samples=stats is not None) for hist in (self._move_seconds, self._stall_seconds))
         return out
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
@@ -165,6 +165,56 @@ class CacheMetrics(Collector):
         for reg in self._registries:
             reg.unregister(self)
         self._registries = []
+
+
+class _Histogram:
+    """A Prometheus histogram that takes ``n`` observations of one value in one step.
+
+    prometheus_client's ``Histogram`` observes one value per call; a batch of 43 moves
+    then cost 43 calls, each with its own lock and bucket search, under the store's lock.
+    This one keeps, per label values, the count of each bucket and the sum, and exposes
+    them as a ``HistogramMetricFamily`` with the same samples as prometheus_client's
+    (cumulative ``_bucket`` series up to ``+Inf``, ``_count``, ``_sum``; no ``_created``,
+    which means little over a cache's lifetime)."""
+
+    def __init__(self, name: str, doc: str, labelnames: list, buckets: tuple) -> None:
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(set(bounds)) or not bounds:
+            raise ValueError(f"{name}: buckets must be distinct and increasing, got {buckets!r}")
+        if bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self._bounds = tuple(bounds)
+        self._les = [floatToGoString(b) for b in bounds]
+        self._lock = threading.Lock()
+        self._series: dict = {}  # label values -> [counts per bucket (not cumulative), sum]
+
+    def observe(self, value: float, labels: tuple = (), n: int = 1) -> None:
+        """``n`` observations of ``value`` (seconds) for ``labels`` (one value per label name)."""
+        if len(labels) != len(self.labelnames):
+            raise ValueError(f"{self.name}: labels {self.labelnames}, got {labels!r}")
+        i = bisect.bisect_left(self._bounds, value)  # the first bucket with value <= le
+        with self._lock:
+            series = self._series.get(labels)
+            if series is None:
+                series = self._series[labels] = [[0] * len(self._bounds), 0.0]
+            series[0][i] += n
+            series[1] += value * n
+
+    def family(self, samples: bool = True) -> HistogramMetricFamily:
+        """The metric family, with its samples now (``samples=False``: the family alone)."""
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        if not samples:
+            return family
+        with self._lock:
+            series = [(labels, list(counts), total) for labels, (counts, total) in self._series.items()]
+        for labels, counts, total in series:
+            cumulative, buckets = 0, []
+            for le, count in zip(self._les, counts):
+                cumulative += count
+                buckets.append((le, cumulative))
+            family.add_metric(list(labels), buckets, total)
+        return family
 
 
 def _remote_families(remote: Optional[dict]) -> list:
