@@ -14,7 +14,7 @@ import torch
 from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig
 from tiercache.disk import DATA_NAME, HEADER_BYTES
 from tiercache.policies import EVICTION_POLICIES
-from tiercache.store import BlockStore
+from tiercache.store import BlockStore, _MoveFuture
 from tiercache.transfer import wait_all
 
 from conftest import tiny_config
@@ -341,6 +341,88 @@ def test_the_policies_forget_a_deleted_block_whose_copy_is_still_moving(make_sto
     assert _idle_within(store)
     store.check()
     assert torch.equal(store.get(key), new)
+
+
+@pytest.mark.timeout(120)  # a regression hangs: the batch is never settled
+@pytest.mark.parametrize("phase, method", [("demote", "insert_many"), ("demote", "remove_many"),
+                                           ("fetch", "insert_many")])
+def test_a_policy_that_raises_fails_its_batch_without_hanging_or_losing_data(make_store, geometry, phase, method):
+    """Eviction policies are plug-ins. One that raises when a batch of copied blocks
+    arrives (``insert_many``) or leaves (``remove_many``: a demotion drops its source),
+    each called once for the batch after the table committed it, must not leave the
+    batch unsettled. ``demote_now`` returns the error and
+    ``ensure_device`` raises it, in time. A second thread that waits for one block of the
+    fetch batch (its own ``ensure_device``, while the batch's copy is held) is answered
+    too: the block did arrive. Every block then reads back exactly."""
+    class Raising(EVICTION_POLICIES["lru"]):
+        armed = None  # the method that raises, once the batch starts
+
+        def insert_many(self, keys):
+            keys = list(keys)
+            if Raising.armed == "insert_many" and keys:
+                raise RuntimeError("policy bug: insert_many")
+            super().insert_many(keys)
+
+        def remove_many(self, keys):
+            keys = list(keys)
+            if Raising.armed == "remove_many" and keys:
+                raise RuntimeError("policy bug: remove_many")
+            super().remove_many(keys)
+
+    EVICTION_POLICIES["raises-on-insert"] = Raising
+    try:
+        store = make_store(device_blocks=6, host_blocks=6, disk_blocks=0, io_workers=2, eviction="raises-on-insert")
+        data = blocks(geometry, 4, seed=43)
+        keys = list(data)
+        for key, block in data.items():
+            store.put(key, block, tier=Tier.HOST if phase == "fetch" else Tier.DEVICE)
+        store.wait_idle()
+        entered, go = threading.Event(), threading.Event()
+        copy_run = store._copy_run
+
+        def held_copy_run(run, *args, **kwargs):
+            entered.set()
+            assert go.wait(30)
+            return copy_run(run, *args, **kwargs)
+        store._copy_run = held_copy_run
+        Raising.armed = method
+        outcome: list = []
+        second: list = []
+
+        def run(out, call):
+            try:
+                result = call()
+                out.extend(result if isinstance(result, list) else ["ok"])
+            except RuntimeError as exc:
+                out.append(exc)
+        owner = threading.Thread(target=run, args=(outcome, (lambda: store.demote_now(keys)) if phase == "demote"
+                                                   else (lambda: store.ensure_device(keys, pin=False))), daemon=True)
+        owner.start()
+        assert entered.wait(30)  # the batch's one copy has started, and waits
+        waiter = None
+        if phase == "fetch":  # waits on the move of keys[0], in flight in the owner's batch
+            waiter = threading.Thread(target=run, args=(second, lambda: store.ensure_device([keys[0]], pin=False)),
+                                      daemon=True)
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(
+                    m.key == keys[0] and isinstance(v, _MoveFuture) for m, v in list(store._inflight.items())):
+                time.sleep(0.01)
+        go.set()
+        owner.join(30)
+        assert not owner.is_alive(), "the batch's owner was never answered"
+        assert [str(e) for e in outcome] == [f"policy bug: {method}"]
+        if waiter is not None:
+            waiter.join(30)
+            assert not waiter.is_alive(), "a thread waiting for one of the batch's moves was never answered"
+            assert second == ["ok"]
+        Raising.armed = None
+        assert _idle_within(store)
+        assert not store._inflight and store._copying == 0
+        for key, block in data.items():
+            assert torch.equal(store.get(key), block)
+    finally:
+        del EVICTION_POLICIES["raises-on-insert"]
 
 
 def _idle_within(store, seconds: float = 30) -> bool:

@@ -1864,7 +1864,7 @@ class BlockStore:
             return
         # Copied: the moves complete under one hold of the lock and are counted at once.
         with self._lock:
-            done = self._complete_copied(piece)
+            done, errors = self._complete_copied(piece)
         first = piece[0]
         resolved = 0
         try:
@@ -1897,11 +1897,12 @@ class BlockStore:
                             waiter.set_exception(error)
             work.settle(len(piece), errors, self._lock)
 
-    def _complete_copied(self, piece: list) -> list:
+    def _complete_copied(self, piece: list) -> tuple:
         """Under the lock: ``_take_waiter`` and ``_complete`` of every move of a copied piece
-        (host<->device, one direction). Returns [(write-behind move or None, waiters' future
+        (host<->device, one direction). Returns ([(write-behind move or None, waiters' future
         or None, error or None)] for the moves that need more than that: those someone
-        waits for, and any that failed to complete. A live block's move that no eviction
+        waits for, and any that failed to complete; the errors the policies raised, if any,
+        for the batch's owner). A live block's move that no eviction
         started (nearly all) needs only the table's commit, done here inline, and the
         policies, told of the whole piece in one call each (``insert_many``, ``remove_many``);
         an eviction's demotion (a write-behind may follow) and a deleted block's take
@@ -1912,26 +1913,33 @@ class BlockStore:
         rest: list = []
         arrived: list = []  # keys now READY on dst, and those whose source copy went: the
         left: list = []     # policies learn of them in one call each, below
+        for move in piece:
+            waiter = None
+            try:  # whatever happens to one move (a bug, Ctrl-C), the others still complete
+                waiter = take(move)
+                if (evicted_down and move in evicted_down) or live(move.key) is not move.entry:
+                    rest.append((self._complete(move, None, False, chain=False), waiter, None))
+                    continue
+                if commit(move) is not None:  # the source copy went (``_released``: not a
+                    left.append(move.key)     # disk slot, and the block is live, not a zombie's)
+                arrived.append(move.key)
+                if waiter is not None:
+                    rest.append((None, waiter, None))
+            except BaseException as exc:  # noqa: BLE001 - delivered to its waiters, if any
+                rest.append((None, waiter, exc))
+        # The policies are plug-ins: one that raises (or Ctrl-C here) must not leave the piece
+        # unsettled. The moves are done; the batch's owner gets the error.
+        failed: list = []
         try:
-            for move in piece:
-                waiter = None
-                try:  # whatever happens to one move (a bug, Ctrl-C), the others still complete
-                    waiter = take(move)
-                    if (evicted_down and move in evicted_down) or live(move.key) is not move.entry:
-                        rest.append((self._complete(move, None, False, chain=False), waiter, None))
-                        continue
-                    if commit(move) is not None:  # the source copy went (``_released``: not a
-                        left.append(move.key)     # disk slot, and the block is live, not a zombie's)
-                    arrived.append(move.key)
-                    if waiter is not None:
-                        rest.append((None, waiter, None))
-                except BaseException as exc:  # noqa: BLE001 - delivered to its waiters, if any
-                    rest.append((None, waiter, exc))
-        finally:  # even if interrupted: the table has committed these
             if left:
                 self._gone_from_all(left, src)
+        except BaseException as exc:  # noqa: BLE001 - see above
+            failed.append(exc)
+        try:
             self.policies[dst].insert_many(arrived)
-        return rest
+        except BaseException as exc:  # noqa: BLE001 - see above
+            failed.append(exc)
+        return rest, failed
 
     def _fail_piece(self, piece: list, exc: BaseException, work: "_Work") -> None:
         """Roll back the moves of a piece that will not be copied; their waiters get ``exc``."""
