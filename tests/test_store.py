@@ -209,6 +209,33 @@ def test_live_data_beyond_every_tier_raise_capacity_error_before_loss(make_store
     store.check()
 
 
+def test_a_device_full_of_pinned_and_viewed_blocks_says_so_not_that_every_tier_is_full(make_store, geometry):
+    """3 device slots: two blocks pinned, the third held by attention's views
+    (``read_layer(hold=True)``), and the host and disk nearly empty. A new block finds no
+    device slot: CapacityError says the device's slots are held (2 pinned), that the
+    lower tiers have room, and what to do; not that live data exceed every tier. After
+    ``release_views`` the same put goes through, and everything reads back exactly."""
+    store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20)
+    data = blocks(geometry, 4, seed=47)
+    keys = list(data)
+    for key in keys[:3]:
+        store.put(key, data[key])
+    store.ensure_device(keys[:2], pin=True)
+    store.read_layer(keys[2:3], geometry.block_tokens, hold=True)
+    with pytest.raises(CapacityError) as err:
+        store.put(keys[3], data[keys[3]])
+    message = str(err.value)
+    assert "no device slot for 1 new block(s): all 3 are held (2 by pinned blocks" in message
+    assert "host and disk tiers have room" in message and "release_views()" in message
+    assert "exceed every tier" not in message
+    store.release_views()
+    store.put(keys[3], data[keys[3]])
+    store.unpin(keys[:2])
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+    store.check()
+
+
 def test_budget_below_one_block_is_a_clear_error(tmp_path, geometry):
     from tiercache import TierConfig
     cfg = TierConfig(device_budget=100, host_budget=0, block_tokens=4)

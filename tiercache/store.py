@@ -260,7 +260,7 @@ class BlockStore:
             with self._lock:
                 moves = self._room(Tier.HOST, 1, {key}, allow_writeback=True)
                 if self.table.num_free(Tier.HOST) < 1 and not moves:
-                    raise CapacityError(self._full_message(1))
+                    raise CapacityError(self._full_message(1, Tier.HOST))
                 if self.table.num_free(Tier.HOST) >= 1 and not moves:
                     slot = self.table.allocate(key, Tier.HOST)  # FILLING: nobody reads or evicts it
                     break
@@ -1542,7 +1542,20 @@ class BlockStore:
                 f"pinned or in flight; minimum device_budget = {num_needed * g.block_bytes} bytes "
                 f"({format_bytes(num_needed * g.block_bytes)})")
 
-    def _full_message(self, num_new: int) -> str:
+    def _full_message(self, num_new: int, tier: Tier = Tier.DEVICE) -> str:
+        """Why ``num_new`` new blocks found no slot on ``tier`` (``_room`` had nothing to
+        move): every tier is full, or a tier below has room but every block on ``tier`` is
+        pinned, read (a view attention holds) or moving, so none can go down."""
+        below = [t for t in self.tiers if t > tier and self.table.num_free(t)]
+        if below:
+            on_tier = [self.table.get(k) for k in self.table.keys_on(tier)]
+            pinned = sum(1 for e in on_tier if e is not None and e.pins)
+            return (f"no {tier.label} slot for {num_new} new block(s): all {self.table.num_slots(tier)} are held "
+                    f"({pinned} by pinned blocks, the rest read by attention's views or moving) while the "
+                    f"{' and '.join(t.label for t in below)} tier{'s have' if len(below) > 1 else ' has'} room; "
+                    f"unpin blocks or release views "
+                    f"(release_views()), or raise {tier.label}_budget "
+                    f"(now {format_bytes(getattr(self.config, f'{tier.label}_budget'))}); nothing was overwritten")
         cfg = self.config
         parts = [f"device_budget={format_bytes(cfg.device_budget)}"]
         if Tier.HOST in self.tiers:
