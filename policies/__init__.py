@@ -56,8 +56,15 @@ def _lookup(registry: dict, kind: str, name: str):
 
 
 def make_eviction(name: str, **kwargs) -> EvictionPolicy:
-    """Build the eviction policy registered under ``name`` (e.g. ``sinks=4`` for sinks-recent)."""
-    return _lookup(EVICTION_POLICIES, "eviction", name)(**kwargs)
+    """Build the eviction policy registered under ``name`` (e.g. ``sinks=4`` for sinks-recent).
+    A plug-in must subclass ``EvictionPolicy``: the store calls its batch methods
+    (``insert_many``, ...), which the base class provides."""
+    policy = _lookup(EVICTION_POLICIES, "eviction", name)(**kwargs)
+    if not isinstance(policy, EvictionPolicy):
+        raise TypeError(f"eviction policy {name!r} is a {type(policy).__name__}, not a "
+                        f"tiercache.policies.EvictionPolicy: subclass it (it provides insert_many, "
+                        f"touch_many and remove_many)")
+    return policy
 
 
 def make_prefetch(name: str, **kwargs) -> PrefetchPolicy:

@@ -282,7 +282,7 @@ def test_a_batch_is_one_event_and_the_histogram_matches_prometheus_clients():
     from prometheus_client import CollectorRegistry, Histogram
 
     from tiercache.events import Events
-    from tiercache.metrics import MOVE_BUCKETS
+    from tiercache.metrics import MOVE_BUCKETS, STALL_BUCKETS
 
     class Cache:  # what CacheMetrics reads: events and stats()
         def __init__(self) -> None:
@@ -292,6 +292,14 @@ def test_a_batch_is_one_event_and_the_histogram_matches_prometheus_clients():
             return self.events.snapshot()
 
     cache = Cache()
+    first = CacheMetrics(cache)
+    fresh = generate_latest(first.registry).decode()
+    first.close()
+    stall_registry = CollectorRegistry()
+    Histogram("tiercache_stall_seconds", "stalls", buckets=STALL_BUCKETS, registry=stall_registry)
+    # an unlabelled histogram shows zeros before its first observation, as prometheus_client's does
+    assert histogram(fresh, "tiercache_stall_seconds") == histogram(
+        generate_latest(stall_registry).decode(), "tiercache_stall_seconds") != {}
     seen: list = []
     cache.events.add_listener(lambda kind, fields: seen.append(fields) if kind == "move" else None)
     metrics = CacheMetrics(cache)

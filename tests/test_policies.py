@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 import pytest
 
 from tiercache import BlockKey
 from tiercache.policies import (EVICTION_POLICIES, PREFETCH_POLICIES, EvictionPolicy, make_eviction,
                                 make_prefetch)
+from tiercache.policies.kv import _block_coords
 
 
 def run_cache(policy, trace, capacity: int, touch_misses: bool = False) -> int:
@@ -92,14 +94,64 @@ def test_eviction_contract_random_ops(name):
     assert sorted(p.evict(len(p), everything)) == sorted(resident)
 
 
+class _OneKeyLayerCycle(EVICTION_POLICIES["layer-cycle"]):
+    """layer-cycle's one-key calls as they were before its batch calls (917f65a), each on
+    its own: the reference for its ``*_many``, through which its one-key calls now go."""
+
+    def insert(self, key) -> None:
+        if key in self._layer_of:
+            return
+        coords = _block_coords(key)
+        layer = None if coords is None else coords[1]
+        self._layer_of[key] = layer
+        if layer is None:
+            self._other[key] = None
+            return
+        group = self._layers.get(layer)
+        if group is None:
+            group = self._layers[layer] = OrderedDict()
+        group[key] = None
+        if layer > self._highest:
+            self._highest = layer
+        if not self._read_yet:
+            self._current = layer
+
+    def touch(self, key) -> None:
+        if key not in self._layer_of:
+            return
+        layer = self._layer_of[key]
+        if layer is None:
+            self._other.move_to_end(key)
+            return
+        self._layers[layer].move_to_end(key)
+        if layer != self._current:
+            self._current = layer
+            self._this_pass.clear()
+        self._this_pass.add(key)
+        self._read_yet = True
+
+    def remove(self, key) -> None:
+        if key not in self._layer_of:
+            return
+        layer = self._layer_of.pop(key)
+        self._this_pass.discard(key)
+        group = self._other if layer is None else self._layers[layer]
+        del group[key]
+        if layer is not None and not group:
+            del self._layers[layer]
+
+
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 def test_eviction_contract_batch_calls_equal_one_by_one(name):
     """The store inserts, touches and removes a batch of moved blocks in one call
     (``insert_many``, ``touch_many``, ``remove_many``). Every policy, fed seeded random
     batches of block keys over three layers (repeats, unknown keys and a non-block key
-    mixed in), ranks exactly as a twin fed the same keys one call each, after every batch."""
+    mixed in), ranks exactly as a twin fed the same keys one call each, after every batch
+    and every eviction query (some with keys protected). For layer-cycle, whose one-key
+    calls go through its batch calls, the twin is its one-key code on its own."""
     rng = random.Random(f"batch-{name}")
-    batched, single = make_eviction(name), make_eviction(name)
+    batched = make_eviction(name)
+    single = _OneKeyLayerCycle() if name == "layer-cycle" else make_eviction(name)
     keys = [BlockKey(0, layer, i) for layer in range(3) for i in range(6)] + ["other"]
     everything = lambda k: True  # noqa: E731
     for step in range(150):  # inserts only at first: a policy may rank by them until the first read
@@ -113,6 +165,9 @@ def test_eviction_contract_batch_calls_equal_one_by_one(name):
             getattr(single, op)(key)
         assert len(batched) == len(single), (step, op, batch)
         assert batched.evict(len(batched), everything) == single.evict(len(single), everything), (step, op, batch)
+        kept = set(rng.sample(keys, 4))
+        n = rng.randrange(len(batched) + 1)
+        assert batched.evict(n, lambda k: k not in kept) == single.evict(n, lambda k: k not in kept), (step, n)
 
 
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
@@ -126,6 +181,24 @@ def test_eviction_contract_reinsert_and_scores_flag(name):
     assert isinstance(p.wants_scores, bool) and EvictionPolicy.wants_scores is False
     if p.wants_scores:
         p.observe_scores({"a": 1.0, "gone": 2.0})
+
+
+def test_a_plug_in_eviction_policy_must_subclass_the_interface():
+    """A class registered without subclassing ``EvictionPolicy`` (duck-typed insert, touch,
+    remove, evict) is refused when built, with a message that says what to do, not with an
+    AttributeError from the store's first batch."""
+    class Duck:
+        def insert(self, key): ...
+        def touch(self, key): ...
+        def remove(self, key): ...
+        def evict(self, n, is_evictable): ...
+
+    EVICTION_POLICIES["duck"] = Duck
+    try:
+        with pytest.raises(TypeError, match="eviction policy 'duck' is a Duck, not a tiercache.policies.EvictionPolicy"):
+            make_eviction("duck")
+    finally:
+        del EVICTION_POLICIES["duck"]
 
 
 def test_unknown_policy_names_the_known_ones():

@@ -212,9 +212,11 @@ def test_live_data_beyond_every_tier_raise_capacity_error_before_loss(make_store
 def test_a_device_full_of_pinned_and_viewed_blocks_says_so_not_that_every_tier_is_full(make_store, geometry):
     """3 device slots: two blocks pinned, the third held by attention's views
     (``read_layer(hold=True)``), and the host and disk nearly empty. A new block finds no
-    device slot: CapacityError says the device's slots are held (2 pinned), that the
-    lower tiers have room, and what to do; not that live data exceed every tier. After
-    ``release_views`` the same put goes through, and everything reads back exactly."""
+    device slot: CapacityError says none of the 3 is free, why the blocks cannot go down (2
+    pinned, 1 read by a view), that the lower tiers have room, and what to do; not that
+    live data exceed every tier. Asking for more blocks at once than the device holds
+    names the minimum budget instead. After ``release_views`` the put goes through, and
+    everything reads back exactly."""
     store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20)
     data = blocks(geometry, 4, seed=47)
     keys = list(data)
@@ -225,9 +227,13 @@ def test_a_device_full_of_pinned_and_viewed_blocks_says_so_not_that_every_tier_i
     with pytest.raises(CapacityError) as err:
         store.put(keys[3], data[keys[3]])
     message = str(err.value)
-    assert "no device slot for 1 new block(s): all 3 are held (2 by pinned blocks" in message
+    assert "no device slot for 1 new block(s): 0 of 3 free" in message
+    assert "(2 pinned, 1 read by attention's views or moving)" in message
     assert "host and disk tiers have room" in message and "release_views()" in message
     assert "exceed every tier" not in message
+    too_many = [BlockKey(0, 1, i) for i in range(4)]
+    with pytest.raises(CapacityError, match=r"needs 4 blocks resident at once .* minimum device_budget"):
+        store.new_blocks(too_many)
     store.release_views()
     store.put(keys[3], data[keys[3]])
     store.unpin(keys[:2])
@@ -377,10 +383,12 @@ def test_a_policy_that_raises_fails_its_batch_without_hanging_or_losing_data(mak
     """Eviction policies are plug-ins. One that raises when a batch of copied blocks
     arrives (``insert_many``) or leaves (``remove_many``: a demotion drops its source),
     each called once for the batch after the table committed it, must not leave the
-    batch unsettled. ``demote_now`` returns the error and
-    ``ensure_device`` raises it, in time. A second thread that waits for one block of the
-    fetch batch (its own ``ensure_device``, while the batch's copy is held) is answered
-    too: the block did arrive. Every block then reads back exactly."""
+    batch unsettled. ``demote_now`` returns the error (as it does a failed move's: it
+    does not raise it) and ``ensure_device`` raises it, in time. A second thread that
+    waits for one block of the fetch batch (its own ``ensure_device``, while the batch's
+    copy is held) is answered too: the block did arrive. Told one block at a time after
+    the batch call failed, the policy ranks exactly what the table holds (``check()``),
+    and every block reads back exactly."""
     class Raising(EVICTION_POLICIES["lru"]):
         armed = None  # the method that raises, once the batch starts
 
@@ -419,9 +427,9 @@ def test_a_policy_that_raises_fails_its_batch_without_hanging_or_losing_data(mak
         def run(out, call):
             try:
                 result = call()
-                out.extend(result if isinstance(result, list) else ["ok"])
+                out.append(("returned", [str(e) for e in result] if isinstance(result, list) else result))
             except RuntimeError as exc:
-                out.append(exc)
+                out.append(("raised", str(exc)))
         owner = threading.Thread(target=run, args=(outcome, (lambda: store.demote_now(keys)) if phase == "demote"
                                                    else (lambda: store.ensure_device(keys, pin=False))), daemon=True)
         owner.start()
@@ -438,18 +446,50 @@ def test_a_policy_that_raises_fails_its_batch_without_hanging_or_losing_data(mak
         go.set()
         owner.join(30)
         assert not owner.is_alive(), "the batch's owner was never answered"
-        assert [str(e) for e in outcome] == [f"policy bug: {method}"]
+        if phase == "demote":  # demote_now returns the failed moves' errors; it does not raise
+            assert outcome == [("returned", [f"policy bug: {method}"])]
+        else:
+            assert outcome == [("raised", f"policy bug: {method}")]
         if waiter is not None:
             waiter.join(30)
             assert not waiter.is_alive(), "a thread waiting for one of the batch's moves was never answered"
-            assert second == ["ok"]
+            assert len(second) == 1 and second[0][0] == "returned", second
         Raising.armed = None
         assert _idle_within(store)
         assert not store._inflight and store._copying == 0
+        store.check()  # told one block at a time, the policy ranks what the table holds again
         for key, block in data.items():
             assert torch.equal(store.get(key), block)
     finally:
         del EVICTION_POLICIES["raises-on-insert"]
+
+
+def test_ctrl_c_while_a_batch_of_fetches_is_registered_leaves_nothing_prepared(make_store, geometry):
+    """Ctrl-C lands while ``ensure_device`` registers its batch of fetches as in flight
+    (here: in the update of the map of fetches to the device). The batch was prepared in
+    the table all at once; it is undone all at once: no FILLING copy, no reader left on a
+    source, nothing in the in-flight maps, the books agree (``check``), and the same call
+    then goes through, exact."""
+    store = make_store(device_blocks=6, host_blocks=6, disk_blocks=0)
+    data = blocks(geometry, 4, seed=53)
+    keys = list(data)
+    for key, block in data.items():
+        store.put(key, block, tier=Tier.HOST)
+
+    class Interrupting(dict):
+        def update(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    store._to_device = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        store.ensure_device(keys, pin=False)
+    store._to_device = {}
+    store.check()
+    assert not store._inflight and store._copying == 0
+    assert all(store.tiers_of(key) == [Tier.HOST] for key in keys)
+    assert all(not c.readers for key in keys for c in store.table.get(key).copies.values())
+    assert_all_come_up_exact(store, data)
+    store.check()
 
 
 def _idle_within(store, seconds: float = 30) -> bool:

@@ -55,7 +55,7 @@ class StoreMachine(RuleBasedStateMachine):
         except CapacityError as exc:
             held = sum(len(v[0]) for v in self.views)  # held blocks: not evictable, maybe deleted
             pinned = sum(1 for k in self.pins if self.pins[k])
-            if "slot for 1 new block(s): all 3 are held" in str(exc):  # the device is stuck, not full
+            if "no device slot for 1 new block(s): 0 of 3 free" in str(exc):  # stuck, not full
                 assert pinned + held >= 3, str(exc)
             else:
                 assert len(self.model) >= 3 + 2 + 6 - pinned - 3 - 2 * held, str(exc)

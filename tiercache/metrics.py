@@ -188,6 +188,8 @@ class _Histogram:
         self._les = [floatToGoString(b) for b in bounds]
         self._lock = threading.Lock()
         self._series: dict = {}  # label values -> [counts per bucket (not cumulative), sum]
+        if not self.labelnames:  # as prometheus_client's: zeros from the start, not "no data"
+            self._series[()] = [[0] * len(self._bounds), 0.0]
 
     def observe(self, value: float, labels: tuple = (), n: int = 1) -> None:
         """``n`` observations of ``value`` (seconds) for ``labels`` (one value per label name)."""

@@ -260,7 +260,7 @@ class BlockStore:
             with self._lock:
                 moves = self._room(Tier.HOST, 1, {key}, allow_writeback=True)
                 if self.table.num_free(Tier.HOST) < 1 and not moves:
-                    raise CapacityError(self._full_message(1, Tier.HOST))
+                    raise CapacityError(self._full_message(1, Tier.HOST, {key}))
                 if self.table.num_free(Tier.HOST) >= 1 and not moves:
                     slot = self.table.allocate(key, Tier.HOST)  # FILLING: nobody reads or evicts it
                     break
@@ -702,7 +702,7 @@ class BlockStore:
             with self._lock:
                 moves = self._room(Tier.DEVICE, len(keys), protect, allow_writeback=True)
                 if self.table.num_free(Tier.DEVICE) < len(keys) and not moves:
-                    raise CapacityError(self._full_message(len(keys)))
+                    raise CapacityError(self._full_message(len(keys), Tier.DEVICE, protect))
                 if self.table.num_free(Tier.DEVICE) >= len(keys) and not moves:
                     slots = []
                     prefer = near
@@ -1499,11 +1499,16 @@ class BlockStore:
 
     def _gone_from(self, key: Hashable, tier: Tier) -> None:
         """Under the lock: the live block ``key`` has no copy on ``tier`` any more."""
-        self._gone_from_all((key,), tier)
+        self.policies[tier].remove(key)
+        self._prefetch_gone((key,), tier)
 
     def _gone_from_all(self, keys: Sequence[Hashable], tier: Tier) -> None:
         """``_gone_from`` of each of ``keys`` (a batch of moves that dropped their sources)."""
         self.policies[tier].remove_many(keys)
+        self._prefetch_gone(keys, tier)
+
+    def _prefetch_gone(self, keys: Sequence[Hashable], tier: Tier) -> None:
+        """Prefetches of ``keys`` to ``tier`` that left it unread: counted as unused."""
         prefetched = self._prefetched
         if prefetched:
             for key in keys:
@@ -1542,19 +1547,37 @@ class BlockStore:
                 f"pinned or in flight; minimum device_budget = {num_needed * g.block_bytes} bytes "
                 f"({format_bytes(num_needed * g.block_bytes)})")
 
-    def _full_message(self, num_new: int, tier: Tier = Tier.DEVICE) -> str:
+    def _full_message(self, num_new: int, tier: Tier = Tier.DEVICE, protect: Iterable[Hashable] = ()) -> str:
         """Why ``num_new`` new blocks found no slot on ``tier`` (``_room`` had nothing to
-        move): every tier is full, or a tier below has room but every block on ``tier`` is
-        pinned, read (a view attention holds) or moving, so none can go down."""
+        move; ``protect``: the keys the caller kept from eviction). More than the tier
+        holds: the device's minimum budget. A tier below has room: the blocks on ``tier``
+        that cannot go down, and why (pinned, kept by this call, read by attention's views
+        or moving). Else every tier is full."""
+        slots = self.table.num_slots(tier)
+        if tier is Tier.DEVICE and num_new > slots:
+            return self._capacity_message(num_new)
         below = [t for t in self.tiers if t > tier and self.table.num_free(t)]
         if below:
-            on_tier = [self.table.get(k) for k in self.table.keys_on(tier)]
-            pinned = sum(1 for e in on_tier if e is not None and e.pins)
-            return (f"no {tier.label} slot for {num_new} new block(s): all {self.table.num_slots(tier)} are held "
-                    f"({pinned} by pinned blocks, the rest read by attention's views or moving) while the "
+            protect = set(protect)
+            counts = {"pinned": 0, "kept by this call": 0, "read by attention's views or moving": 0}
+            for key in self.table.keys_on(tier):
+                entry = self.table.get(key)
+                c = entry.copies.get(tier) if entry is not None else None
+                if c is None:
+                    continue
+                if key in protect:
+                    counts["kept by this call"] += 1
+                elif tier is Tier.DEVICE and entry.pins:
+                    counts["pinned"] += 1
+                elif c.readers or c.state is CopyState.FILLING:
+                    counts["read by attention's views or moving"] += 1
+            why = ", ".join(f"{n} {what}" for what, n in counts.items() if n) or "none movable now"
+            advice = ("unpin blocks or release views (release_views())" if tier is Tier.DEVICE
+                      else "release views or let moves finish")
+            return (f"no {tier.label} slot for {num_new} new block(s): {self.table.num_free(tier)} of {slots} "
+                    f"free, and the blocks there cannot move down ({why}) while the "
                     f"{' and '.join(t.label for t in below)} tier{'s have' if len(below) > 1 else ' has'} room; "
-                    f"unpin blocks or release views "
-                    f"(release_views()), or raise {tier.label}_budget "
+                    f"{advice}, or raise {tier.label}_budget "
                     f"(now {format_bytes(getattr(self.config, f'{tier.label}_budget'))}); nothing was overwritten")
         cfg = self.config
         parts = [f"device_budget={format_bytes(cfg.device_budget)}"]
@@ -1601,15 +1624,25 @@ class BlockStore:
         """Under the lock: ``_prepare`` of each ``(key, src)`` of ``planned`` to ``dst``, in
         order, in one table call (``BlockTable.prepare_moves``). All or nothing: if the
         table refuses one, none is prepared."""
-        moves = self.table.prepare_moves(planned, dst, drop_source)
-        inflight = self._inflight
-        for move in moves:
-            inflight[move] = None
-        if dst is Tier.DEVICE:
-            self._copying += len(moves)
-            self._to_device.update([(move.key, move) for move in moves])
-        else:
-            self._copying += sum(move.src is Tier.DEVICE for move in moves)
+        moves: list = []
+        touching = 0  # moves to or from the device (``_copying``), once counted
+        try:
+            moves = self.table.prepare_moves(planned, dst, drop_source)
+            fetch = dst is Tier.DEVICE
+            touching = len(moves) if fetch else sum(move.src is Tier.DEVICE for move in moves)
+            self._copying += touching
+            if fetch:
+                self._to_device.update([(move.key, move) for move in moves])
+            self._inflight.update(dict.fromkeys(moves))
+        except BaseException:  # Ctrl-C while registering them: undone, as if never prepared
+            self._copying -= touching
+            for move in moves:
+                self._inflight.pop(move, None)
+                if self._to_device.get(move.key) is move:
+                    del self._to_device[move.key]
+                for tier, slot in self.table.complete_move(move, ok=False):
+                    self._released(move.key, tier, slot)
+            raise
         return moves
 
     def _future(self, move: Move) -> Future:
@@ -1877,7 +1910,11 @@ class BlockStore:
             return
         # Copied: the moves complete under one hold of the lock and are counted at once.
         with self._lock:
-            done, errors = self._complete_copied(piece)
+            try:
+                done, errors = self._complete_copied(piece)
+            except BaseException as exc:  # Ctrl-C between its steps: every move of the piece has
+                work.settle(len(piece), [exc], self._lock)  # been through the table; settle it
+                raise
         first = piece[0]
         resolved = 0
         try:
@@ -1943,16 +1980,30 @@ class BlockStore:
         # The policies are plug-ins: one that raises (or Ctrl-C here) must not leave the piece
         # unsettled. The moves are done; the batch's owner gets the error.
         failed: list = []
-        try:
-            if left:
-                self._gone_from_all(left, src)
-        except BaseException as exc:  # noqa: BLE001 - see above
-            failed.append(exc)
-        try:
-            self.policies[dst].insert_many(arrived)
-        except BaseException as exc:  # noqa: BLE001 - see above
-            failed.append(exc)
+        if left:
+            self._tell_policy(lambda keys: self._gone_from_all(keys, src), lambda key: self._gone_from(key, src),
+                              left, src, failed)
+        self._tell_policy(self.policies[dst].insert_many, self.policies[dst].insert, arrived, dst, failed)
         return rest, failed
+
+    def _tell_policy(self, batch_call, one_call, keys: list, tier: Tier, failed: list) -> None:
+        """Under the lock: ``batch_call`` of a copied batch's keys (``_complete_copied``). If
+        it raises (a plug-in policy's bug; or Ctrl-C), the error is logged and kept in
+        ``failed`` for the batch's owner, and ``one_call`` goes over the keys one at a time,
+        each on its own, so that the policy ranks the blocks the table now holds on ``tier``
+        as far as it can (its one-key calls ignore keys already done)."""
+        try:
+            batch_call(keys)
+            return
+        except BaseException as exc:  # noqa: BLE001 - delivered to the batch's owner
+            failed.append(exc)
+            log.error("tiercache: the %s eviction policy failed on a batch of %d blocks (%r); telling it "
+                      "one block at a time", tier.label, len(keys), exc)
+        for key in keys:
+            try:
+                one_call(key)
+            except BaseException as exc:  # noqa: BLE001 - the same
+                failed.append(exc)
 
     def _fail_piece(self, piece: list, exc: BaseException, work: "_Work") -> None:
         """Roll back the moves of a piece that will not be copied; their waiters get ``exc``."""
