@@ -25,6 +25,20 @@ def blocks(geometry, n, seed=0):
     return {BlockKey(0, 0, i): torch.randn(geometry.shape, generator=g) for i in range(n)}
 
 
+def hold_batch_copies(store) -> tuple:
+    """Make each copy of a batch's run wait: returns (entered, go), events set when a copy
+    has started and, by the test, when it may go on."""
+    entered, go = threading.Event(), threading.Event()
+    copy_run = store._copy_run
+
+    def held_copy_run(run, *args, **kwargs):
+        entered.set()
+        assert go.wait(30)
+        return copy_run(run, *args, **kwargs)
+    store._copy_run = held_copy_run
+    return entered, go
+
+
 def assert_all_come_up_exact(store, data):
     """Every block of ``data`` brought up to the device reads back byte for byte."""
     store.ensure_device(list(data), pin=False)
@@ -306,14 +320,7 @@ def test_a_block_deleted_and_put_again_while_its_batch_is_copied_completes_apart
     keys = list(data)
     for key, block in data.items():
         store.put(key, block, tier=Tier.HOST)
-    entered, go = threading.Event(), threading.Event()
-    copy_run = store._copy_run
-
-    def held_copy_run(run, *args, **kwargs):
-        entered.set()
-        assert go.wait(30)
-        return copy_run(run, *args, **kwargs)
-    store._copy_run = held_copy_run
+    entered, go = hold_batch_copies(store)
     assert store.prefetch(keys) == 3
     assert entered.wait(30)  # the batch's one copy has started
     store.delete(keys[1])
@@ -412,14 +419,7 @@ def test_a_policy_that_raises_fails_its_batch_without_hanging_or_losing_data(mak
         for key, block in data.items():
             store.put(key, block, tier=Tier.HOST if phase == "fetch" else Tier.DEVICE)
         store.wait_idle()
-        entered, go = threading.Event(), threading.Event()
-        copy_run = store._copy_run
-
-        def held_copy_run(run, *args, **kwargs):
-            entered.set()
-            assert go.wait(30)
-            return copy_run(run, *args, **kwargs)
-        store._copy_run = held_copy_run
+        entered, go = hold_batch_copies(store)
         Raising.armed = method
         outcome: list = []
         second: list = []
