@@ -1666,11 +1666,10 @@ class BlockStore:
         """Under the lock: the move leaves the in-flight maps; returns its waiters' future,
         if anyone asked for one."""
         held = self._inflight.pop(move, _GONE)
-        to_device = move.dst is Tier.DEVICE
-        if held is not _GONE and (to_device or move.src is Tier.DEVICE):  # ``_touches_device``
+        if held is not _GONE and _touches_device(move):
             self._copying -= 1
         self._started.discard(move)
-        if to_device and self._to_device.get(move.key) is move:
+        if move.dst is Tier.DEVICE and self._to_device.get(move.key) is move:
             del self._to_device[move.key]
         return held if held.__class__ is _MoveFuture else None
 

@@ -274,29 +274,21 @@ class BlockTable:
         block, no READY source, a pinned or busy source to drop, a copy already on ``dst``,
         no free slot), those prepared are undone and ``TableError`` says why.
 
-        One loop for a batch, not a call per block and per slot: planning a batch of
-        host<->device moves was about a third of the store's Python per block moved."""
+        One call for a batch: planning a batch of host<->device moves was about a third of
+        the store's Python per block moved."""
         moves: list = []
-        blocks, free, on_dst = self._blocks, self._slots[dst], self._on_tier[dst]
-        ready, filling, device = CopyState.READY, CopyState.FILLING, Tier.DEVICE
+        blocks, new_copy, ready, device = self._blocks, self._new_copy, CopyState.READY, Tier.DEVICE
         try:
             for key, src in planned:
                 entry = blocks.get(key)
                 if entry is None or entry.deleted:
                     raise TableError(f"unknown block {key!r}")
-                copies = entry.copies
-                c = copies.get(src)
+                c = entry.copies.get(src)
                 if c is None or c.state is not ready:
                     raise TableError(f"block {key!r} has no READY copy on {src.label}")
                 if drop_source and (c.readers or (src is device and entry.pins)):  # not is_movable
                     raise TableError(f"block {key!r} on {src.label} is pinned or busy")
-                if dst in copies:
-                    raise TableError(f"block {key!r} already has a copy on {dst.label}")
-                slot = free.alloc()
-                if slot is None:
-                    raise TableError(f"no free slot on {dst.label}")
-                copies[dst] = Copy(slot, filling)
-                on_dst.add(key)
+                slot = new_copy(entry, dst)
                 c.readers += 1
                 moves.append(Move(key, src, c.slot, dst, slot, drop_source, entry))
         except BaseException:
