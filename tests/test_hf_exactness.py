@@ -359,6 +359,44 @@ def test_policies_are_lossless(eviction, prefetch, mode, tmp_path):
     assert_all_tiers_used(stats)
 
 
+def test_a_plugin_policy_bug_stops_generate_by_name_and_costs_no_tokens(tmp_path):
+    """A plug-in eviction policy that raises on its sixth ``evict`` (mid-decode, blocks on
+    every tier): ``generate()`` stops with a ``PolicyError`` naming the policy, the tier and
+    the call (raised by the store's next call, once the step that met it is complete). The
+    same plug-in, fixed, in a new cache gives DynamicCache's logits."""
+    class Brittle(EVICTION_POLICIES["lru"]):
+        calls, breaks_at = 0, 6
+
+        def evict(self, n, is_evictable):
+            Brittle.calls += 1
+            if Brittle.calls == Brittle.breaks_at:
+                raise ZeroDivisionError("policy bug")
+            return super().evict(n, is_evictable)
+
+    EVICTION_POLICIES["brittle"] = Brittle
+    try:
+        model = tiny_model("llama")
+        ids = prompt_ids()
+        need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+        cfg = tight_config(model, tmp_path, batch=1, device_blocks=need + 1, eviction="brittle")
+        ref = generate(model, ids, max_new_tokens=NEW)
+        cache = tiercache.TieredCache(model, cfg)
+        with pytest.raises(tiercache.PolicyError, match=r"'brittle' of the \w+ tier failed in evict: "
+                                                        r"ZeroDivisionError: policy bug"):
+            generate(model, ids, cache=cache, max_new_tokens=NEW)
+        cache.close()
+        assert Brittle.calls >= Brittle.breaks_at
+        Brittle.breaks_at = -1  # fixed
+        with tiercache.TieredCache(model, tight_config(model, tmp_path / "again", batch=1, device_blocks=need + 1,
+                                                       eviction="brittle")) as cache:
+            out = generate(model, ids, cache=cache, max_new_tokens=NEW)
+            stats = cache.stats()
+        assert_same(ref, out, "the fixed plug-in")
+        assert_all_tiers_used(stats)
+    finally:
+        del EVICTION_POLICIES["brittle"]
+
+
 NEW_EVICTIONS = sorted(set(EVICTION_POLICIES) - {"lru", "fifo", "lfu"})
 
 

@@ -387,7 +387,9 @@ def test_the_policies_forget_a_deleted_block_whose_copy_is_still_moving(make_sto
 @pytest.mark.parametrize("phase, method", [("demote", "insert_many"), ("demote", "remove_many"),
                                            ("fetch", "insert_many")])
 def test_a_policy_that_raises_fails_its_batch_without_hanging_or_losing_data(make_store, geometry, phase, method):
-    """Eviction policies are plug-ins. One that raises when a batch of copied blocks
+    """The store's own defence, under the guard that plug-ins get (``tiercache.guard``,
+    tested in test_guard.py): the raising policy is installed past it, as a shipped
+    policy with a bug would be. One that raises when a batch of copied blocks
     arrives (``insert_many``) or leaves (``remove_many``: a demotion drops its source),
     each called once for the batch after the table committed it, must not leave the
     batch unsettled. ``demote_now`` returns the error (as it does a failed move's: it
@@ -411,57 +413,54 @@ def test_a_policy_that_raises_fails_its_batch_without_hanging_or_losing_data(mak
                 raise RuntimeError("policy bug: remove_many")
             super().remove_many(keys)
 
-    EVICTION_POLICIES["raises-on-insert"] = Raising
-    try:
-        store = make_store(device_blocks=6, host_blocks=6, disk_blocks=0, io_workers=2, eviction="raises-on-insert")
-        data = blocks(geometry, 4, seed=43)
-        keys = list(data)
-        for key, block in data.items():
-            store.put(key, block, tier=Tier.HOST if phase == "fetch" else Tier.DEVICE)
-        store.wait_idle()
-        entered, go = hold_batch_copies(store)
-        Raising.armed = method
-        outcome: list = []
-        second: list = []
+    store = make_store(device_blocks=6, host_blocks=6, disk_blocks=0, io_workers=2)
+    store.policies = {tier: Raising() for tier in store.policies}  # past the guard
+    data = blocks(geometry, 4, seed=43)
+    keys = list(data)
+    for key, block in data.items():
+        store.put(key, block, tier=Tier.HOST if phase == "fetch" else Tier.DEVICE)
+    store.wait_idle()
+    entered, go = hold_batch_copies(store)
+    Raising.armed = method
+    outcome: list = []
+    second: list = []
 
-        def run(out, call):
-            try:
-                result = call()
-                out.append(("returned", [str(e) for e in result] if isinstance(result, list) else result))
-            except RuntimeError as exc:
-                out.append(("raised", str(exc)))
-        owner = threading.Thread(target=run, args=(outcome, (lambda: store.demote_now(keys)) if phase == "demote"
-                                                   else (lambda: store.ensure_device(keys, pin=False))), daemon=True)
-        owner.start()
-        assert entered.wait(30)  # the batch's one copy has started, and waits
-        waiter = None
-        if phase == "fetch":  # waits on the move of keys[0], in flight in the owner's batch
-            waiter = threading.Thread(target=run, args=(second, lambda: store.ensure_device([keys[0]], pin=False)),
-                                      daemon=True)
-            waiter.start()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not any(
-                    m.key == keys[0] and isinstance(v, _MoveFuture) for m, v in list(store._inflight.items())):
-                time.sleep(0.01)
-        go.set()
-        owner.join(30)
-        assert not owner.is_alive(), "the batch's owner was never answered"
-        if phase == "demote":  # demote_now returns the failed moves' errors; it does not raise
-            assert outcome == [("returned", [f"policy bug: {method}"])]
-        else:
-            assert outcome == [("raised", f"policy bug: {method}")]
-        if waiter is not None:
-            waiter.join(30)
-            assert not waiter.is_alive(), "a thread waiting for one of the batch's moves was never answered"
-            assert len(second) == 1 and second[0][0] == "returned", second
-        Raising.armed = None
-        assert _idle_within(store)
-        assert not store._inflight and store._copying == 0
-        store.check()  # told one block at a time, the policy ranks what the table holds again
-        for key, block in data.items():
-            assert torch.equal(store.get(key), block)
-    finally:
-        del EVICTION_POLICIES["raises-on-insert"]
+    def run(out, call):
+        try:
+            result = call()
+            out.append(("returned", [str(e) for e in result] if isinstance(result, list) else result))
+        except RuntimeError as exc:
+            out.append(("raised", str(exc)))
+    owner = threading.Thread(target=run, args=(outcome, (lambda: store.demote_now(keys)) if phase == "demote"
+                                               else (lambda: store.ensure_device(keys, pin=False))), daemon=True)
+    owner.start()
+    assert entered.wait(30)  # the batch's one copy has started, and waits
+    waiter = None
+    if phase == "fetch":  # waits on the move of keys[0], in flight in the owner's batch
+        waiter = threading.Thread(target=run, args=(second, lambda: store.ensure_device([keys[0]], pin=False)),
+                                  daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                m.key == keys[0] and isinstance(v, _MoveFuture) for m, v in list(store._inflight.items())):
+            time.sleep(0.01)
+    go.set()
+    owner.join(30)
+    assert not owner.is_alive(), "the batch's owner was never answered"
+    if phase == "demote":  # demote_now returns the failed moves' errors; it does not raise
+        assert outcome == [("returned", [f"policy bug: {method}"])]
+    else:
+        assert outcome == [("raised", f"policy bug: {method}")]
+    if waiter is not None:
+        waiter.join(30)
+        assert not waiter.is_alive(), "a thread waiting for one of the batch's moves was never answered"
+        assert len(second) == 1 and second[0][0] == "returned", second
+    Raising.armed = None
+    assert _idle_within(store)
+    assert not store._inflight and store._copying == 0
+    store.check()  # told one block at a time, the policy ranks what the table holds again
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
 
 
 def test_ctrl_c_while_a_batch_of_fetches_is_registered_leaves_nothing_prepared(make_store, geometry):

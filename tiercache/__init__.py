@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tiercache.config import TierConfig, parse_bytes
-from tiercache.errors import (BlockCorruptedError, CacheDirError, CapacityError, TierCacheError, TierIOError,
-                              UnsupportedModelError)
+from tiercache.errors import (BlockCorruptedError, CacheDirError, CapacityError, PolicyError, TierCacheError,
+                              TierIOError, UnsupportedModelError)
 from tiercache.table import BlockKey, Tier
 
 __version__ = "0.1.0"
@@ -38,5 +38,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tiercache' has no attribute {name!r}")
 
 
-__all__ = ["TierConfig", "parse_bytes", "TierCacheError", "TierIOError", "CapacityError", "BlockCorruptedError",
-           "UnsupportedModelError", "CacheDirError", "BlockKey", "Tier", *_LAZY]
+__all__ = ["TierConfig", "parse_bytes", "TierCacheError", "TierIOError", "CapacityError", "PolicyError",
+           "BlockCorruptedError", "UnsupportedModelError", "CacheDirError", "BlockKey", "Tier", *_LAZY]

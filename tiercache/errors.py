@@ -25,3 +25,8 @@ class CacheDirError(TierCacheError, ValueError):
 class TierIOError(TierCacheError):
     """A tier's storage keeps failing (disk full, I/O errors): the cache cannot make room or
     read a block back. Data already stored are untouched."""
+
+
+class PolicyError(TierCacheError, RuntimeError):
+    """A plug-in eviction policy raised (or broke its contract). The store's data are
+    intact; the tier evicts with ``lru`` from then on (``tiercache.guard``)."""

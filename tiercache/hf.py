@@ -845,10 +845,10 @@ class TieredCache(Cache):
             if self.prefix is not None and not self.prefix.closed:
                 self.prefix.flush()  # what this run published survives the process
         finally:
+            self._layer_views = [None] * self.num_layers
             if self.store is not None:
                 self._last_tiers = self.store.tier_stats()
-                self.store.close()
-            self._layer_views = [None] * self.num_layers
+                self.store.close()  # last: it may raise a plug-in policy's failure (tiercache.guard)
 
     def clear(self, tier: Optional[str] = None) -> int:
         """Drop the prefix cache's blocks of this model: all of them (``tier`` None), or only

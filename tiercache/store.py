@@ -24,6 +24,7 @@ from tiercache.config import TierConfig, format_bytes
 from tiercache.disk import DiskTier, RecordError, resolve_disk_io
 from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
+from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
 from tiercache.table import BlockTable, CopyState, Move, Tier
 from tiercache.tiers import ALIGN, BlockGeometry, DevicePool, HostPool, aligned_buffer
@@ -47,6 +48,28 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _starts_work(method):
+    """A public call of ``BlockStore`` that starts work (moves, reads, new blocks): a
+    plug-in eviction policy's failure reported before it (``tiercache.guard``; on any
+    thread) is raised from it before it does anything. Calls nested in one (``put`` calls
+    ``new_blocks``, ``ensure_device`` calls ``prefetch``) do not raise it: the outer call
+    would stop halfway (consistent, as on any error, but with its work half done). Calls that
+    end work (``unpin``, ``release_views``, ``delete``) never raise it; ``close`` raises
+    one that is left, after it has shut the store down."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        calls = self._calls
+        depth = getattr(calls, "depth", 0)
+        if self._policy_failures and not depth:
+            self._raise_policy_failure()
+        calls.depth = depth + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            calls.depth = depth
+    return call
 
 
 class BlockStore:
@@ -99,7 +122,12 @@ class BlockStore:
                                      model_digest=model_digest, persistent=persistent,
                                      allow_shared_dir=config.shared_dir, io=disk_io,
                                      io_threads=config.io_workers)
-        self.policies = {tier: make_eviction(config.eviction) for tier in self.tiers}
+        # A plug-in policy's failures (``tiercache.guard``), raised by the next public call
+        # that starts work (``_starts_work``); ``_calls.depth``: such calls running on a thread.
+        self._policy_failures: list = []
+        self._calls = threading.local()
+        self.policies = {tier: self._guarded(make_eviction(config.eviction), config.eviction, tier)
+                         for tier in self.tiers}
         # CPU with a host tier: attention reads blocks on the device and on the host where
         # they lie (``read_layer``), so a host copy of a block on the device is never read.
         self._reads_both = self.device.type == "cpu" and Tier.HOST in self.tiers
@@ -161,6 +189,21 @@ class BlockStore:
             raise ValueError(f"{field}: {budget} bytes ({format_bytes(budget)}) is smaller than one block "
                              f"({unit_bytes} bytes on this tier); raise it or lower block_tokens")
         return n
+
+    def _guarded(self, policy, name: str, tier: Tier):
+        """``policy`` (registered as ``name``) as the store calls it: through
+        ``GuardedPolicy`` if it is a plug-in."""
+        if not is_plugin(policy):
+            return policy
+        return GuardedPolicy(policy, name, tier.label, lambda: self.table.ready_keys(tier),
+                             self._policy_failures.append)
+
+    def _raise_policy_failure(self) -> None:
+        """Raise the plug-in policy failure reported first (``tiercache.guard``), once."""
+        with self._lock:
+            failures, self._policy_failures[:] = list(self._policy_failures), []
+        if failures:
+            raise failures[0]
 
     def _adopt_disk_records(self) -> None:
         dropped = 0
@@ -228,6 +271,7 @@ class BlockStore:
         return DiskTier.record_size(self.geometry)
 
     # ---- generic block API -------------------------------------------------------------
+    @_starts_work
     def put(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int] = None,
             token_ids: bytes = b"", tier: Optional[Tier] = None) -> None:
         """Store a new block (``[2, B, H, T, D]``) on the device tier (or on ``tier=Tier.HOST``
@@ -284,6 +328,7 @@ class BlockStore:
         with self._lock:
             return self._token_ids.get(key, b"")
 
+    @_starts_work
     def get(self, key: Hashable) -> torch.Tensor:
         """A copy of the block's bytes from its fastest intact copy (no promotion).
 
@@ -346,6 +391,7 @@ class BlockStore:
 
     READ_CHUNK = 8  # records per job of ``read_into`` (fewer jobs, still enough reads in flight)
 
+    @_starts_work
     def read_into(self, keys: list, outs: list) -> list:
         """Copy the bytes of each of ``keys`` into the matching tensor of ``outs`` (CPU,
         ``[2, B, H, T, D]`` of the store's dtype, any strides: e.g. a block's slice of a
@@ -504,6 +550,7 @@ class BlockStore:
     def _extended_on(self, key: Hashable, tier: Tier) -> bool:
         return any(self.table.copy(child, tier) is not None for child in self._children.get(key, ()))
 
+    @_starts_work
     def evict_candidates(self, tier: Tier, n: int) -> list:
         """Up to ``n`` blocks the eviction policy of ``tier`` would remove whole: idle
         copies, and never a prefix block while an extension of it is on that tier."""
@@ -541,6 +588,7 @@ class BlockStore:
                 if self.table.get(key) is not None:
                     self.table.unpin(key)
 
+    @_starts_work
     def promote(self, key: Hashable, dst: Tier = Tier.DEVICE) -> Future:
         """Copy ``key`` up to ``dst`` asynchronously (the lower copy stays)."""
         if dst is Tier.DEVICE:
@@ -553,10 +601,12 @@ class BlockStore:
             return src, dst, False, Priority.PREFETCH
         return self._move_when_room(key, plan)
 
+    @_starts_work
     def demote(self, key: Hashable) -> Future:
         """Move the fastest copy of ``key`` one tier down asynchronously."""
         return self._move_when_room(key, lambda: self._demote_plan(key))
 
+    @_starts_work
     def demote_many(self, keys: Iterable[Hashable]) -> list:
         """``demote`` for many blocks: one future per key, in order. The moves that have
         room below start together (on CPU, host<->device copies in chunks: see
@@ -575,6 +625,7 @@ class BlockStore:
         of = dict(zip(keys, futures))
         return [of[key] for key in given]
 
+    @_starts_work
     def demote_now(self, keys: Iterable[Hashable]) -> list:
         """``demote_many``, waited for: every block of ``keys`` moves one tier down (once, if
         given twice), and this returns when all moves are done, with the errors of those that
@@ -689,6 +740,7 @@ class BlockStore:
             self._wait_moves(moves, raise_io=True)
 
     # ---- the decode path -----------------------------------------------------------------
+    @_starts_work
     def new_blocks(self, keys: list, protect: Iterable[Hashable] = (), near: Optional[int] = None) -> list:
         """Allocate device slots for new blocks; they come back READY and pinned.
 
@@ -718,6 +770,7 @@ class BlockStore:
                     return slots
             stall += self._wait_moves(moves, raise_io=True)
 
+    @_starts_work
     def ensure_device(self, keys: list, pin: bool = True, ahead: Sequence[Hashable] = ()) -> float:
         """Make every block of ``keys`` READY on the device and pin it; returns seconds waited.
 
@@ -834,6 +887,7 @@ class BlockStore:
             raise
         return ()
 
+    @_starts_work
     def prefetch(self, keys: list, protect: Iterable[Hashable] = (), dst: Tier = Tier.DEVICE) -> int:
         """Start bringing ``keys`` up to ``dst`` without waiting; only clean copies are evicted."""
         if dst not in self.tiers:
@@ -869,6 +923,7 @@ class BlockStore:
         """Where attention reads blocks from: the device, or on CPU the device or the host."""
         return Tier.HOST if self._reads_both else Tier.DEVICE
 
+    @_starts_work
     def read_layer(self, keys: list, num_tokens: int, start_token: int = 0, hold: bool = False,
                    ahead: Sequence[Hashable] = ()) -> tuple:
         """K and V of ``keys`` in order as [B, H, num_tokens, D], for attention.
@@ -926,6 +981,7 @@ class BlockStore:
         finally:
             self._let_go(held)
 
+    @_starts_work
     def hold_resident(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = ()) -> Optional[int]:
         """The decode step's fast path when nothing has to move or wait: in one pass under
         the lock, what ``ensure_device([write_key])``, ``begin_write(write_key)`` and
@@ -1002,6 +1058,7 @@ class BlockStore:
         stats["gathered_bytes"] += num_bytes
         stats["gather_seconds"] += time.perf_counter() - t0
 
+    @_starts_work
     def read_segments(self, keys: list, num_tokens: int, start_token: int = 0,
                       ahead: Sequence[Hashable] = ()) -> list:
         """CPU: K and V of ``keys`` where they lie, as ``[(k, v)]`` views ([B, H, t, D] each)
@@ -1224,6 +1281,7 @@ class BlockStore:
         with self._lock:
             return [self.table.copy(k, Tier.DEVICE).slot for k in keys]
 
+    @_starts_work
     def begin_write(self, key: Hashable) -> int:
         """Before appending to ``key``'s device copy: wait for moves reading it, drop stale copies.
 
@@ -1310,6 +1368,7 @@ class BlockStore:
                 return
             wait_all(futures)
 
+    @_starts_work
     def reorder_rows(self, rows: torch.Tensor) -> None:
         """Permute the batch rows of every block (beam search); lower copies are refreshed."""
         self.release_views()
@@ -1354,7 +1413,8 @@ class BlockStore:
         return len(moves)
 
     def close(self) -> None:
-        """Wait for moves, write persistent blocks down to disk, stop workers, close files."""
+        """Wait for moves, write persistent blocks down to disk, stop workers, close files.
+        Then raise a plug-in policy's failure that no call has raised yet (``tiercache.guard``)."""
         if self.closed:
             return
         self.closed = True
@@ -1369,6 +1429,8 @@ class BlockStore:
                 self.disk.close()
             if self.host_pool is not None:
                 self.host_pool.close()
+        if self._policy_failures:  # a plug-in's failure in the last calls: no later call raised it
+            self._raise_policy_failure()
 
     def __enter__(self) -> "BlockStore":
         return self
@@ -1976,8 +2038,8 @@ class BlockStore:
                     rest.append((None, waiter, None))
             except BaseException as exc:  # noqa: BLE001 - delivered to its waiters, if any
                 rest.append((None, waiter, exc))
-        # The policies are plug-ins: one that raises (or Ctrl-C here) must not leave the piece
-        # unsettled. The moves are done; the batch's owner gets the error.
+        # A policy that raises here (Ctrl-C; a plug-in's own errors stop at its guard) must not
+        # leave the piece unsettled. The moves are done; the batch's owner gets the error.
         failed: list = []
         if left:
             self._tell_policy(lambda keys: self._gone_from_all(keys, src), lambda key: self._gone_from(key, src),
@@ -1987,7 +2049,8 @@ class BlockStore:
 
     def _tell_policy(self, batch_call, one_call, keys: list, tier: Tier, failed: list) -> None:
         """Under the lock: ``batch_call`` of a copied batch's keys (``_complete_copied``). If
-        it raises (a plug-in policy's bug; or Ctrl-C), the error is logged and kept in
+        it raises (Ctrl-C, or a bug of a shipped policy: a plug-in's calls go through
+        ``tiercache.guard`` and do not raise), the error is logged and kept in
         ``failed`` for the batch's owner, and ``one_call`` goes over the keys one at a time,
         each on its own, so that the policy ranks the blocks the table now holds on ``tier``
         as far as it can (its one-key calls ignore keys already done)."""

@@ -1,0 +1,140 @@
+"""A plug-in eviction policy as the block store calls it: its bugs never reach the table.
+
+The store tells its eviction policies of every change under its lock, between the steps of
+that change: a new block is committed, then inserted; a demotion's source is dropped, then
+removed; room is made with the victims ``evict`` names. A plug-in that raised there (a bug)
+left the step half done. In one case found by a fault-injection run: ``new_blocks``
+committed and pinned a slot, then the policy's ``insert`` raised, and the block stayed in
+the table, pinned for good and READY with whatever bytes its slot held before. A victim the
+policy may not evict (pinned, being written) would be moved or dropped all the same.
+
+So a policy class that tiercache does not ship is called through ``GuardedPolicy``. When
+it raises, or ``evict`` breaks its contract, the guard
+
+- logs the error with its traceback, once;
+- puts ``lru`` in its place, ranking the blocks the table holds READY on the tier at that
+  moment (a policy that raised is in an unknown state; its ranking is lost);
+- answers the call that failed from ``lru`` (``evict``'s victims), so the store's step
+  completes;
+- hands a ``PolicyError`` to the store, which raises it from the public call running then,
+  or the next one (``BlockStore._raise_policy_failure``).
+
+The data stay exact and the store keeps working; the user learns of the bug at once, and a
+comparison of policies does not go on quietly measuring ``lru``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Hashable, Iterable, Optional
+
+from tiercache.errors import PolicyError
+from tiercache.policies import EVICTION_POLICIES, EvictionPolicy
+
+log = logging.getLogger("tiercache")
+
+FALLBACK = "lru"
+
+
+def is_plugin(policy: object) -> bool:
+    """True for a policy whose class tiercache does not ship (the guard is for those)."""
+    return not type(policy).__module__.startswith("tiercache.policies.")
+
+
+class GuardedPolicy(EvictionPolicy):
+    """``inner``, the plug-in eviction policy registered as ``name``, for ``tier`` (a label),
+    called so that it never raises into the store (see the module's doc). ``ready_keys()``
+    returns the keys READY on the tier (under the store's lock, as every call here is);
+    ``report(error)`` receives the ``PolicyError`` of the first failure."""
+
+    def __init__(self, inner: EvictionPolicy, name: str, tier: str, ready_keys: Callable[[], Iterable[Hashable]],
+                 report: Callable[[PolicyError], None]) -> None:
+        self.inner = inner
+        self.name = name  # as registered (a plug-in subclass may inherit its parent's ``name``)
+        self.tier = tier
+        self.wants_scores = inner.wants_scores
+        self.assumes_layer_scan = inner.assumes_layer_scan
+        self.failure: Optional[PolicyError] = None
+        self._ready_keys = ready_keys
+        self._report = report
+
+    def _failed(self, method: str, exc: Exception) -> None:
+        """``inner`` failed in ``method``: ``lru`` takes its place, ranking what the tier holds."""
+        error = PolicyError(f"the eviction policy {self.name!r} of the {self.tier} tier failed in "
+                            f"{method}: {type(exc).__name__}: {exc}. No data were lost: the {self.tier} tier "
+                            f"evicts with {FALLBACK!r} from now on; fix the policy and make a new cache")
+        error.__cause__ = exc
+        log.error("tiercache: %s", error, exc_info=exc)
+        fallback = EVICTION_POLICIES[FALLBACK]()
+        fallback.insert_many(self._ready_keys())
+        self.inner = fallback
+        self.wants_scores = False
+        self.failure = error
+        self._report(error)
+
+    def _call(self, method: str, *args) -> None:
+        try:
+            getattr(self.inner, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - a plug-in's bug; the table already holds the change
+            if self.failure is not None:  # lru's own: a bug of tiercache's
+                raise
+            self._failed(method, exc)
+
+    def insert(self, key: Hashable) -> None:
+        self._call("insert", key)
+
+    def touch(self, key: Hashable) -> None:
+        self._call("touch", key)
+
+    def remove(self, key: Hashable) -> None:
+        self._call("remove", key)
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("insert_many", keys)
+
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("touch_many", keys)
+
+    def remove_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("remove_many", keys)
+
+    def observe_scores(self, scores) -> None:
+        if self.wants_scores:
+            self._call("observe_scores", scores)
+
+    def evict(self, n: int, is_evictable: Callable[[Hashable], bool]) -> Optional[list]:
+        """The plug-in's victims, checked: ``n`` distinct keys that ``is_evictable`` allows,
+        or None. Anything else (or an exception) is a failure, answered by ``lru``."""
+        try:
+            victims = self.inner.evict(n, is_evictable)
+            if victims is not None:
+                victims = list(victims)
+                wrong = _contract_breach(victims, n, is_evictable)
+                if wrong:
+                    raise ValueError(wrong)
+            return victims
+        except Exception as exc:  # noqa: BLE001 - a plug-in's bug, or a broken contract
+            if self.failure is not None:
+                raise
+            self._failed("evict", exc)
+            return self.inner.evict(n, is_evictable)
+
+    def __len__(self) -> int:
+        try:
+            return len(self.inner)
+        except Exception as exc:  # noqa: BLE001 - the same
+            if self.failure is not None:
+                raise
+            self._failed("__len__", exc)
+            return len(self.inner)
+
+
+def _contract_breach(victims: list, n: int, is_evictable: Callable[[Hashable], bool]) -> str:
+    """What is wrong with ``evict``'s answer, or "" (``EvictionPolicy.evict``'s contract)."""
+    if len(set(victims)) != len(victims):
+        return f"evict({n}) named a block twice: {victims!r}"
+    if len(victims) != n:
+        return f"evict({n}) returned {len(victims)} victims"
+    for key in victims:
+        if not is_evictable(key):
+            return f"evict({n}) named {key!r}, which may not be evicted now (pinned, protected or not there)"
+    return ""
