@@ -269,3 +269,45 @@ def test_wrap_installs_retention(tmp_path):
     out = generate(model, prompt_ids(), max_new_tokens=NEW)
     assert out.sequences.shape[-1] == PROMPT + NEW
     assert model.tiercache_last.attention_stats()["retention"]["dropped_tokens"] > 0
+
+
+@pytest.mark.parametrize("breach, message", [
+    ("a token twice", "distinct and sorted"),
+    ("past the end", "distinct and sorted"),
+    ("too few", r"shape \(1, 2, 6\), not \[B, H_kv, budget\] = \(1, 2, 7\)"),
+    ("floats", "not a tensor of token indices"),
+    ("raises", "failed in keep: IndexError: policy bug"),
+])
+def test_a_plugin_retention_that_breaks_keep_is_named_before_it_costs_a_token(breach, message, tmp_path):
+    """A plug-in retention policy whose ``keep`` names a token twice (a silently wrong cache:
+    that token would count twice in attention), one past the stored tokens, fewer than the
+    budget, floats, or raises: ``generate()`` stops with a ``PolicyError`` that names the
+    policy and the breach, before the answer is used. (Before the check, the first and the
+    third case generated their tokens without a word, and the second and fourth stopped
+    with an error from inside torch's ``gather``.)"""
+    from tiercache.policies import RETENTION_POLICIES as registry
+
+    class Broken(registry["streaming"]):
+        def keep(self, scores, valid, budget):
+            index = super().keep(scores, valid, budget)
+            if breach == "a token twice":
+                index[..., 1] = index[..., 0]
+            elif breach == "past the end":
+                index[..., -1] = valid.shape[-1]
+            elif breach == "too few":
+                index = index[..., 1:]
+            elif breach == "floats":
+                index = index.float()
+            else:
+                raise IndexError("policy bug")
+            return index
+
+    registry["broken"] = Broken
+    try:
+        model = tiny_model("llama")
+        cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, retention="broken", retention_budget=BUDGET)
+        with TieredCache(model, cfg) as cache:
+            with pytest.raises(tiercache.PolicyError, match=rf"the retention policy 'broken' .*{message}"):
+                generate(model, prompt_ids(), cache=cache, max_new_tokens=3)
+    finally:
+        del registry["broken"]

@@ -255,3 +255,42 @@ def test_quest_on_the_real_model(tmp_path):
     # read back from disk (as demand reads, or as prefetches that landed in time: those
     # count as hits where they landed, so disk hits alone may be zero)
     assert sum(m["blocks"] for name, m in stats["moves"].items() if name.startswith("disk->")) > 0, stats["moves"]
+
+
+@pytest.mark.parametrize("breach, message", [
+    ("a head reads nothing", "must read the newest page"),
+    ("not the newest page", "must read the newest page"),
+    ("one page short", r"shape \(1, 2, \d+\), not \[B, H_kv, P\] = \(1, 2, \d+\)"),
+    ("ints", "not a bool tensor"),
+    ("raises", "failed in choose: RuntimeError: policy bug"),
+])
+def test_a_plugin_selection_that_breaks_choose_is_named_before_attention_runs(breach, message, tmp_path):
+    """A plug-in selection policy whose ``choose`` leaves a KV head with no page (its
+    attention would run over nothing), skips the newest page (the step's own token), has
+    the wrong shape or dtype, or raises: ``generate()`` stops with a ``PolicyError`` naming
+    the policy and the breach. (Before the check, the first three cases generated their
+    tokens without a word, and the fourth stopped with an error from inside SDPA.)"""
+    class Broken(QuestSelection):
+        def choose(self, query, key_min, key_max, budget_pages):
+            chosen = super().choose(query, key_min, key_max, budget_pages)
+            if breach == "a head reads nothing":
+                chosen[:, 0] = False
+            elif breach == "not the newest page":
+                chosen[..., -1] = False
+            elif breach == "one page short":
+                chosen = chosen[..., :-1]
+            elif breach == "ints":
+                chosen = chosen.int()
+            else:
+                raise RuntimeError("policy bug")
+            return chosen
+
+    SELECTION_POLICIES["broken"] = Broken
+    try:
+        model = tiny_model("llama")
+        cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, selection="broken", selection_budget=3 * BT)
+        with TieredCache(model, cfg) as cache:
+            with pytest.raises(tiercache.PolicyError, match=rf"the selection policy 'broken' .*{message}"):
+                generate(model, prompt_ids(), cache=cache, max_new_tokens=NEW)
+    finally:
+        del SELECTION_POLICIES["broken"]

@@ -28,5 +28,6 @@ class TierIOError(TierCacheError):
 
 
 class PolicyError(TierCacheError, RuntimeError):
-    """A plug-in eviction policy raised (or broke its contract). The store's data are
-    intact; the tier evicts with ``lru`` from then on (``tiercache.guard``)."""
+    """A plug-in policy raised, or broke its contract (``tiercache.guard``). An eviction
+    policy's failure cost no data: its tier evicts with ``lru`` from then on. A selection
+    or retention policy's answer is refused before it is used."""

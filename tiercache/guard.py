@@ -36,8 +36,27 @@ FALLBACK = "lru"
 
 
 def is_plugin(policy: object) -> bool:
-    """True for a policy whose class tiercache does not ship (the guard is for those)."""
+    """True for a policy (of any kind) whose class tiercache does not ship: the store calls
+    such an eviction policy through ``GuardedPolicy``, and checks the answers of such a
+    selection or retention policy (``plugin_answer``)."""
     return not type(policy).__module__.startswith("tiercache.policies.")
+
+
+def plugin_answer(kind: str, name: str, method: str, call: Callable[[], object],
+                  breach: Callable[[object], str]) -> object:
+    """``call()``, a plug-in ``kind`` policy's ``method``, checked: its exception, or the
+    breach of its contract that ``breach(answer)`` describes (else ""), is raised as a
+    ``PolicyError`` naming the policy, before the answer is used (a selection's pages, a
+    retention's tokens: a wrong one would be a torch error from deep inside, or silently
+    wrong tokens)."""
+    try:
+        answer = call()
+    except Exception as exc:  # noqa: BLE001 - a plug-in's bug, named
+        raise PolicyError(f"the {kind} policy {name!r} failed in {method}: {type(exc).__name__}: {exc}") from exc
+    problem = breach(answer)
+    if problem:
+        raise PolicyError(f"the {kind} policy {name!r} broke the contract of {method}: {problem}")
+    return answer
 
 
 class GuardedPolicy(EvictionPolicy):

@@ -637,12 +637,13 @@ class TieredCache(Cache):
             from tiercache.policies import make_selection
             from tiercache.selection import SelectionState
 
-            selection = SelectionState(make_selection(cfg.selection), cfg.selection_budget, cfg.block_tokens)
+            selection = SelectionState(make_selection(cfg.selection), cfg.selection_budget, cfg.block_tokens,
+                                       cfg.selection)
         if cfg.retention is not None:
             from tiercache.policies import make_retention
             from tiercache.retention import RetentionState
 
-            retention = RetentionState(self, make_retention(cfg.retention), cfg.retention_budget)
+            retention = RetentionState(self, make_retention(cfg.retention), cfg.retention_budget, cfg.retention)
         return selection, retention
 
     def attention_stats(self) -> dict:

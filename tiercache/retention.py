@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from tiercache.attention import PLAN_ATTR, as_mask, attention_mass, visible
+from tiercache.guard import is_plugin, plugin_answer
 
 if TYPE_CHECKING:
     from tiercache.hf import TieredCache, TieredLayer
@@ -103,10 +104,12 @@ class RetentionPlan:
 class RetentionState:
     """The cache's retention machinery: the policy, the budget and each full layer's state."""
 
-    def __init__(self, cache: "TieredCache", policy: "RetentionPolicy", budget: int) -> None:
+    def __init__(self, cache: "TieredCache", policy: "RetentionPolicy", budget: int, name: str = "") -> None:
         self.cache = cache
         self.policy = policy
         self.budget = budget
+        self.name = name or policy.name  # as registered
+        self.plugin = is_plugin(policy)  # its answers are checked (``_keep``)
         self.layers: dict = {}  # layer_idx -> LayerState
         self.dropped_tokens = 0
         self.compactions = 0
@@ -163,11 +166,19 @@ class RetentionState:
         if n <= budget:
             return
         with torch.no_grad():
-            index = policy.keep(scores, state.valid, budget)
+            index = self._keep(scores, state.valid, budget)
         if policy.prompt_only:
             state.pending = index
             return
         self.compact(plan.layer_idx, index, key, value)
+
+    def _keep(self, scores: Optional[torch.Tensor], valid: torch.Tensor, budget: int) -> torch.Tensor:
+        """The policy's ``keep``; a plug-in's answer checked first (``tiercache.guard``)."""
+        if not self.plugin:
+            return self.policy.keep(scores, valid, budget)
+        index = plugin_answer("retention", self.name, "keep", lambda: self.policy.keep(scores, valid, budget),
+                              lambda answer: _keep_breach(answer, valid, budget))
+        return index.long()
 
     def compact(self, layer_idx: int, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep the tokens ``index`` [B, H, budget] of the layer whose stored K/V are key/value."""
@@ -198,3 +209,20 @@ class RetentionState:
 def attach(plan: RetentionPlan, keys: torch.Tensor) -> torch.Tensor:
     setattr(keys, PLAN_ATTR, plan)
     return keys
+
+
+def _keep_breach(index: Any, valid: torch.Tensor, budget: int) -> str:
+    """What is wrong with ``keep``'s answer (``RetentionPolicy.keep``'s contract), or ""."""
+    b, h, n = valid.shape
+    if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex \
+            or index.dtype == torch.bool:
+        return (f"it returned {type(index).__name__} {getattr(index, 'dtype', '')}, not a tensor of token "
+                f"indices (integers)").replace("  ", " ")
+    if tuple(index.shape) != (b, h, budget):
+        return f"it returned indices of shape {tuple(index.shape)}, not [B, H_kv, budget] = {(b, h, budget)}"
+    index = index.to(valid.device)
+    ok = (index[..., 0] >= 0).all() & (index[..., 1:] > index[..., :-1]).all() & (index[..., -1] == n - 1).all()
+    if not bool(ok):
+        return (f"the indices must be distinct and sorted per row and KV head, within the {n} tokens stored, "
+                f"and end with the newest token ({n - 1})")
+    return ""

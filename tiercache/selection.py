@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from tiercache.attention import PLAN_ATTR, as_mask, visible
+from tiercache.guard import is_plugin, plugin_answer
 
 if TYPE_CHECKING:
     from tiercache.hf import TieredCache
@@ -105,7 +106,7 @@ class SelectionPlan:
         kmin, kmax = sel.bounds.get(self.layer_idx, 0, num_pages)
         grouped = query[:, :, -1].reshape(b, hkv, hq // hkv, d)  # [B, H_kv, R, D]
         with torch.no_grad():
-            chosen = sel.policy.choose(grouped, kmin, kmax, sel.budget_pages)  # [B, H_kv, P]
+            chosen = sel.choose(grouped, kmin, kmax)  # [B, H_kv, P]
         pages = chosen.any(dim=1).any(dim=0).nonzero().flatten().tolist()
         lengths = [min(bt, self.num_tokens - p * bt) for p in pages]
         keys = [self.keys[p] for p in pages]
@@ -131,13 +132,25 @@ class SelectionPlan:
 class SelectionState:
     """The cache's selection machinery: the policy, the page bounds and counters."""
 
-    def __init__(self, policy: "SelectionPolicy", budget_tokens: int, block_tokens: int) -> None:
+    def __init__(self, policy: "SelectionPolicy", budget_tokens: int, block_tokens: int, name: str = "") -> None:
         self.policy = policy
+        self.name = name or policy.name  # as registered
+        self.plugin = is_plugin(policy)  # its answers are checked (``choose``)
         self.budget_pages = budget_tokens // block_tokens
         self.bounds = PageBounds(block_tokens)
         self.steps = 0
         self.pages_read = 0
         self.pages_total = 0
+
+    def choose(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
+        """The policy's pages ([B, H_kv, P] bool); a plug-in's answer checked first
+        (``tiercache.guard``): a (row, KV head) that read no page, or not the newest (the
+        step's own token), would attend to nothing, or not to itself."""
+        policy, budget = self.policy, self.budget_pages
+        if not self.plugin:
+            return policy.choose(query, key_min, key_max, budget)
+        return plugin_answer("selection", self.name, "choose", lambda: policy.choose(query, key_min, key_max, budget),
+                             lambda answer: _choice_breach(answer, tuple(key_min.shape[:3])))
 
     def note(self, pages_read: int, pages_total: int) -> None:
         self.steps += 1
@@ -147,3 +160,14 @@ class SelectionState:
     def stats(self) -> dict:
         return {"policy": self.policy.name, "budget_pages": self.budget_pages, "layer_steps": self.steps,
                 "pages_read": self.pages_read, "pages_total": self.pages_total}
+
+
+def _choice_breach(chosen: Any, shape: tuple) -> str:
+    """What is wrong with ``choose``'s answer (``SelectionPolicy``'s contract), or ""."""
+    if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool:
+        return f"it returned {type(chosen).__name__} {getattr(chosen, 'dtype', '')}, not a bool tensor".replace("  ", " ")
+    if tuple(chosen.shape) != shape:
+        return f"it returned pages of shape {tuple(chosen.shape)}, not [B, H_kv, P] = {shape}"
+    if not bool(chosen[..., -1].all()):
+        return "every row and KV head must read the newest page (it holds the step's own token)"
+    return ""
