@@ -397,6 +397,64 @@ def test_a_plugin_policy_bug_stops_generate_by_name_and_costs_no_tokens(tmp_path
         del EVICTION_POLICIES["brittle"]
 
 
+@pytest.mark.parametrize("breach, message", [
+    ("a number", "plan: it returned int, not a list of block keys"),
+    ("an unhashable key", r"plan: it named \[1, 2\], which is not a block key"),
+    ("raises in plan", "failed in plan: KeyError"),
+    ("raises in observe", "failed in observe: KeyError"),
+    ("keys it does not hold", None),
+    ("a set", None),
+    ("a generator", None),
+])
+def test_a_plugin_prefetch_plan_is_checked_and_keys_it_does_not_hold_are_skipped(breach, message, tmp_path):
+    """A plug-in prefetch policy's plan must be a list of block keys, most urgent first (a
+    set or a generator will do). A number, an unhashable key, or an exception in ``plan``
+    or ``observe`` stops ``generate()`` with a ``PolicyError`` naming the policy and the
+    call (an unhashable key used to be a ``TypeError`` from inside the store). Keys the
+    cache does not hold (another sequence's, made up) are skipped: the logits equal
+    DynamicCache's."""
+    from tiercache.policies import PREFETCH_POLICIES
+
+    class Sloppy(PREFETCH_POLICIES["next-layer"]):
+        def observe(self, layer_idx, keys):
+            if breach == "raises in observe" and layer_idx == 1:
+                raise KeyError(layer_idx)
+            super().observe(layer_idx, keys)
+
+        def plan(self, layer_idx, num_layers, blocks_of_layer):
+            ahead = list(super().plan(layer_idx, num_layers, blocks_of_layer))
+            if breach == "a number":
+                return len(ahead)
+            if breach == "a generator":
+                return (key for key in ahead)
+            if breach == "a set":
+                return set(ahead)
+            if breach == "an unhashable key":
+                return ahead + [[1, 2]]
+            if breach == "raises in plan" and layer_idx == 1:
+                raise KeyError(layer_idx)
+            if breach == "keys it does not hold":
+                return [tiercache.BlockKey(99, layer_idx, 0), ("made", "up")] + ahead
+            return ahead
+
+    PREFETCH_POLICIES["sloppy"] = Sloppy
+    try:
+        model = tiny_model("llama")
+        ids = prompt_ids()
+        need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+        cfg = tight_config(model, tmp_path, batch=1, device_blocks=need + 2, prefetch="sloppy")
+        with tiercache.TieredCache(model, cfg) as cache:
+            if message is None:
+                out = generate(model, ids, cache=cache, max_new_tokens=NEW)
+                assert_same(generate(model, ids, max_new_tokens=NEW), out, breach)
+                assert_all_tiers_used(cache.stats())
+            else:
+                with pytest.raises(tiercache.PolicyError, match=rf"the prefetch policy 'sloppy' .*{message}"):
+                    generate(model, ids, cache=cache, max_new_tokens=NEW)
+    finally:
+        del PREFETCH_POLICIES["sloppy"]
+
+
 NEW_EVICTIONS = sorted(set(EVICTION_POLICIES) - {"lru", "fifo", "lfu"})
 
 

@@ -25,6 +25,7 @@ comparison of policies does not go on quietly measuring ``lru``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Callable, Hashable, Iterable, Optional
 
 from tiercache.errors import PolicyError
@@ -57,6 +58,27 @@ def plugin_answer(kind: str, name: str, method: str, call: Callable[[], object],
     if problem:
         raise PolicyError(f"the {kind} policy {name!r} broke the contract of {method}: {problem}")
     return answer
+
+
+def as_plan(plan: object) -> object:
+    """A prefetch policy's ``plan`` as a list, if it is an iterable of keys (a list, a
+    tuple, a set, a generator); anything else as it is, for ``plan_breach`` to name."""
+    if isinstance(plan, list) or not isinstance(plan, Iterable) or isinstance(plan, (str, bytes, Mapping)):
+        return plan
+    return list(plan)
+
+
+def plan_breach(plan: object) -> str:
+    """What is wrong with a prefetch policy's plan (after ``as_plan``), or "": it must be a
+    list of block keys. A key the cache does not hold is skipped."""
+    if not isinstance(plan, list):
+        return f"it returned {type(plan).__name__}, not a list of block keys"
+    for key in plan:
+        try:
+            hash(key)
+        except TypeError:
+            return f"it named {key!r}, which is not a block key (not hashable)"
+    return ""
 
 
 class GuardedPolicy(EvictionPolicy):

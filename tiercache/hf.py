@@ -23,6 +23,7 @@ from tiercache.config import TierConfig, format_bytes
 from tiercache.disk import ensure_private_dir
 from tiercache.errors import CapacityError, TierCacheError, UnsupportedModelError
 from tiercache.events import Events
+from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
 from tiercache.policies import make_eviction, make_prefetch
 from tiercache.attention import PROBE_ATTR, SCORES_ATTR, _inner_name
 from tiercache.store import BlockStore
@@ -176,6 +177,7 @@ class TieredCache(Cache):
         self.events = Events(self.tier_config.eviction)
         self.prefetch_policy = make_prefetch(self.tier_config.prefetch, **(
             {"depth": self.tier_config.prefetch_depth} if self.tier_config.prefetch == "lookahead" else {}))
+        self._prefetch_plugin = is_plugin(self.prefetch_policy)  # its plans are checked (``_plan_ahead``)
         self.seq_id = next(_SEQ_IDS)
         self._key_rows: list = [[] for _ in layers]  # per layer: BlockKey of block i at [i] (made once)
         # per layer: (pool K, first slot, slots, K, V, their geometry): views of the device pool
@@ -553,8 +555,7 @@ class TieredCache(Cache):
         # Views of the device pool when the blocks are adjacent there (held until the next
         # update); a copy with retention, which rewrites blocks while attention still runs.
         # The prefetch plan is queued behind this layer's own reads, before waiting for them.
-        self.prefetch_policy.observe(layer_idx, needed)
-        ahead = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
+        ahead = self._plan_ahead(layer_idx, needed)
         if q == 1 and not retained and self._attends_in_place():
             from tiercache.streaming import BlockAttentionPlan
 
@@ -589,9 +590,7 @@ class TieredCache(Cache):
         read_from = layer.visible_start()
         lo = read_from // bt
         needed = self._keys(layer_idx, lo, tail + 1)
-        prefetch = self.prefetch_policy
-        prefetch.observe(layer_idx, needed)
-        ahead = prefetch.plan(layer_idx, self.num_layers, self._blocks_of)
+        ahead = self._plan_ahead(layer_idx, needed)
         store = self.store
         first = store.hold_resident(needed[-1], needed, ahead)
         if first is None:
@@ -705,6 +704,20 @@ class TieredCache(Cache):
         if self.trace is not None and self._pending_read is not None:
             self._pending_read = (keys, self._pending_read[1])
 
+    def _plan_ahead(self, layer_idx: int, needed: list) -> list:
+        """The prefetch policy hears which blocks layer ``layer_idx`` reads (``observe``) and
+        names those to bring up next (``plan``). A plug-in's exception, or a plan that is not
+        a list of block keys (``plan_breach``), is a ``PolicyError`` naming it
+        (``tiercache.guard``), not an error from inside the store."""
+        policy = self.prefetch_policy
+        if not self._prefetch_plugin:
+            policy.observe(layer_idx, needed)
+            return policy.plan(layer_idx, self.num_layers, self._blocks_of)
+        name = self.tier_config.prefetch
+        plugin_answer("prefetch", name, "observe", lambda: policy.observe(layer_idx, needed), lambda _: "")
+        return plugin_answer("prefetch", name, "plan",
+                             lambda: as_plan(policy.plan(layer_idx, self.num_layers, self._blocks_of)), plan_breach)
+
     def _after_read(self, layer_idx: int, needed: list, offset: int, keys: torch.Tensor,
                     values: torch.Tensor, planned: bool = False) -> tuple:
         """After a layer's blocks were read: scores hook, prefetch (unless ``planned``: the
@@ -713,8 +726,7 @@ class TieredCache(Cache):
         if self.wants_scores or self.trace is not None:
             setattr(keys, SCORES_ATTR, self._scores_hook(needed, offset))
         if not planned:
-            self.prefetch_policy.observe(layer_idx, needed)  # with selection: the pages chosen
-            plan = self.prefetch_policy.plan(layer_idx, self.num_layers, self._blocks_of)
+            plan = self._plan_ahead(layer_idx, needed)  # with selection: the pages chosen
             if plan:
                 store.prefetch(plan, protect=needed, dst=store.attention_tier)
         if layer.is_sliding and not layer.record_past:
