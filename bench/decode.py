@@ -412,6 +412,9 @@ def run(argv: Optional[list] = None) -> int:
         return 0
     if args.new_tokens < 1 or args.rounds < 0:
         raise ValueError(f"--new-tokens must be >= 1 and --rounds >= 0, got {args.new_tokens} and {args.rounds}")
+    for flag, value in (("--context", args.context), ("--prefill-chunk", args.prefill_chunk)):
+        if value < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {value}")
     from tiercache.config import TierConfig
 
     for flag, value in (("--device-fraction", args.device_fraction), ("--host-fraction", args.host_fraction)):

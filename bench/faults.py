@@ -297,6 +297,8 @@ def run(argv: Optional[list] = None) -> int:
     unknown = [k for k in kinds if k not in FAULTS]
     if unknown:
         raise ValueError(f"--faults: unknown {unknown}; known: {'; '.join(FAULTS)}")
+    if args.repeat < 1:  # a table of zeros would read as "no wrong answer"
+        raise ValueError(f"--repeat: must be >= 1, got {args.repeat}")
     model = tiny_model()
     rows = []
     with tempfile.TemporaryDirectory(prefix="tiercache-faults-", dir=args.dir) as workdir:

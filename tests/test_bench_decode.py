@@ -150,6 +150,8 @@ def test_bench_decode_refuses_bad_arguments():
         (["--setups", "dynamic,disk@mru"], "--setups: disk@mru: eviction: unknown policy 'mru'; known: .*layer-cycle"),
         (["--setups", "dynamic,disk@"], "--setups: disk@: eviction: unknown policy ''"),
         (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: .*layer-cycle"),
+        (["--context", "0"], "--context: must be >= 1, got 0"),  # was an UnboundLocalError
+        (["--prefill-chunk", "-1"], "--prefill-chunk: must be >= 1, got -1"),
     ]
     for argv, message in refusals:
         with pytest.raises(ValueError, match=message):

@@ -26,6 +26,12 @@ def cli(*args, input_text=None, timeout=600):
     (["--remote-url", "redis://127.0.0.1:1/0"], "remote_url: the remote tier shares prefix-cache blocks"),
     (["--remote-url", "redis://127.0.0.1:1/0", "--remote-timeout", "0"], "remote_timeout"),
     (["--disk-dir", "KV", "--disk-io", "kvikio"], "disk_io: 'kvikio' cannot run here"),
+    # before the model loads (its progress bar made two lines), not after it
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    # refused before the run, not a traceback after it (/proc: root passes the permission
+    # bits, but no file can be made there)
+    (["--stats-json", "/proc/tiercache-stats.json"], "--stats-json: cannot write '/proc/tiercache-stats.json'"),
+    (["--metrics-textfile", "/nonexistent/m.prom"], "--metrics-textfile: cannot write '/nonexistent/m.prom'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     if message.startswith("disk_io: 'kvikio'"):

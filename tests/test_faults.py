@@ -75,6 +75,14 @@ def test_bench_faults_reports_every_fault(tmp_path):
     assert set(FAULTS) >= set(rows)
 
 
+def test_bench_faults_refuses_zero_injections():
+    """``--repeat 0`` printed a table of zeros, which reads as "no wrong answer"."""
+    from tiercache.bench.faults import run
+
+    with pytest.raises(ValueError, match="--repeat: must be >= 1, got 0"):
+        run(["--repeat", "0"])
+
+
 def test_pinned_memory_failure_falls_back_to_pageable_with_a_warning(caplog):
     """Asking for pinned host memory where it cannot be had (this CPU-only machine has no
     CUDA driver to pin with) gives page-aligned pageable memory, a warning, and the fallback

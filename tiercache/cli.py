@@ -131,8 +131,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 time.sleep(args.metrics_linger)
             stop_metrics(cache)
 
-    if args.trace_out:
-        check_writable("--trace-out", args.trace_out)
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    for flag, path in (("--trace-out", args.trace_out), ("--stats-json", args.stats_json),
+                       ("--metrics-textfile", args.metrics_textfile)):
+        if path:
+            check_writable(flag, path)
     result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
                            chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
                            stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done,
@@ -141,19 +145,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(stats_table(result["stats"], result["seconds"]), file=sys.stderr)
     if args.stats_json:
-        with open(args.stats_json, "w", encoding="utf-8") as f:
-            json.dump({"stats": result["stats"], "attention": result["attention"], "seconds": result["seconds"],
-                       "text": result["text"]}, f, indent=2)
+        try:
+            with open(args.stats_json, "w", encoding="utf-8") as f:
+                json.dump({"stats": result["stats"], "attention": result["attention"], "seconds": result["seconds"],
+                           "text": result["text"]}, f, indent=2)
+        except OSError as exc:  # checked before the run; the disk may have filled since
+            raise CLIError(f"--stats-json: cannot write {args.stats_json!r} ({exc.strerror or exc})") from None
     return 0
 
 
 def check_writable(flag: str, path: str) -> None:
-    """Fail before any slow work when an output file cannot be written."""
+    """Fail before any slow work when an output file cannot be written: the file is opened
+    for appending (and removed again if this made it). Permission bits alone do not tell:
+    root may write anywhere by them, yet not create a file in /proc."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise CLIError(f"{flag}: {path!r} is a directory")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise CLIError(f"{flag}: cannot write {path!r} (folder {folder!r} missing or not writable)")
+    if not os.path.isdir(folder):
+        raise CLIError(f"{flag}: cannot write {path!r} (folder {folder!r} missing)")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise CLIError(f"{flag}: cannot write {path!r} ({exc.strerror or exc})") from None
+    if not existed:
+        os.unlink(path)
 
 
 def split_list(flag: str, text: str) -> list:
