@@ -32,6 +32,7 @@ def cli(*args, input_text=None, timeout=600):
     # bits, but no file can be made there)
     (["--stats-json", "/proc/tiercache-stats.json"], "--stats-json: cannot write '/proc/tiercache-stats.json'"),
     (["--metrics-textfile", "/nonexistent/m.prom"], "--metrics-textfile: cannot write '/nonexistent/m.prom'"),
+    (["--metrics-port", "99999"], "--metrics-port: must be in [0, 65535]"),  # was an OverflowError
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     if message.startswith("disk_io: 'kvikio'"):

@@ -236,6 +236,29 @@ def test_serves_on_loopback_only_unless_another_address_is_asked_for(make_cache)
         assert "tiercache_tier_budget_bytes" in response.read().decode()
 
 
+def test_an_endpoint_that_cannot_listen_is_one_clear_error(make_cache):
+    """A port another socket holds, an address no interface has, a port out of range: one
+    error naming the address and the reason (a ``MetricsServerError``, still an
+    ``OSError``), not an ``OverflowError`` or ``gaierror`` from inside the socket module.
+    The cache's metrics keep working on a port that is free."""
+    cache = make_cache()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(tiercache.MetricsServerError, match=rf"cannot serve on 127.0.0.1:{port} \(.*in use"):
+            serve_metrics(cache, port=port)
+    finally:
+        taken.close()
+    with pytest.raises(OSError, match=r"cannot serve on 999.1.1.1:0 \("):
+        serve_metrics(cache, addr="999.1.1.1")
+    for bad in (70000, -1, "8080"):
+        with pytest.raises(ValueError, match=r"metrics port: must be an integer in \[0, 65535\]"):
+            serve_metrics(cache, port=bad)
+    scrape(serve_metrics(cache))
+
+
 def test_each_cache_has_its_own_registry_and_nothing_goes_to_the_default_one_unless_asked(model, make_cache):
     first, second = make_cache(), make_cache()
     generate(model, first, max_new_tokens=4)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tiercache.config import TierConfig, parse_bytes
-from tiercache.errors import (BlockCorruptedError, CacheDirError, CapacityError, PolicyError, TierCacheError,
-                              TierIOError, UnsupportedModelError)
+from tiercache.errors import (BlockCorruptedError, CacheDirError, CapacityError, MetricsServerError, PolicyError,
+                              TierCacheError, TierIOError, UnsupportedModelError)
 from tiercache.table import BlockKey, Tier
 
 __version__ = "0.1.0"
@@ -39,4 +39,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["TierConfig", "parse_bytes", "TierCacheError", "TierIOError", "CapacityError", "PolicyError",
-           "BlockCorruptedError", "UnsupportedModelError", "CacheDirError", "BlockKey", "Tier", *_LAZY]
+           "BlockCorruptedError", "UnsupportedModelError", "CacheDirError", "MetricsServerError", "BlockKey", "Tier",
+           *_LAZY]

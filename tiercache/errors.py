@@ -31,3 +31,7 @@ class PolicyError(TierCacheError, RuntimeError):
     """A plug-in policy raised, or broke its contract (``tiercache.guard``). An eviction
     policy's failure cost no data: its tier evicts with ``lru`` from then on. A selection
     or retention policy's answer is refused before it is used."""
+
+
+class MetricsServerError(TierCacheError, OSError):
+    """The metrics endpoint cannot listen where asked (port taken, unknown address, ...)."""

@@ -28,6 +28,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
+from tiercache.errors import MetricsServerError
+
 log = logging.getLogger("tiercache")
 
 # One block moves in microseconds (RAM) to tens of milliseconds (NVMe, large blocks).
@@ -140,7 +142,12 @@ class CacheMetrics(Collector):
         """
         if self.closed:
             raise RuntimeError("CacheMetrics is closed")
-        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"metrics port: must be an integer in [0, 65535], got {port!r}")
+        try:
+            server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:  # port taken, an address no interface has, a name that does not resolve
+            raise MetricsServerError(f"metrics: cannot serve on {addr}:{port} ({exc.strerror or exc})") from exc
         with self._lock:
             self._servers.append((server, thread))
         return int(server.server_address[1])
