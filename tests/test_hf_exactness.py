@@ -819,3 +819,29 @@ def test_unsupported_real_model_object(tmp_path):
     model = transformers.AutoModelForSeq2SeqLM.from_config(_encoder_decoder_t5()).eval()
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
         tiercache.TieredCache(model, TierConfig(device_budget="1MiB"))
+
+
+def test_wrong_objects_are_refused_by_name():
+    """The wrong object in the wrong place gets a TypeError naming what was expected and
+    what came, not an AttributeError from deep inside: no model, a model name instead of a
+    model, a dict of settings instead of a TierConfig (which ``wrap`` used to accept, to
+    fail at the first generate()), the config where the model goes, a string as the
+    store's geometry."""
+    from tiercache.store import BlockStore
+
+    model = tiny_model("llama")
+    refusals = [
+        (lambda: tiercache.TieredCache(None), r"expected a transformers model or its config .*got NoneType"),
+        (lambda: tiercache.TieredCache("HuggingFaceTB/SmolLM2-135M"), r"a PretrainedConfig\), got str"),
+        (lambda: tiercache.TieredCache(TierConfig()), r"a PretrainedConfig\), got TierConfig"),
+        (lambda: tiercache.TieredCache(model, {"device_budget": "1MiB"}),
+         r"config: expected a tiercache.TierConfig, got dict \(build one: tiercache.TierConfig\(\*\*your_dict\)\)"),
+        (lambda: tiercache.wrap(model, "32MiB"), r"config: expected a tiercache.TierConfig, got str"),
+        (lambda: tiercache.wrap(None), r"wrap: expected a transformers model \(with generate\(\)\), got NoneType"),
+        (lambda: BlockStore({"device_budget": 1 << 20}, None), r"config: expected a tiercache.TierConfig, got dict"),
+        (lambda: BlockStore(TierConfig(), "geometry"), r"geometry: expected a tiercache BlockGeometry, got str"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert not getattr(model, "_tiercache_wrapped", False)

@@ -288,3 +288,14 @@ class TierConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return TierConfig(**values)
+
+
+def as_tier_config(config: Optional[TierConfig]) -> TierConfig:
+    """``config``, or ``TierConfig()`` for None; anything else is refused by name (a dict
+    would otherwise fail later, as an AttributeError from deep inside)."""
+    if config is None:
+        return TierConfig()
+    if not isinstance(config, TierConfig):
+        hint = " (build one: tiercache.TierConfig(**your_dict))" if isinstance(config, dict) else ""
+        raise TypeError(f"config: expected a tiercache.TierConfig, got {type(config).__name__}{hint}")
+    return config

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from tiercache.config import TierConfig, format_bytes
+from tiercache.config import TierConfig, as_tier_config, format_bytes
 from tiercache.disk import ensure_private_dir
 from tiercache.errors import CapacityError, TierCacheError, UnsupportedModelError
 from tiercache.events import Events
@@ -134,6 +134,9 @@ def check_supported(config: Any) -> Any:
     """Return the decoder's text config, or raise UnsupportedModelError naming the reason
     (or ``TierCacheError`` for a transformers release too old, ``check_transformers``)."""
     check_transformers()
+    if not callable(getattr(config, "get_text_config", None)):
+        raise TypeError(f"expected a transformers model or its config (a PretrainedConfig), got "
+                        f"{type(config).__name__}")
     arch = ", ".join(getattr(config, "architectures", None) or [getattr(config, "model_type", "?")])
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{arch}: encoder-decoder models are not supported (decoder-only causal LMs only)")
@@ -166,7 +169,7 @@ class TieredCache(Cache):
 
     def __init__(self, model: Any, config: Optional[TierConfig] = None, *,
                  trace: Union[str, "TraceWriter", None] = None) -> None:
-        self.tier_config = config if config is not None else TierConfig()
+        self.tier_config = as_tier_config(config)
         model_config = getattr(model, "config", model)
         text = check_supported(model_config)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
@@ -898,8 +901,10 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     The cache of the latest call stays readable as ``model.tiercache_last``; its I/O workers
     stop when the call returns.
     """
+    if not callable(getattr(model, "generate", None)):
+        raise TypeError(f"wrap: expected a transformers model (with generate()), got {type(model).__name__}")
     check_supported(model.config)
-    cfg = config if config is not None else TierConfig()
+    cfg = as_tier_config(config)
     if getattr(model, "_tiercache_wrapped", False):
         model._tiercache_config = cfg
         return model

@@ -20,7 +20,7 @@ from typing import Hashable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from tiercache.config import TierConfig, format_bytes
+from tiercache.config import TierConfig, as_tier_config, format_bytes
 from tiercache.disk import DiskTier, RecordError, resolve_disk_io
 from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
@@ -89,7 +89,9 @@ class BlockStore:
                  device: Optional[torch.device | str] = None, disk_dir: Optional[str] = None,
                  persistent: bool = True, model_digest: bytes = b"",
                  events: Optional[Events] = None) -> None:
-        self.config = config
+        self.config = config = as_tier_config(config)
+        if not isinstance(geometry, BlockGeometry):
+            raise TypeError(f"geometry: expected a tiercache BlockGeometry, got {type(geometry).__name__}")
         self.geometry = geometry
         self.device = torch.device(device if device is not None else (config.device or "cpu"))
         self.events = events if events is not None else Events(config.eviction)
