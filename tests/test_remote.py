@@ -168,6 +168,42 @@ def test_a_second_machine_loads_the_prefix_from_the_server_exactly(tmp_path, mod
 
 
 @needs_server
+def test_a_local_failure_while_a_prefix_comes_from_the_server_is_raised_not_blamed_on_it(tmp_path, model,
+                                                                                         shared_url):
+    """Machine B takes the prefix machine A published, while B's plug-in eviction policy
+    breaks on the first block it stores (``tiercache.guard``). The ``PolicyError`` that the
+    next store call raises is B's own: ``load_prefix`` raises it. It used to be counted as
+    a server error, the server marked down for the retry period, and the error lost."""
+    from tiercache import PolicyError
+    from tiercache.policies import EVICTION_POLICIES
+
+    class Brittle(EVICTION_POLICIES["lru"]):
+        armed = False
+
+        def insert(self, key):
+            if Brittle.armed:
+                raise RuntimeError("policy bug")
+            super().insert(key)
+
+    ids = prompt(length=PROMPT_LEN)
+    config_a = cfg(tmp_path, shared_url, "a")
+    run(model, ids, config_a)
+    EVICTION_POLICIES["brittle"] = Brittle
+    try:
+        close_all()
+        with TieredCache(model, config_a.replace(disk_dir=str(tmp_path / "b"), eviction="brittle")) as cache:
+            Brittle.armed = True
+            with pytest.raises(PolicyError, match="'brittle' of the host tier failed in insert: RuntimeError"):
+                cache.load_prefix(ids)
+            Brittle.armed = False
+            remote = cache.stats()["remote"]
+            assert remote["state"] != "down" and not any(remote["errors"].values()), remote
+        close_all()
+    finally:
+        del EVICTION_POLICIES["brittle"]
+
+
+@needs_server
 def test_another_prompt_or_model_never_hits(tmp_path, model, shared_url):
     ids = prompt(length=PROMPT_LEN)
     config = cfg(tmp_path, shared_url, "a")

@@ -267,10 +267,14 @@ class RemoteTier:
         """Read every layer of ``blocks`` (found by ``lookup``) in pipelines of at most 32 MiB,
         handing each block's checked ``[2, B, H, T, D]`` tensors (one per layer) to
         ``take(block, tensors)``, which returns False to stop. A missing or bad record ends
-        the run at its block. Returns the blocks taken; never raises."""
+        the run at its block. Returns the blocks taken. A failure of the server is counted
+        and swallowed (the remote tier is a cache); one that ``take`` raises (the local
+        store's: a full tier, a plug-in policy's ``PolicyError``) is the caller's, raised
+        as it is, the blocks taken before it counted."""
         client = self._connection()
         taken = 0
         per_batch = max(1, BATCH_BYTES // self.block_bytes)
+        local: Optional[BaseException] = None  # what ``take`` raised: not the server's fault
         try:
             for start in range(0, len(blocks), per_batch):
                 if client is None or taken < start:
@@ -281,11 +285,24 @@ class RemoteTier:
                 for i, block in enumerate(group):
                     layers = self._decode_block(block, values[i * self.num_layers:(i + 1) * self.num_layers])
                     values[i * self.num_layers:(i + 1) * self.num_layers] = [None] * self.num_layers
-                    if layers is None or not take(block, layers):
+                    if layers is None:
+                        break
+                    try:
+                        took = take(block, layers)
+                    except BaseException as exc:
+                        local = exc
+                        raise
+                    if not took:
                         break
                     taken += 1
         except Exception as exc:  # noqa: BLE001
-            self._failed(exc, "reading a prefix")
+            if exc is not local:
+                self._failed(exc, "reading a prefix")
+        finally:
+            if local is not None:
+                self._count(hits=taken, misses=0, bytes_read=taken * self.num_layers * self.record_bytes)
+        if local is not None:
+            raise local
         self._count(hits=taken, misses=len(blocks) - taken, bytes_read=taken * self.num_layers * self.record_bytes)
         if taken:
             self.touch(blocks[:taken])
