@@ -37,7 +37,9 @@ class RetentionPolicy(ABC):
 
     @abstractmethod
     def keep(self, scores: Optional[Any], valid: Any, budget: int) -> Any:
-        """Indices (sorted, per row and KV head) of the ``budget`` tokens to keep.
+        """Indices (sorted, per row and KV head) of the ``budget`` tokens to keep:
+        [B, H_kv, budget] integers, distinct, the last the newest token (N - 1), which the
+        step being decoded attends to. A plug-in's answer is checked against this.
 
         scores: [B, H_kv, N] floats or None; valid: [B, H_kv, N] bool (False: a padding token,
         invisible to attention anyway, so the first to go). Tokens are in arrival order.

@@ -90,11 +90,14 @@ def test_a_plugin_that_raises_while_a_block_is_stored_costs_no_data(make_store, 
     ("pinned", r"named BlockKey\(seq=0, layer=0, index=0\), which may not be evicted now"),
     ("twice", r"named a block twice"),
     ("too many", r"evict\(1\) returned 2 victims"),
+    ("none", r"evict\(1\) returned None with 2 blocks evictable"),
 ])
 def test_a_plugin_victim_outside_the_contract_is_not_evicted(make_store, geometry, plugin, breach, message):
-    """``evict`` must name ``n`` distinct blocks that ``is_evictable`` allows. A plug-in
-    that names a pinned block (here: always the oldest, pinned by the test), a block twice
-    or too many blocks would have had the store move or drop what it may not. The guard
+    """``evict`` must name ``n`` distinct blocks that ``is_evictable`` allows, or None when
+    fewer are evictable. A plug-in that names a pinned block (here: always the oldest,
+    pinned by the test), a block twice or too many blocks would have had the store move or
+    drop what it may not; one that says None while two blocks could go, refuse the put
+    with a ``CapacityError`` that blames the pins. The guard
     checks the answer; ``lru`` answers instead, so the put that needed room completes, the
     pinned block stays on the device with its bytes, and the next call raises the breach."""
     class Careless(LRU):
@@ -104,6 +107,8 @@ def test_a_plugin_victim_outside_the_contract_is_not_evicted(make_store, geometr
                 return oldest[:n]
             if breach == "twice":
                 return [oldest[1]] * (n + 1)
+            if breach == "none":  # "fewer than n evictable": the store would believe it
+                return None
             return oldest[1:n + 2]
 
     store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20, eviction=plugin(Careless))
@@ -247,3 +252,30 @@ def test_a_failure_in_the_last_call_is_raised_by_close(make_store, geometry, plu
         store.close()
     assert store.closed and store.engine._closed
     store.close()  # once
+
+
+def test_the_fallback_is_tiercaches_lru_even_when_the_registry_name_is_taken(make_store, geometry):
+    """A user may register a class of their own under "lru". It is a plug-in, so it is
+    guarded; when it fails, the fallback must be tiercache's ``LRUPolicy``, not another
+    instance of the class that just failed (whose next failure would go straight into the
+    store's half-done step)."""
+    from tiercache.policies import LRUPolicy
+
+    class MyLRU(LRU):
+        def touch(self, key):
+            raise Bug("touch broke")
+
+    saved = EVICTION_POLICIES["lru"]
+    EVICTION_POLICIES["lru"] = MyLRU
+    try:
+        store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20, eviction="lru")
+        key = BlockKey(0, 0, 0)
+        store.put(key, block(geometry, 0))
+        store.get(key)  # touch breaks
+        guard = store.policies[Tier.DEVICE]
+        assert isinstance(guard, GuardedPolicy) and type(guard.inner) is LRUPolicy
+        with pytest.raises(PolicyError, match="'lru' of the device tier failed in touch"):
+            store.get(key)
+        assert torch.equal(store.get(key), block(geometry, 0))  # lru's touch: no failure now
+    finally:
+        EVICTION_POLICIES["lru"] = saved

@@ -362,8 +362,9 @@ def test_policies_are_lossless(eviction, prefetch, mode, tmp_path):
 def test_a_plugin_policy_bug_stops_generate_by_name_and_costs_no_tokens(tmp_path):
     """A plug-in eviction policy that raises on its sixth ``evict`` (mid-decode, blocks on
     every tier): ``generate()`` stops with a ``PolicyError`` naming the policy, the tier and
-    the call (raised by the store's next call, once the step that met it is complete). The
-    same plug-in, fixed, in a new cache gives DynamicCache's logits."""
+    the call (raised by the store's next call, once the step that met it is complete), and
+    what the cache holds then is consistent and exact. The same plug-in, fixed, in a new
+    cache gives DynamicCache's logits."""
     class Brittle(EVICTION_POLICIES["lru"]):
         calls, breaks_at = 0, 6
 
@@ -384,6 +385,20 @@ def test_a_plugin_policy_bug_stops_generate_by_name_and_costs_no_tokens(tmp_path
         with pytest.raises(tiercache.PolicyError, match=r"'brittle' of the \w+ tier failed in evict: "
                                                         r"ZeroDivisionError: policy bug"):
             generate(model, ids, cache=cache, max_new_tokens=NEW)
+        # What the cache holds after the failure is whole and exact: the table's invariants
+        # and budgets hold, no pin beyond the current step's own, and every token stored so
+        # far has DynamicCache's K and V.
+        store = cache.store
+        store.wait_idle()
+        store.check()
+        assert sum(store.table.get(k).pins for k in store.table.keys()) == len(cache._pinned)
+        for i, layer in enumerate(cache.layers):
+            n = layer.num_tokens
+            assert 0 < n <= ref.past_key_values.get_seq_length(i)
+            kv = torch.cat([store.get(key) for key in cache._blocks_of(i)], dim=3)[..., :n, :]
+            want = ref.past_key_values.layers[i]
+            assert torch.allclose(kv[0], want.keys[:, :, :n], atol=ATOL), f"layer {i}: K differs"
+            assert torch.allclose(kv[1], want.values[:, :, :n], atol=ATOL), f"layer {i}: V differs"
         cache.close()
         assert Brittle.calls >= Brittle.breaks_at
         Brittle.breaks_at = -1  # fixed

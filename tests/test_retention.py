@@ -277,17 +277,24 @@ def test_wrap_installs_retention(tmp_path):
     ("too few", r"shape \(1, 2, 6\), not \[B, H_kv, budget\] = \(1, 2, 7\)"),
     ("floats", "not a tensor of token indices"),
     ("raises", "failed in keep: IndexError: policy bug"),
+    ("raises in combine", "failed in combine: IndexError: policy bug"),
 ])
 def test_a_plugin_retention_that_breaks_keep_is_named_before_it_costs_a_token(breach, message, tmp_path):
     """A plug-in retention policy whose ``keep`` names a token twice (a silently wrong cache:
     that token would count twice in attention), one past the stored tokens, fewer than the
-    budget, floats, or raises: ``generate()`` stops with a ``PolicyError`` that names the
-    policy and the breach, before the answer is used. (Before the check, the first and the
-    third case generated their tokens without a word, and the second and fourth stopped
-    with an error from inside torch's ``gather``.)"""
+    budget, floats, or raises (in ``keep`` or in ``combine``, which merges attention scores):
+    ``generate()`` stops with a ``PolicyError`` that names the policy and the breach, before
+    the answer is used. (Before the check, the first and the third case generated their
+    tokens without a word, and the second and fourth stopped with an error from inside
+    torch's ``gather``.)"""
     from tiercache.policies import RETENTION_POLICIES as registry
 
-    class Broken(registry["streaming"]):
+    class Broken(registry["h2o" if breach == "raises in combine" else "streaming"]):  # h2o scores
+        def combine(self, previous, mass):
+            if breach == "raises in combine":
+                raise IndexError("policy bug")
+            return super().combine(previous, mass)
+
         def keep(self, scores, valid, budget):
             index = super().keep(scores, valid, budget)
             if breach == "a token twice":

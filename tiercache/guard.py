@@ -16,11 +16,16 @@ it raises, or ``evict`` breaks its contract, the guard
   moment (a policy that raised is in an unknown state; its ranking is lost);
 - answers the call that failed from ``lru`` (``evict``'s victims), so the store's step
   completes;
-- hands a ``PolicyError`` to the store, which raises it from the public call running then,
-  or the next one (``BlockStore._raise_policy_failure``).
+- hands a ``PolicyError`` to the store, which raises it from its next public call that
+  starts work, on any thread, or from ``close()`` (``BlockStore._raise_policy_failure``):
+  the call that met the failure completes.
 
 The data stay exact and the store keeps working; the user learns of the bug at once, and a
 comparison of policies does not go on quietly measuring ``lru``.
+
+Plug-ins of the other kinds are not called in the middle of the store's changes: their
+answers are checked before they are used (``plugin_answer``: a selection's pages, a
+retention's tokens, a prefetch plan), and a breach is a ``PolicyError`` at once.
 """
 from __future__ import annotations
 
@@ -29,11 +34,11 @@ from collections.abc import Mapping
 from typing import Callable, Hashable, Iterable, Optional
 
 from tiercache.errors import PolicyError
-from tiercache.policies import EVICTION_POLICIES, EvictionPolicy
+from tiercache.policies import EvictionPolicy, LRUPolicy
 
 log = logging.getLogger("tiercache")
 
-FALLBACK = "lru"
+FALLBACK = "lru"  # LRUPolicy itself, not what the registry holds under "lru" (a user may replace it)
 
 
 def is_plugin(policy: object) -> bool:
@@ -105,7 +110,7 @@ class GuardedPolicy(EvictionPolicy):
                             f"evicts with {FALLBACK!r} from now on; fix the policy and make a new cache")
         error.__cause__ = exc
         log.error("tiercache: %s", error, exc_info=exc)
-        fallback = EVICTION_POLICIES[FALLBACK]()
+        fallback = LRUPolicy()
         fallback.insert_many(self._ready_keys())
         self.inner = fallback
         self.wants_scores = False
@@ -144,14 +149,20 @@ class GuardedPolicy(EvictionPolicy):
 
     def evict(self, n: int, is_evictable: Callable[[Hashable], bool]) -> Optional[list]:
         """The plug-in's victims, checked: ``n`` distinct keys that ``is_evictable`` allows,
-        or None. Anything else (or an exception) is a failure, answered by ``lru``."""
+        or None when fewer than ``n`` blocks are evictable (counted over the tier, on that
+        rare path only). Anything else (or an exception) is a failure, answered by ``lru``."""
         try:
             victims = self.inner.evict(n, is_evictable)
             if victims is not None:
                 victims = list(victims)
                 wrong = _contract_breach(victims, n, is_evictable)
-                if wrong:
-                    raise ValueError(wrong)
+            elif self.failure is None:  # None: fewer than n evictable, which the store then believes
+                evictable = sum(1 for key in self._ready_keys() if is_evictable(key))
+                wrong = f"evict({n}) returned None with {evictable} blocks evictable" if evictable >= n else ""
+            else:
+                wrong = ""
+            if wrong:
+                raise ValueError(wrong)
             return victims
         except Exception as exc:  # noqa: BLE001 - a plug-in's bug, or a broken contract
             if self.failure is not None:

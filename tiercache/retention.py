@@ -162,7 +162,7 @@ class RetentionState:
             with torch.no_grad():
                 mass = attention_mass(query, key, plan.vis, scaling, softcap, rows)
             previous = state.scores if policy.score_rows == "all" else None
-            scores = state.scores = policy.combine(previous, mass)
+            scores = state.scores = self._combine(previous, mass)
         if n <= budget:
             return
         with torch.no_grad():
@@ -171,6 +171,13 @@ class RetentionState:
             state.pending = index
             return
         self.compact(plan.layer_idx, index, key, value)
+
+    def _combine(self, previous: Optional[torch.Tensor], mass: torch.Tensor) -> torch.Tensor:
+        """The policy's ``combine``; a plug-in's exception named (``tiercache.guard``)."""
+        if not self.plugin:
+            return self.policy.combine(previous, mass)
+        return plugin_answer("retention", self.name, "combine", lambda: self.policy.combine(previous, mass),
+                             lambda answer: "")
 
     def _keep(self, scores: Optional[torch.Tensor], valid: torch.Tensor, budget: int) -> torch.Tensor:
         """The policy's ``keep``; a plug-in's answer checked first (``tiercache.guard``)."""
