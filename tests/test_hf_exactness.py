@@ -161,6 +161,28 @@ def tight_config(model, tmp_path, *, batch: int, device_blocks: int, host_blocks
                       block_tokens=block_tokens, io_workers=2, **policies)
 
 
+@contextlib.contextmanager
+def registered(registry: dict, name: str, cls):
+    """``cls`` registered as ``name`` in a policy registry for the block (a plug-in)."""
+    registry[name] = cls
+    try:
+        yield name
+    finally:
+        del registry[name]
+
+
+def assert_plugin_refused(registry: dict, kind: str, cls, message: str, tmp_path, max_new_tokens: int = NEW,
+                          **config) -> None:
+    """``cls``, registered as the ``kind`` policy "broken" (with ``config``), stops
+    ``generate()`` on the tiny Llama with a ``PolicyError`` naming it and ``message``."""
+    model = tiny_model("llama")
+    with registered(registry, "broken", cls):
+        cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, **{kind: "broken"}, **config)
+        with tiercache.TieredCache(model, cfg) as cache:
+            with pytest.raises(tiercache.PolicyError, match=rf"the {kind} policy 'broken' .*{message}"):
+                generate(model, prompt_ids(), cache=cache, max_new_tokens=max_new_tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running and comparing
 # ---------------------------------------------------------------------------------------------
@@ -374,8 +396,7 @@ def test_a_plugin_policy_bug_stops_generate_by_name_and_costs_no_tokens(tmp_path
                 raise ZeroDivisionError("policy bug")
             return super().evict(n, is_evictable)
 
-    EVICTION_POLICIES["brittle"] = Brittle
-    try:
+    with registered(EVICTION_POLICIES, "brittle", Brittle):
         model = tiny_model("llama")
         ids = prompt_ids()
         need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
@@ -408,8 +429,6 @@ def test_a_plugin_policy_bug_stops_generate_by_name_and_costs_no_tokens(tmp_path
             stats = cache.stats()
         assert_same(ref, out, "the fixed plug-in")
         assert_all_tiers_used(stats)
-    finally:
-        del EVICTION_POLICIES["brittle"]
 
 
 @pytest.mark.parametrize("breach, message", [
@@ -452,8 +471,7 @@ def test_a_plugin_prefetch_plan_is_checked_and_keys_it_does_not_hold_are_skipped
                 return [tiercache.BlockKey(99, layer_idx, 0), ("made", "up")] + ahead
             return ahead
 
-    PREFETCH_POLICIES["sloppy"] = Sloppy
-    try:
+    with registered(PREFETCH_POLICIES, "sloppy", Sloppy):
         model = tiny_model("llama")
         ids = prompt_ids()
         need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
@@ -466,8 +484,6 @@ def test_a_plugin_prefetch_plan_is_checked_and_keys_it_does_not_hold_are_skipped
             else:
                 with pytest.raises(tiercache.PolicyError, match=rf"the prefetch policy 'sloppy' .*{message}"):
                     generate(model, ids, cache=cache, max_new_tokens=NEW)
-    finally:
-        del PREFETCH_POLICIES["sloppy"]
 
 
 NEW_EVICTIONS = sorted(set(EVICTION_POLICIES) - {"lru", "fifo", "lfu"})

@@ -20,8 +20,8 @@ import tiercache  # noqa: E402
 from tiercache import TieredCache  # noqa: E402
 from tiercache.attention import visible  # noqa: E402
 from tiercache.policies import RETENTION_POLICIES, make_retention  # noqa: E402
-from test_hf_exactness import (ATOL, BT, NEW, PAD, PROMPT, assert_all_tiers_used, generate,  # noqa: E402
-                               layer_windows, prompt_ids, tight_config, tiny_model, working_set_blocks)
+from test_hf_exactness import (ATOL, BT, NEW, PAD, PROMPT, assert_all_tiers_used, assert_plugin_refused,  # noqa: E402
+                               generate, layer_windows, prompt_ids, tight_config, tiny_model, working_set_blocks)
 
 REF = "tiercache_test_reference"
 BUDGET = 7  # tokens kept per full-attention layer (< PROMPT, so the prompt alone overflows it)
@@ -309,12 +309,4 @@ def test_a_plugin_retention_that_breaks_keep_is_named_before_it_costs_a_token(br
                 raise IndexError("policy bug")
             return index
 
-    registry["broken"] = Broken
-    try:
-        model = tiny_model("llama")
-        cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, retention="broken", retention_budget=BUDGET)
-        with TieredCache(model, cfg) as cache:
-            with pytest.raises(tiercache.PolicyError, match=rf"the retention policy 'broken' .*{message}"):
-                generate(model, prompt_ids(), cache=cache, max_new_tokens=3)
-    finally:
-        del registry["broken"]
+    assert_plugin_refused(registry, "retention", Broken, message, tmp_path, max_new_tokens=3, retention_budget=BUDGET)

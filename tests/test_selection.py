@@ -19,8 +19,8 @@ from tiercache import TieredCache  # noqa: E402
 from tiercache.policies import SELECTION_POLICIES, QuestSelection, make_selection  # noqa: E402
 from tiercache.selection import SelectionPlan  # noqa: E402
 from test_hf_exactness import (BT, FAMILIES, MODES, NEW, PAD, PROMPT, assert_all_tiers_used,  # noqa: E402
-                               dynamic_cache_supports, generate, layer_windows, prompt_ids, run_mode,
-                               tight_config, tiny_model, working_set_blocks)
+                               assert_plugin_refused, dynamic_cache_supports, generate, layer_windows, prompt_ids,
+                               run_mode, tight_config, tiny_model, working_set_blocks)
 from test_retention import Hidden, _reference_model, ATOL  # noqa: E402
 
 FULL_BUDGET = 64  # tokens: more than any context in these tests (assisted reaches ~33)
@@ -285,12 +285,4 @@ def test_a_plugin_selection_that_breaks_choose_is_named_before_attention_runs(br
                 raise RuntimeError("policy bug")
             return chosen
 
-    SELECTION_POLICIES["broken"] = Broken
-    try:
-        model = tiny_model("llama")
-        cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, selection="broken", selection_budget=3 * BT)
-        with TieredCache(model, cfg) as cache:
-            with pytest.raises(tiercache.PolicyError, match=rf"the selection policy 'broken' .*{message}"):
-                generate(model, prompt_ids(), cache=cache, max_new_tokens=NEW)
-    finally:
-        del SELECTION_POLICIES["broken"]
+    assert_plugin_refused(SELECTION_POLICIES, "selection", Broken, message, tmp_path, selection_budget=3 * BT)
