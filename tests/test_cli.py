@@ -132,3 +132,35 @@ def test_compare_records_a_trace_and_runs_policies_live(tmp_path):
     assert live == {(p, b) for p in ("lru", "attention-score") for b in (640 << 10, 1 << 20)}
     assert all(r["decode_tps"] > 0 for r in report["live"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(60)  # a FIFO opened for writing with no reader would block for good
+def test_the_output_file_probe_leaves_everything_as_it_found_it(tmp_path):
+    """``check_writable`` runs before the slow work. It must not change what it probes: an
+    existing file keeps its bytes, a new file is not left behind, a dangling symlink stays
+    (nothing is made through it), a named pipe is not opened (that would end its reader's
+    input, or block with none). A file that is replaced by a rename (the metrics textfile)
+    is judged by its folder: a read-only file in a writable folder is fine."""
+    import os
+
+    from tiercache.cli import CLIError, check_writable
+
+    existing = tmp_path / "stats.json"
+    existing.write_text("keep me")
+    check_writable("--stats-json", str(existing))
+    assert existing.read_text() == "keep me"
+    check_writable("--stats-json", str(tmp_path / "new.json"))
+    assert not (tmp_path / "new.json").exists()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    check_writable("--stats-json", str(link))
+    assert link.is_symlink() and not (tmp_path / "target.json").exists()
+    os.mkfifo(tmp_path / "pipe")
+    check_writable("--stats-json", str(tmp_path / "pipe"))
+    read_only = tmp_path / "old.prom"
+    read_only.write_text("# old")
+    read_only.chmod(0o444)
+    check_writable("--metrics-textfile", str(read_only), replaced=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "old.prom", "pipe", "stats.json"]
+    with pytest.raises(CLIError, match="--stats-json: .* is a directory"):
+        check_writable("--stats-json", str(tmp_path))

@@ -16,17 +16,17 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module", autouse=True)
 def default_model_installed():
     """The examples load the default model; skip where it is not installed."""
-    from tiercache.models import ModelNotFoundError, load_model
+    from tiercache.models import ModelNotFoundError, default_gguf_path
 
     try:
-        load_model()
+        default_gguf_path()
     except ModelNotFoundError as exc:
         pytest.skip(f"default model unavailable: {exc}")
 
 
 def run_example(name: str) -> str:
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
+                          timeout=500, cwd=ROOT)  # within pytest's 600 s
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

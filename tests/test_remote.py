@@ -198,6 +198,7 @@ def test_a_local_failure_while_a_prefix_comes_from_the_server_is_raised_not_blam
             Brittle.armed = False
             remote = cache.stats()["remote"]
             assert remote["state"] != "down" and not any(remote["errors"].values()), remote
+            assert remote["hits"] + remote["misses"] == 7, remote  # the 7 blocks found, counted
         close_all()
     finally:
         del EVICTION_POLICIES["brittle"]

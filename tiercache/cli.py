@@ -3,8 +3,10 @@ done by the library modules."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -135,10 +137,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise CLIError(f"--metrics-port: must be in [0, 65535] (0: any free port), got {args.metrics_port}")
-    for flag, path in (("--trace-out", args.trace_out), ("--stats-json", args.stats_json),
-                       ("--metrics-textfile", args.metrics_textfile)):
+    for flag, path in (("--trace-out", args.trace_out), ("--stats-json", args.stats_json)):
         if path:
             check_writable(flag, path)
+    if args.metrics_textfile:
+        check_writable("--metrics-textfile", args.metrics_textfile, replaced=True)
     result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
                            chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
                            stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done,
@@ -156,23 +159,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_writable(flag: str, path: str) -> None:
-    """Fail before any slow work when an output file cannot be written: the file is opened
-    for appending (and removed again if this made it). Permission bits alone do not tell:
-    root may write anywhere by them, yet not create a file in /proc."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+def check_writable(flag: str, path: str, replaced: bool = False) -> None:
+    """Fail before any slow work when an output file cannot be written. A file that exists
+    is opened for appending (its bytes untouched; a pipe or a device is not opened, only its
+    permission checked); a new one is made and removed again (through a symlink: the file it
+    points to). Permission bits alone do not tell: root may write anywhere by them, yet not
+    make a file in /proc. ``replaced``: the writer makes a temporary file next to ``path``
+    and renames it over it (prometheus' ``write_to_textfile``), so the folder is probed."""
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
         raise CLIError(f"{flag}: {path!r} is a directory")
     if not os.path.isdir(folder):
         raise CLIError(f"{flag}: cannot write {path!r} (folder {folder!r} missing)")
-    existed = os.path.exists(path)
     try:
-        with open(path, "a", encoding="utf-8"):
-            pass
+        if replaced:
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".tiercache-probe-"):
+                pass
+        elif os.path.exists(target):
+            if stat.S_ISREG(os.stat(target).st_mode):
+                with open(target, "a", encoding="utf-8"):
+                    pass
+            elif not os.access(target, os.W_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        else:
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:  # made meanwhile by someone else: theirs, left alone
+                return
+            os.close(fd)
+            os.unlink(target)  # made here a moment ago (O_EXCL): nobody else's
     except OSError as exc:
         raise CLIError(f"{flag}: cannot write {path!r} ({exc.strerror or exc})") from None
-    if not existed:
-        os.unlink(path)
 
 
 def split_list(flag: str, text: str) -> list:

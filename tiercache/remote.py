@@ -270,7 +270,7 @@ class RemoteTier:
         the run at its block. Returns the blocks taken. A failure of the server is counted
         and swallowed (the remote tier is a cache); one that ``take`` raises (the local
         store's: a full tier, a plug-in policy's ``PolicyError``) is the caller's, raised
-        as it is, the blocks taken before it counted."""
+        as it is, the blocks taken before it counted as hits and the rest as misses."""
         client = self._connection()
         taken = 0
         per_batch = max(1, BATCH_BYTES // self.block_bytes)
@@ -299,8 +299,9 @@ class RemoteTier:
             if exc is not local:
                 self._failed(exc, "reading a prefix")
         finally:
-            if local is not None:
-                self._count(hits=taken, misses=0, bytes_read=taken * self.num_layers * self.record_bytes)
+            if local is not None:  # counted as below: hits and misses add up to the blocks asked for
+                self._count(hits=taken, misses=len(blocks) - taken,
+                            bytes_read=taken * self.num_layers * self.record_bytes)
         if local is not None:
             raise local
         self._count(hits=taken, misses=len(blocks) - taken, bytes_read=taken * self.num_layers * self.record_bytes)
