@@ -101,6 +101,8 @@ def test_fidelity_quest_over_the_context_is_lossless_and_retention_is_not(tiny):
     (["eval", "passkey", "--depths", "150"], "--depths: 150"),
     (["eval", "passkey", "--contexts", "10"], "--contexts: 10"),
     (["eval", "passkey", "--trials", "0"], "--trials"),
+    (["eval", "passkey", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),  # ran: every key "WRONG"
+    (["demo", "--records", "0"], "--records: must be in [1, 400], got 0"),  # was "empty range for randrange()"
     (["eval", "fidelity", "--tokens", "1"], "--tokens"),
     (["eval", "fidelity", "--text-file", "/nonexistent/x.txt"], "--text-file"),
     (["eval", "passkey", "--plot", "/nonexistent/dir/x.png"], "--plot"),

@@ -273,8 +273,11 @@ def default_budgets(trace) -> list:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tiercache.demo import run_demo
+    from tiercache.demo import FIRST, LAST, run_demo
 
+    most = len(FIRST) * len(LAST)  # distinct names
+    if not 1 <= args.records <= most:
+        raise CLIError(f"--records: must be in [1, {most}], got {args.records}")
     return run_demo(records=args.records, disk_dir=args.disk_dir)
 
 
@@ -313,6 +316,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         depths = _int_list("--depths", args.depths, 0, 100)
         if args.trials < 1:
             raise CLIError(f"--trials: must be >= 1, got {args.trials}")
+        if args.max_new_tokens < 1:  # no answer token: every trial would read as a wrong answer
+            raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     else:
         if args.context < 1 or args.tokens < 2:
             raise CLIError(f"--context must be >= 1 and --tokens >= 2, got {args.context} and {args.tokens}")
