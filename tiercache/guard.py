@@ -44,7 +44,7 @@ FALLBACK = "lru"  # LRUPolicy itself, not what the registry holds under "lru" (a
 def is_plugin(policy: object) -> bool:
     """True for a policy (of any kind) whose class tiercache does not ship: the store calls
     such an eviction policy through ``GuardedPolicy``, and checks the answers of such a
-    selection or retention policy (``plugin_answer``)."""
+    prefetch, selection or retention policy (``plugin_answer``)."""
     return not type(policy).__module__.startswith("tiercache.policies.")
 
 
