@@ -165,7 +165,8 @@ class SelectionState:
 def _choice_breach(chosen: Any, shape: tuple) -> str:
     """What is wrong with ``choose``'s answer (``SelectionPolicy``'s contract), or ""."""
     if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool:
-        return f"it returned {type(chosen).__name__} {getattr(chosen, 'dtype', '')}, not a bool tensor".replace("  ", " ")
+        dtype = getattr(chosen, "dtype", "")
+        return f"it returned {type(chosen).__name__} {dtype}, not a bool tensor".replace("  ", " ")
     if tuple(chosen.shape) != shape:
         return f"it returned pages of shape {tuple(chosen.shape)}, not [B, H_kv, P] = {shape}"
     if not bool(chosen[..., -1].all()):
