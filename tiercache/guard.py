@@ -151,22 +151,20 @@ class GuardedPolicy(EvictionPolicy):
         """The plug-in's victims, checked: ``n`` distinct keys that ``is_evictable`` allows,
         or None when fewer than ``n`` blocks are evictable (counted over the tier, on that
         rare path only). Anything else (or an exception) is a failure, answered by ``lru``."""
+        if self.failure is not None:  # lru in the plug-in's place: tiercache's own, not checked
+            return self.inner.evict(n, is_evictable)
         try:
             victims = self.inner.evict(n, is_evictable)
             if victims is not None:
                 victims = list(victims)
                 wrong = _contract_breach(victims, n, is_evictable)
-            elif self.failure is None:  # None: fewer than n evictable, which the store then believes
+            else:  # None: fewer than n evictable, which the store then believes
                 evictable = sum(1 for key in self._ready_keys() if is_evictable(key))
                 wrong = f"evict({n}) returned None with {evictable} blocks evictable" if evictable >= n else ""
-            else:
-                wrong = ""
             if wrong:
                 raise ValueError(wrong)
             return victims
         except Exception as exc:  # noqa: BLE001 - a plug-in's bug, or a broken contract
-            if self.failure is not None:
-                raise
             self._failed("evict", exc)
             return self.inner.evict(n, is_evictable)
 
