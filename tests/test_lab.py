@@ -13,6 +13,9 @@ import transformers
 import tiercache
 from tiercache.lab.sim import Bandwidths, InfeasibleBudget, replay
 from tiercache.lab.trace import HEADER, TraceError, load_trace, obj_id
+from tiercache.policies import LRUPolicy, PrefetchPolicy
+
+from test_hf_exactness import registered
 
 BW = Bandwidths(host_to_device=9e9, device_to_host=9e9, disk_read=1e9, disk_write=1.5e9)
 BT = 4  # block tokens
@@ -231,3 +234,56 @@ def test_runtime_lru_and_fifo_agree_with_libcachesim(tmp_path):
             for pinned in (True, False):
                 ours = replay(trace, policy, budget, bandwidths=BW, pin_reads=pinned)["hit_ratio"]
                 assert ours <= belady + 1e-9, (policy, pinned, budget, ours, belady)
+
+
+class _CopyOfLRU(LRUPolicy):
+    """A plug-in that is lru under another name: the check must not change a figure."""
+
+
+class _RaisesOnTouch(LRUPolicy):
+    def touch(self, key) -> None:
+        raise RuntimeError("touch broke")
+
+
+class _EvictsTheNewest(LRUPolicy):
+    """Names the most recently used block, ignoring ``is_evictable`` (pinned reads)."""
+
+    def evict(self, n, is_evictable):
+        return list(self._order)[-n:]
+
+
+class _PlansUnhashable(PrefetchPolicy):
+    def plan(self, layer_idx, num_layers, blocks_of_layer):
+        return [[layer_idx]]
+
+
+@pytest.mark.parametrize("kind,cls,message", [
+    ("eviction", _RaisesOnTouch, r"the eviction policy 'plugin' failed in touch \(the \w+ tier\): RuntimeError"),
+    ("eviction", _EvictsTheNewest, r"the eviction policy 'plugin' broke the contract of evict .*may not be evicted"),
+    ("prefetch", _PlansUnhashable, r"the prefetch policy 'plugin' broke the contract of plan: .*not hashable"),
+])
+def test_replay_stops_at_a_plugin_policys_wrong_answer(tmp_path, kind, cls, message):
+    """The lab's replay reports what a policy decided, so a plug-in's wrong answer must stop it
+    with a PolicyError naming the policy: answered by lru instead (as the runtime's guard does
+    to keep the data), the report would give lru's figures under the plug-in's name; let
+    through, the victim it may not name (a block of the layer being read) would be dropped all
+    the same, or its exception would come from inside the replay. A plug-in that answers as
+    lru does gives lru's figures exactly."""
+    from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES
+
+    path = tmp_path / "scan.csv"
+    write_scan_trace(path, layers=5, blocks=2, rounds=5)
+    trace = load_trace(str(path))
+    registry = EVICTION_POLICIES if kind == "eviction" else PREFETCH_POLICIES
+    kwargs = dict(bandwidths=BW, host_budget=4 * 4096)
+    with registered(registry, "plugin", cls):
+        with pytest.raises(tiercache.PolicyError, match=message):
+            if kind == "eviction":
+                replay(trace, "plugin", 9 * 4096, **kwargs)
+            else:
+                replay(trace, "lru", 9 * 4096, prefetch="plugin", **kwargs)
+    with registered(EVICTION_POLICIES, "plugin", _CopyOfLRU):
+        for prefetch in ("none", "next-layer"):
+            ours = replay(trace, "plugin", 9 * 4096, prefetch=prefetch, **kwargs)
+            ref = replay(trace, "lru", 9 * 4096, prefetch=prefetch, **kwargs)
+            assert {k: v for k, v in ours.items() if k != "policy"} == {k: v for k, v in ref.items() if k != "policy"}

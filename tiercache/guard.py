@@ -157,7 +157,7 @@ class GuardedPolicy(EvictionPolicy):
             victims = self.inner.evict(n, is_evictable)
             if victims is not None:
                 victims = list(victims)
-                wrong = _contract_breach(victims, n, is_evictable)
+                wrong = evict_breach(victims, n, is_evictable)
             else:  # None: fewer than n evictable, which the store then believes
                 evictable = sum(1 for key in self._ready_keys() if is_evictable(key))
                 wrong = f"evict({n}) returned None with {evictable} blocks evictable" if evictable >= n else ""
@@ -178,8 +178,13 @@ class GuardedPolicy(EvictionPolicy):
             return len(self.inner)
 
 
-def _contract_breach(victims: list, n: int, is_evictable: Callable[[Hashable], bool]) -> str:
+def evict_breach(victims: list, n: int, is_evictable: Callable[[Hashable], bool]) -> str:
     """What is wrong with ``evict``'s answer, or "" (``EvictionPolicy.evict``'s contract)."""
+    for key in victims:
+        try:
+            hash(key)
+        except TypeError:
+            return f"evict({n}) named {key!r}, which is not a block key (not hashable)"
     if len(set(victims)) != len(victims):
         return f"evict({n}) named a block twice: {victims!r}"
     if len(victims) != n:
@@ -188,3 +193,61 @@ def _contract_breach(victims: list, n: int, is_evictable: Callable[[Hashable], b
         if not is_evictable(key):
             return f"evict({n}) named {key!r}, which may not be evicted now (pinned, protected or not there)"
     return ""
+
+
+class CheckedPolicy(EvictionPolicy):
+    """``inner``, a plug-in eviction policy registered as ``name``, where a wrong answer
+    must stop the run rather than be replaced: the policy lab's replay
+    (``tiercache.lab.sim``), whose whole output is what the policy decided. Its exception,
+    or ``evict``'s breach of its contract (as ``GuardedPolicy`` checks it), is a
+    ``PolicyError`` naming the policy, the tier and the method, raised at once; a replay
+    that went on with ``lru`` answering would report ``lru``'s figures under the plug-in's
+    name. ``keys()`` returns the keys on the tier (for an ``evict`` that answers None)."""
+
+    def __init__(self, inner: EvictionPolicy, name: str, tier: str, keys: Callable[[], Iterable[Hashable]]) -> None:
+        self.inner = inner
+        self.name = name
+        self.tier = tier
+        self.wants_scores = inner.wants_scores
+        self.assumes_layer_scan = inner.assumes_layer_scan
+        self._keys = keys
+
+    def _call(self, method: str, *args, breach: Callable[[object], str] = lambda _: ""):
+        return plugin_answer("eviction", self.name, f"{method} (the {self.tier} tier)",
+                             lambda: getattr(self.inner, method)(*args), breach)
+
+    def insert(self, key: Hashable) -> None:
+        self._call("insert", key)
+
+    def touch(self, key: Hashable) -> None:
+        self._call("touch", key)
+
+    def remove(self, key: Hashable) -> None:
+        self._call("remove", key)
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("insert_many", keys)
+
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("touch_many", keys)
+
+    def remove_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("remove_many", keys)
+
+    def observe_scores(self, scores) -> None:
+        if self.wants_scores:
+            self._call("observe_scores", scores)
+
+    def evict(self, n: int, is_evictable: Callable[[Hashable], bool]) -> Optional[list]:
+        def breach(victims: object) -> str:
+            if victims is None:
+                evictable = sum(1 for key in self._keys() if is_evictable(key))
+                return f"evict({n}) returned None with {evictable} blocks evictable" if evictable >= n else ""
+            if not isinstance(victims, Iterable):
+                return f"evict({n}) returned {type(victims).__name__}, not a list of block keys"
+            return evict_breach(list(victims), n, is_evictable)
+        victims = self._call("evict", n, is_evictable, breach=breach)
+        return None if victims is None else list(victims)
+
+    def __len__(self) -> int:
+        return self._call("__len__")

@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from tiercache.guard import CheckedPolicy, as_plan, is_plugin, plan_breach, plugin_answer
 from tiercache.lab.trace import Trace
 from tiercache.policies import make_eviction, make_prefetch
 
@@ -52,8 +53,9 @@ class _Replay:
         self.size = trace.block_bytes
         self.cap = {DEVICE: device_budget // self.size,
                     HOST: None if host_budget is None else host_budget // self.size}
-        self.pol = {DEVICE: make_eviction(eviction), HOST: make_eviction(eviction)}
+        self.pol = {tier: self._eviction(eviction, tier) for tier in (DEVICE, HOST)}
         self.pf = make_prefetch(prefetch, **({"depth": prefetch_depth} if prefetch == "lookahead" else {}))
+        self.pf_name = prefetch
         self.where: dict = {}  # key -> set of tiers holding a copy
         self.count = {DEVICE: 0, HOST: 0}
         self.hits = {"device": 0, "host": 0, "disk": 0, "miss": 0}
@@ -64,6 +66,28 @@ class _Replay:
         self.stall = 0.0
         self.last_read: dict = {}  # layer -> keys it read last
         self.tail: dict = {}  # (seq, layer) -> the block being written
+
+    def _eviction(self, name: str, tier: int):
+        """The registered policy ``name`` for ``tier``; a plug-in is called through
+        ``CheckedPolicy``: its exception or a victim it may not name stops the replay with a
+        ``PolicyError`` naming it, where it would otherwise be an error from inside the replay
+        or figures no policy produced."""
+        policy = make_eviction(name)
+        if not is_plugin(policy):
+            return policy
+        return CheckedPolicy(policy, name, ("device", "host")[tier],
+                             lambda: [key for key, tiers in self.where.items() if tier in tiers])
+
+    def _plan(self, layer: int, reads: list) -> list:
+        """The prefetch policy hears what ``layer`` read and names what to bring up next; a
+        plug-in's answers are checked as the runtime checks them (``TieredCache._plan_ahead``)."""
+        pf, blocks_of = self.pf, (lambda i: self.last_read.get(i, []))
+        if not is_plugin(pf):
+            pf.observe(layer, reads)
+            return pf.plan(layer, self.trace.num_layers, blocks_of)
+        plugin_answer("prefetch", self.pf_name, "observe", lambda: pf.observe(layer, reads), lambda _: "")
+        return plugin_answer("prefetch", self.pf_name, "plan",
+                             lambda: as_plan(pf.plan(layer, self.trace.num_layers, blocks_of)), plan_breach)
 
     # ---- placement ----------------------------------------------------------------------
     def _has(self, key, tier: int) -> bool:
@@ -91,7 +115,7 @@ class _Replay:
         below = [t for t in (HOST, DISK) if t > tier and (t != HOST or self.cap[HOST] != 0)]
 
         def evictable(key) -> bool:
-            if key in protect:
+            if key in protect or not self._has(key, tier):
                 return False
             return not clean_only or any(self._has(key, t) for t in below)
 
@@ -154,9 +178,7 @@ class _Replay:
         if reads:
             layer = reads[0][1]
             self.last_read[layer] = reads
-            self.pf.observe(layer, reads)
-            plan = self.pf.plan(layer, self.trace.num_layers, lambda l: self.last_read.get(l, []))
-            self._prefetch(plan, protect, now)
+            self._prefetch(self._plan(layer, reads), protect, now)
         return now
 
     def _access(self, key, protect: set, now: float, write: bool) -> float:
@@ -229,7 +251,8 @@ def replay(trace: Trace, eviction: str, device_budget: int, *, host_budget: Opti
 
     ``host_budget`` None means the host tier holds everything below the device (no disk
     traffic); 0 means no host tier (demotions go to disk). Raises ``InfeasibleBudget`` when
-    the device cannot hold one layer's blocks.
+    the device cannot hold one layer's blocks, and ``PolicyError`` naming a plug-in policy
+    (one tiercache does not ship) that raised or broke its contract (``CheckedPolicy``).
     """
     sim = _Replay(trace, eviction, device_budget, host_budget, prefetch, prefetch_depth, bandwidths, pin_reads)
     step, layer = trace.step, trace.layer
