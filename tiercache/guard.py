@@ -86,7 +86,40 @@ def plan_breach(plan: object) -> str:
     return ""
 
 
-class GuardedPolicy(EvictionPolicy):
+class _Wrapped(EvictionPolicy):
+    """A plug-in eviction policy ``inner`` behind ``_call(method, *args)``, which each
+    subclass defines: every call but ``evict`` and ``__len__`` goes through it."""
+
+    inner: EvictionPolicy
+    wants_scores: bool
+
+    def _call(self, method: str, *args):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def insert(self, key: Hashable) -> None:
+        self._call("insert", key)
+
+    def touch(self, key: Hashable) -> None:
+        self._call("touch", key)
+
+    def remove(self, key: Hashable) -> None:
+        self._call("remove", key)
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("insert_many", keys)
+
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("touch_many", keys)
+
+    def remove_many(self, keys: Iterable[Hashable]) -> None:
+        self._call("remove_many", keys)
+
+    def observe_scores(self, scores) -> None:
+        if self.wants_scores:
+            self._call("observe_scores", scores)
+
+
+class GuardedPolicy(_Wrapped):
     """``inner``, the plug-in eviction policy registered as ``name``, for ``tier`` (a label),
     called so that it never raises into the store (see the module's doc). ``ready_keys()``
     returns the keys READY on the tier (under the store's lock, as every call here is);
@@ -124,28 +157,6 @@ class GuardedPolicy(EvictionPolicy):
             if self.failure is not None:  # lru's own: a bug of tiercache's
                 raise
             self._failed(method, exc)
-
-    def insert(self, key: Hashable) -> None:
-        self._call("insert", key)
-
-    def touch(self, key: Hashable) -> None:
-        self._call("touch", key)
-
-    def remove(self, key: Hashable) -> None:
-        self._call("remove", key)
-
-    def insert_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("insert_many", keys)
-
-    def touch_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("touch_many", keys)
-
-    def remove_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("remove_many", keys)
-
-    def observe_scores(self, scores) -> None:
-        if self.wants_scores:
-            self._call("observe_scores", scores)
 
     def evict(self, n: int, is_evictable: Callable[[Hashable], bool]) -> Optional[list]:
         """The plug-in's victims, checked: ``n`` distinct keys that ``is_evictable`` allows,
@@ -195,7 +206,7 @@ def evict_breach(victims: list, n: int, is_evictable: Callable[[Hashable], bool]
     return ""
 
 
-class CheckedPolicy(EvictionPolicy):
+class CheckedPolicy(_Wrapped):
     """``inner``, a plug-in eviction policy registered as ``name``, where a wrong answer
     must stop the run rather than be replaced: the policy lab's replay
     (``tiercache.lab.sim``), whose whole output is what the policy decided. Its exception,
@@ -215,28 +226,6 @@ class CheckedPolicy(EvictionPolicy):
     def _call(self, method: str, *args, breach: Callable[[object], str] = lambda _: ""):
         return plugin_answer("eviction", self.name, f"{method} (the {self.tier} tier)",
                              lambda: getattr(self.inner, method)(*args), breach)
-
-    def insert(self, key: Hashable) -> None:
-        self._call("insert", key)
-
-    def touch(self, key: Hashable) -> None:
-        self._call("touch", key)
-
-    def remove(self, key: Hashable) -> None:
-        self._call("remove", key)
-
-    def insert_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("insert_many", keys)
-
-    def touch_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("touch_many", keys)
-
-    def remove_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("remove_many", keys)
-
-    def observe_scores(self, scores) -> None:
-        if self.wants_scores:
-            self._call("observe_scores", scores)
 
     def evict(self, n: int, is_evictable: Callable[[Hashable], bool]) -> Optional[list]:
         def breach(victims: object) -> str:
