@@ -1,6 +1,8 @@
 """The block store on real files with tiny budgets: every tier used, nothing lost or corrupted."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import stat
 import subprocess
@@ -119,6 +121,41 @@ def test_disk_records_survive_close_and_reopen(tmp_path, geometry):
         for key, block in data.items():
             assert torch.equal(store.get(key), block)
         assert store.stats()["hits"]["disk"] == 12
+
+
+def test_a_store_that_fails_to_open_lets_go_of_its_directory(tmp_path, geometry):
+    """A constructor that fails after the disk tier opened (here a plug-in eviction policy
+    whose constructor raises for the third tier; an allocation or the disk's records can
+    fail there too) closes what it opened. Before, the disk tier kept its file and the lock
+    on its directory for as long as the process lived: a second store on that directory in
+    the same process, with a working policy, was refused as "in use by another tiercache
+    process" naming this very process. The blocks written before are still there."""
+    from tiercache.policies import LRUPolicy
+
+    made = []
+
+    class ThirdFails(LRUPolicy):
+        def __init__(self) -> None:
+            made.append(self)
+            if len(made) == 3:
+                raise RuntimeError("cannot rank the disk tier")
+            super().__init__()
+
+    cfg = tiny_config(tmp_path, geometry)
+    data = blocks(geometry, 4)
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            store.put(key, block)
+    EVICTION_POLICIES["third-fails"] = ThirdFails
+    try:
+        with pytest.raises(RuntimeError, match="cannot rank the disk tier"):
+            BlockStore(dataclasses.replace(cfg, eviction="third-fails"), geometry)
+    finally:
+        del EVICTION_POLICIES["third-fails"]
+    assert len(made) == 3
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            assert torch.equal(store.get(key), block)
 
 
 def test_deleted_blocks_do_not_come_back_after_reopen(tmp_path, geometry):
@@ -270,7 +307,7 @@ def test_cache_dir_is_private_and_a_second_process_is_refused(tmp_path, geometry
         store.flush()
         assert stat.S_IMODE(os.stat(cfg.disk_dir).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(os.path.join(cfg.disk_dir, DATA_NAME)).st_mode) == 0o600
-        with pytest.raises(CacheDirError, match="in use by another tiercache process"):
+        with pytest.raises(CacheDirError, match="in use by another tiercache store in this process; close it"):
             BlockStore(cfg, geometry)
         code = ("import torch,sys\nfrom tiercache import TierConfig\nfrom tiercache.store import BlockStore\n"
                 "from tiercache.tiers import BlockGeometry\n"

@@ -42,7 +42,8 @@ LOCK_NAME = "tiercache.lock"
 DATA_NAME = "blocks.dat"
 
 
-_KVIKIO_LOCK = threading.Lock()  # kvikio's settings are process-wide
+_KVIKIO_LOCK = threading.Lock()  # kvikio's settings are process-wide (and _LOCKED_HERE)
+_LOCKED_HERE: set = set()  # real paths of the directories this process's disk tiers hold locked
 
 
 def kvikio_status() -> tuple:
@@ -250,7 +251,10 @@ class DiskTier(RecordCodec):
 
     def __init__(self, directory: str, geometry: BlockGeometry, num_slots: int, *,
                  direct_io: str = "auto", model_digest: bytes = b"", persistent: bool = True,
-                 allow_shared_dir: bool = False, io: str = "posix", io_threads: int = 4) -> None:
+                 allow_shared_dir: bool = False, io: str = "posix", io_threads: int = 4,
+                 io_fallback: bool = False) -> None:
+        """``io_fallback``: ``io`` is what ``disk_io="auto"`` chose; if kvikio cannot open
+        the file, the tier warns and uses posix instead of failing."""
         super().__init__(geometry, model_digest)
         self.directory = directory
         self.num_slots = num_slots
@@ -260,7 +264,7 @@ class DiskTier(RecordCodec):
         self._lock_fd = self._take_lock()
         supported = probe_direct_io(directory)
         if direct_io == "on" and not supported:
-            os.close(self._lock_fd)
+            self._release_lock()
             raise ValueError(f"direct_io: 'on' but the filesystem under {directory!r} does not support O_DIRECT")
         self.direct_io = supported and direct_io != "off"
         self.path = os.path.join(directory, DATA_NAME)
@@ -269,7 +273,7 @@ class DiskTier(RecordCodec):
             self._fd = os.open(self.path, flags, 0o600)
             self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
         except OSError as exc:
-            os.close(self._lock_fd)
+            self._release_lock()
             raise CacheDirError(f"disk_dir: cannot create the data file in {directory!r} ({exc.strerror})") from None
         # kvikio: record payloads go through a cuFile handle on the same file (headers,
         # tombstones, scans and scattered reads stay on the file descriptors above).
@@ -278,9 +282,17 @@ class DiskTier(RecordCodec):
         if io == "kvikio":
             try:
                 self._cufile = self._open_cufile(io_threads)
+            except Exception as exc:
+                if not io_fallback:
+                    self.closed = False
+                    self.close()  # descriptors, lock, and a non-persistent tier's files
+                    raise
+                log.warning("tiercache: disk_io 'auto': kvikio cannot serve %r (%s); using posix",
+                            self.path, exc)
+                self.io = "posix"
             except BaseException:
                 self.closed = False
-                self.close()  # descriptors, lock, and a non-persistent tier's files
+                self.close()
                 raise
         elif io != "posix":
             raise ValueError(f"disk_io: unknown backend {io!r}; known: posix, kvikio")
@@ -301,10 +313,15 @@ class DiskTier(RecordCodec):
         import kvikio
         import kvikio.defaults
 
-        with _KVIKIO_LOCK:
-            if "KVIKIO_NTHREADS" not in os.environ and kvikio.defaults.get("num_threads") < threads:
+        defaults = kvikio.defaults
+        with _KVIKIO_LOCK:  # defaults.get/set since kvikio 25; get_num_threads/num_threads_reset before
+            current = defaults.get("num_threads") if hasattr(defaults, "get") else defaults.get_num_threads()
+            if "KVIKIO_NTHREADS" not in os.environ and current < threads:
                 log.info("tiercache: kvikio's thread pool (process-wide) grows to %d threads", threads)
-                kvikio.defaults.set("num_threads", threads)
+                if hasattr(defaults, "set"):
+                    defaults.set("num_threads", threads)
+                else:
+                    defaults.num_threads_reset(threads)
         try:
             return kvikio.CuFile(self.path, "r+")
         except RuntimeError as exc:
@@ -316,6 +333,11 @@ class DiskTier(RecordCodec):
         return HEADER_BYTES + align_up(geometry.block_bytes)
 
     # ---- locking -------------------------------------------------------------------
+    def _release_lock(self) -> None:
+        os.close(self._lock_fd)
+        with _KVIKIO_LOCK:
+            _LOCKED_HERE.discard(os.path.realpath(self.directory))
+
     def _take_lock(self) -> int:
         path = os.path.join(self.directory, LOCK_NAME)
         try:
@@ -332,6 +354,9 @@ class DiskTier(RecordCodec):
                 pass
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if os.path.realpath(self.directory) in _LOCKED_HERE:
+                    raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache store "
+                                        f"in this process; close it first, or use another directory") from None
                 raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache "
                                     f"process{f' (pid {holder})' if holder else ''}; use another directory") from None
             raise
@@ -341,6 +366,8 @@ class DiskTier(RecordCodec):
         except OSError as exc:
             os.close(fd)
             raise CacheDirError(f"disk_dir: cannot write in {self.directory!r} ({exc.strerror})") from None
+        with _KVIKIO_LOCK:
+            _LOCKED_HERE.add(os.path.realpath(self.directory))
         return fd
 
     # ---- record codec ----------------------------------------------------------------
@@ -589,4 +616,4 @@ class DiskTier(RecordCodec):
                 os.rmdir(self.directory)
             except OSError:
                 pass
-        os.close(self._lock_fd)
+        self._release_lock()

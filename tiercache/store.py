@@ -27,7 +27,7 @@ from tiercache.events import Events
 from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
 from tiercache.table import BlockTable, CopyState, Move, Tier
-from tiercache.tiers import ALIGN, BlockGeometry, DevicePool, HostPool, aligned_buffer
+from tiercache.tiers import BlockGeometry, DevicePool, HostPool, aligned_buffer, pin_in_place, unpin_in_place
 from tiercache.transfer import Priority, TransferEngine, wait_all
 
 log = logging.getLogger("tiercache")
@@ -109,81 +109,91 @@ class BlockStore:
             record_bytes = DiskTier.record_size(geometry)
             num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes)
         self.table = BlockTable(num_slots)
-        # Pools are ordinary tensors even when built under torch.inference_mode(): the I/O
-        # threads write them outside it.
-        with torch.inference_mode(False):
-            self.tiers = self.table.tiers()
-            self._below = dict(zip(self.tiers, self.tiers[1:]))  # tier -> the next one down
-            self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
-            self.host_pool: Optional[HostPool] = None
-            if Tier.HOST in num_slots:
-                self.host_pool = HostPool(geometry, num_slots[Tier.HOST], pin=self._cuda,
-                                          on_pin_fallback=self.events.pinned_fallback)
-            if Tier.DISK in num_slots:
-                self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
-                                     model_digest=model_digest, persistent=persistent,
-                                     allow_shared_dir=config.shared_dir, io=disk_io,
-                                     io_threads=config.io_workers)
-        # A plug-in policy's failures (``tiercache.guard``), raised by the next public call
-        # that starts work (``_starts_work``); ``_calls.depth``: such calls running on a thread.
-        self._policy_failures: list = []
-        self._calls = threading.local()
-        self.policies = {tier: self._guarded(make_eviction(config.eviction), config.eviction, tier)
-                         for tier in self.tiers}
-        # CPU with a host tier: attention reads blocks on the device and on the host where
-        # they lie (``read_layer``), so a host copy of a block on the device is never read.
-        self._reads_both = self.device.type == "cpu" and Tier.HOST in self.tiers
-        self._lock = threading.RLock()
-        # Prepared moves, started or not -> their waiters' future, made on demand (``_future``):
-        # None, or the batch (``_Work``) copying the move until someone asks for one.
-        self._inflight: dict = {}
-        # moves in ``_inflight`` to or from the device: on CPU each is a memcpy on the thread
-        # that runs it (device<->host, or through the staging buffer to or from the disk)
-        self._copying = 0
-        self._started: set = set()
-        self._to_device: dict = {}  # key -> the move filling its device copy
-        self._tokens: dict = {}  # key -> tokens written (for disk headers)
-        self._token_ids: dict = {}  # key -> packed token ids (prefix-cache blocks)
-        self._prefetched: dict = {}  # key -> tier a prefetch brought it to
-        self._evicted_down: set = set()  # demotions an eviction started: written further down after
-        self._np_pools: Optional[tuple] = None  # see _byte_pools
-        self._gather_buf: Optional[tuple] = None  # see _gather_mixed(reuse=True)
-        self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
-        # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
-        self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
-        self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
-        self._parent: dict = {}
-        with torch.inference_mode(False):
-            # Pinned on CUDA: disk<->device moves then copy asynchronously at full speed.
-            self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2, pin=self._cuda)
-        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        # Host<->device moves through a staging copy on the device (``_host_device_copy``):
-        # on CUDA; a test switches it on for a CPU store to check the layout.
-        self._staged_copies = self._cuda
-        self._device_staging: Optional[_BufferPool] = None  # made on first use (_device_lease)
-        self._staging_bytes = 0  # of each such buffer, the part for blocks; the rest is gather scratch
-        # The stream the model computes on (see ``_compute_barrier``).
-        self._compute_stream = torch.cuda.current_stream(self.device) if self._cuda else None
-        self.defer_stall = False  # the HF layer records one stall event per layer update
-        # False: sealed blocks get no clean copy below (``write_behind`` does nothing); for
-        # blocks that have a copy elsewhere already, e.g. those loaded from the prefix cache.
-        # A block without a lower copy is demoted (written down) if and when it is evicted.
-        self.write_behind_enabled = True
-        self._stall_acc = 0.0
-        self.engine = TransferEngine(config.io_workers, config.queue_depth)
-        self.closed = False
-        if self.disk is not None and persistent:
-            try:
-                self._adopt_disk_records()
-            except BaseException:  # e.g. records of another format version: refuse, change nothing
-                self.engine.close()
-                self.disk.close()
-                if self.host_pool is not None:
-                    self.host_pool.close()
-                self.closed = True
-                raise
+        self.engine: Optional[TransferEngine] = None
+        self.host_pool: Optional[HostPool] = None
+        try:
+            # Pools are ordinary tensors even when built under torch.inference_mode(): the I/O
+            # threads write them outside it.
+            with torch.inference_mode(False):
+                self.tiers = self.table.tiers()
+                self._below = dict(zip(self.tiers, self.tiers[1:]))  # tier -> the next one down
+                self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
+                if Tier.HOST in num_slots:
+                    self.host_pool = HostPool(geometry, num_slots[Tier.HOST], pin=self._cuda,
+                                              on_pin_fallback=self.events.pinned_fallback)
+                if Tier.DISK in num_slots:
+                    self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
+                                         model_digest=model_digest, persistent=persistent,
+                                         allow_shared_dir=config.shared_dir, io=disk_io,
+                                         io_threads=config.io_workers, io_fallback=config.disk_io == "auto")
+            # A plug-in policy's failures (``tiercache.guard``), raised by the next public call
+            # that starts work (``_starts_work``); ``_calls.depth``: such calls running on a thread.
+            self._policy_failures: list = []
+            self._calls = threading.local()
+            self.policies = {tier: self._guarded(make_eviction(config.eviction), config.eviction, tier)
+                             for tier in self.tiers}
+            # CPU with a host tier: attention reads blocks on the device and on the host where
+            # they lie (``read_layer``), so a host copy of a block on the device is never read.
+            self._reads_both = self.device.type == "cpu" and Tier.HOST in self.tiers
+            self._lock = threading.RLock()
+            # Prepared moves, started or not -> their waiters' future, made on demand (``_future``):
+            # None, or the batch (``_Work``) copying the move until someone asks for one.
+            self._inflight: dict = {}
+            # moves in ``_inflight`` to or from the device: on CPU each is a memcpy on the thread
+            # that runs it (device<->host, or through the staging buffer to or from the disk)
+            self._copying = 0
+            self._started: set = set()
+            self._to_device: dict = {}  # key -> the move filling its device copy
+            self._tokens: dict = {}  # key -> tokens written (for disk headers)
+            self._token_ids: dict = {}  # key -> packed token ids (prefix-cache blocks)
+            self._prefetched: dict = {}  # key -> tier a prefetch brought it to
+            self._evicted_down: set = set()  # demotions an eviction started: written further down after
+            self._np_pools: Optional[tuple] = None  # see _byte_pools
+            self._gather_buf: Optional[tuple] = None  # see _gather_mixed(reuse=True)
+            self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
+            # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
+            self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
+            self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
+            self._parent: dict = {}
+            with torch.inference_mode(False):
+                # Pinned on CUDA: disk<->device moves then copy asynchronously at full speed.
+                self._staging = _BufferPool(geometry.padded_bytes, config.io_workers + 2, pin=self._cuda)
+            self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+            # Host<->device moves through a staging copy on the device (``_host_device_copy``):
+            # on CUDA; a test switches it on for a CPU store to check the layout.
+            self._staged_copies = self._cuda
+            self._device_staging: Optional[_BufferPool] = None  # made on first use (_device_lease)
+            self._staging_bytes = 0  # of each such buffer, the part for blocks; the rest is gather scratch
+            # The stream the model computes on (see ``_compute_barrier``).
+            self._compute_stream = torch.cuda.current_stream(self.device) if self._cuda else None
+            self.defer_stall = False  # the HF layer records one stall event per layer update
+            # False: sealed blocks get no clean copy below (``write_behind`` does nothing); for
+            # blocks that have a copy elsewhere already, e.g. those loaded from the prefix cache.
+            # A block without a lower copy is demoted (written down) if and when it is evicted.
+            self.write_behind_enabled = True
+            self._stall_acc = 0.0
+            self.engine = TransferEngine(config.io_workers, config.queue_depth)
+            self.closed = False
+            if self.disk is not None and persistent:
+                self._adopt_disk_records()  # e.g. records of another format version: refused
+        except BaseException:  # nothing half built stays open: the disk tier holds its directory's lock
+            self._close_partly()
+            raise
 
     # ---- construction helpers --------------------------------------------------------
+    def _close_partly(self) -> None:
+        """A constructor that failed half way (a policy's constructor, an allocation, the
+        disk's records) lets go of what it opened: the I/O threads, the disk tier's file and
+        the lock on its directory (else a new store on that directory in this process is
+        refused as "in use" for as long as the process lives), the pinned buffers."""
+        self.closed = True
+        for part in (self.engine, getattr(self, "_staging", None), self.disk, self.host_pool):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:  # noqa: BLE001 - the constructor's own error is the one to raise
+                    log.exception("tiercache: closing a store that failed to open")
+
     @staticmethod
     def _slots_for(field: str, budget: int, unit_bytes: int) -> int:
         n = budget // unit_bytes
@@ -1400,9 +1410,13 @@ class BlockStore:
                             self.disk.write(slot, key, buf, self._tokens.get(key, 0), self._token_ids.get(key, b""))
 
     def flush(self) -> int:
-        """Give every block a disk copy (where disk slots are free); returns blocks written."""
+        """Give every block a disk copy (where disk slots are free); returns blocks written.
+        Moves in flight settle first: a block whose disk copy is still being written (a
+        write-behind, or a demotion an eviction chained down) was skipped as having one, and
+        flush returned before it was on disk (a test failed 4 times in 20 for it)."""
         if self.disk is None:
             return 0
+        self.wait_idle()
         with self._lock:
             moves = []
             for key in list(self.table.keys()):
@@ -1427,6 +1441,7 @@ class BlockStore:
                 self.flush()
         finally:
             self.engine.close()
+            self._staging.close()
             if self.disk is not None:
                 self.disk.close()
             if self.host_pool is not None:
@@ -2564,13 +2579,20 @@ class _BufferPool:
         for _ in range(count):
             if device is not None and device.type != "cpu":
                 tensor, mm = torch.empty(num_bytes, dtype=torch.uint8, device=device), None
-            elif pin:  # CUDA's pinned allocations are page-aligned
-                tensor, mm = torch.empty(max(num_bytes, ALIGN), dtype=torch.uint8, pin_memory=True)[:num_bytes], None
             else:
                 tensor, mm = aligned_buffer(num_bytes)
+                if pin and not pin_in_place(tensor):  # the host pool's fallback: pageable, said once
+                    pin = False
             self._free.append(tensor)
             self._owners.append(mm)
         self._cond = threading.Condition()
+
+    def close(self) -> None:
+        """Unpin and let go of the buffers (those taken are the takers' until released)."""
+        for tensor in self._free:
+            unpin_in_place(tensor)
+        self._free = []
+        self._owners = []
 
     def take(self) -> "_Lease":
         return _Lease(self)
