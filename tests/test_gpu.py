@@ -28,6 +28,33 @@ def test_pinned_host_pool_and_stream_moves_round_trip(tmp_path):
         store.check()
 
 
+def test_the_pinned_host_pool_pins_exactly_its_budget_and_lets_go_on_close():
+    """The host pool is registered with cudaHostRegister, not taken from torch's pinned
+    allocator, which rounds a request up to a power of two (a 40 GiB host tier pinned
+    64 GiB) and keeps it cached after the pool is gone. So: pinned, async copies from it
+    land exact, torch's pinned allocator grew by less than the pool (the staging of a
+    copy may use it), and close() unregisters it."""
+    from tiercache import tiers
+    from tiercache.tiers import HostPool
+
+    g = BlockGeometry(1, 2, 16, 64, torch.float32)
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats()["allocated_bytes.all.current"] if stats else 0
+    pool = HostPool(g, 5, pin=True)  # 5 slots: a size that torch's allocator would round up
+    assert pool.pinned and pool.buffer.is_pinned()
+    if stats:
+        assert stats()["allocated_bytes.all.current"] - before < pool.nbytes
+    block = torch.randn(g.shape)
+    pool.view(3).copy_(block)
+    on_gpu = pool.view(3).to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), block)
+    ptr = pool.buffer.data_ptr()
+    assert ptr in tiers._registered
+    pool.close()
+    assert ptr not in tiers._registered
+
+
 def _busy_gpu(ms: float = 50.0) -> None:
     """Queue a kernel that keeps the current stream busy for about ``ms`` (the work queued
     behind it then runs late, as a model's kernels do when the CPU runs ahead)."""
