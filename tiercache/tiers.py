@@ -253,7 +253,7 @@ class DevicePool:
         """
         g = self.geometry
         n = len(slots)
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        index = self._index(slots)  # on CUDA: no wait for the queued kernels (torch.tensor(device=) would)
         k = self.k.index_select(1, index)
         v = self.v.index_select(1, index)
         shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
@@ -280,7 +280,7 @@ class DevicePool:
         if not slots:
             return
         g = self.geometry
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        index = self._index(slots)
         rows = rows.to(self.device)
         for pool in (self.k, self.v):
             sub = pool.index_select(1, index).view(g.batch, g.kv_heads, len(slots), -1).index_select(0, rows)
