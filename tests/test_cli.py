@@ -28,6 +28,9 @@ def cli(*args, input_text=None, timeout=600):
     (["--disk-dir", "KV", "--disk-io", "kvikio"], "disk_io: 'kvikio' cannot run here"),
     # before the model loads (its progress bar made two lines), not after it
     (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    # a torch traceback from inside transformers' prefill (negative), silently no chunking (0)
+    (["--prefill-chunk", "-3"], "--prefill-chunk: must be >= 1, got -3"),
+    (["--prefill-chunk", "0"], "--prefill-chunk: must be >= 1, got 0"),
     # refused before the run, not a traceback after it (/proc: root passes the permission
     # bits, but no file can be made there)
     (["--stats-json", "/proc/tiercache-stats.json"], "--stats-json: cannot write '/proc/tiercache-stats.json'"),
@@ -65,6 +68,15 @@ def test_unsupported_model_family_is_named(tmp_path):
 def test_no_prompt_says_how_to_give_one():
     proc = cli("generate", input_text="")
     assert proc.returncode in (0, 2)
+
+
+@pytest.mark.model
+def test_an_empty_prompt_is_one_line_and_exit_2():
+    """A prompt that encodes to no token (empty, without the chat template) was a traceback
+    from inside the model ("cannot reshape tensor of 0 elements")."""
+    proc = cli("generate", "--prompt", "", "--no-chat-template", "--max-new-tokens", "2")
+    assert proc.returncode == 2, proc.stderr
+    assert "the prompt is empty: it encodes to 0 tokens" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.model

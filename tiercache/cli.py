@@ -135,6 +135,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    if args.prefill_chunk < 1:
+        raise CLIError(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise CLIError(f"--metrics-port: must be in [0, 65535] (0: any free port), got {args.metrics_port}")
     for flag, path in (("--trace-out", args.trace_out), ("--stats-json", args.stats_json)):

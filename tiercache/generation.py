@@ -79,6 +79,9 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         raise ValueError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
     inputs = encode_prompt(tokenizer, prompt, chat)
     num_prompt = inputs["input_ids"].shape[1]
+    if num_prompt == 0:
+        raise ValueError("the prompt is empty: it encodes to 0 tokens (give some text, or drop "
+                         "--no-chat-template where the model has a chat template)")
     check_length(model, num_prompt, max_new_tokens)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
