@@ -789,7 +789,27 @@ def _linear_hybrid_qwen3_next():
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
+def _gemma4(**kwargs):
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip("this transformers release has no Gemma4")
+    return transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], **kwargs)
+
+
+def _per_layer_head_dim_gemma4():
+    return _gemma4(global_head_dim=32)  # its full-attention layers: K/V of another shape
+
+
+def _shared_kv_gemma4():
+    return _gemma4(global_head_dim=16, num_kv_shared_layers=2)  # the last two layers reuse others' KV
+
+
 UNSUPPORTED = {
+    "gemma4-head-dims": (_per_layer_head_dim_gemma4, "layers of different KV shapes (head_dim, num_key_value_heads: "
+                                                     "(16, 2), (32, 2))"),
+    "gemma4-shared-kv": (_shared_kv_gemma4, "layers that reuse another layer's KV cache (num_kv_shared_layers=2)"),
     "t5": (_encoder_decoder_t5, "encoder-decoder"),
     "bart": (_encoder_decoder_bart, "encoder-decoder"),
     "deepseek_v3": (_mla_deepseek_v3, "multi-latent attention"),
@@ -799,9 +819,12 @@ UNSUPPORTED = {
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
 def test_unsupported_families_are_refused(name, tmp_path):
-    """Encoder-decoder, multi-latent attention and linear-attention hybrids are refused with
-    UnsupportedModelError naming the model and the reason, by TieredCache and by wrap(),
-    before any file is written."""
+    """Encoder-decoder, multi-latent attention, linear-attention hybrids, layers whose K/V
+    differ in shape (Gemma4's full-attention layers with their own head size: accepted
+    before, then a torch error from inside the block pool at the first forward) and layers
+    that reuse another's KV (named as linear-attention layers of type 'dummy' before) are
+    refused with UnsupportedModelError naming the model and the reason, by TieredCache and
+    by wrap(), before any file is written."""
     build, reason = UNSUPPORTED[name]
     config = build()
     cfg = TierConfig(device_budget="1MiB", host_budget="1MiB", disk_budget="1MiB", disk_dir=str(tmp_path / "kv"))
@@ -819,6 +842,96 @@ def test_unsupported_families_are_refused(name, tmp_path):
     with pytest.raises(UnsupportedModelError, match=re.escape(reason)):
         tiercache.wrap(fake, cfg)
     assert not (tmp_path / "kv").exists()
+
+
+def test_a_cache_serves_only_the_model_it_was_built_for(tmp_path):
+    """A cache built for one model and handed to another: a model with more layers was an
+    IndexError from inside update(), and one whose K/V have another shape a torch error
+    from inside the block pool. Each is now a clear error at the first layer that does
+    not fit; the cache's own model still generates exactly with it afterwards (reset)."""
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                max_position_embeddings=256, eos_token_id=None, pad_token_id=PAD)
+    torch.manual_seed(0)
+    small = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2,
+                                                                   **base)).eval()
+    deeper = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=3, num_key_value_heads=2,
+                                                                    **base)).eval()
+    other_heads = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1,
+                                                                         **base)).eval()
+    cfg = tight_config(small, tmp_path, batch=1, device_blocks=8)
+    with tiercache.TieredCache(small, cfg) as cache:
+        generate(small, prompt_ids(), cache=cache, max_new_tokens=2)
+        with pytest.raises(ValueError, match="layer 2 of a model with more layers than the 2 this cache was built"):
+            generate(deeper, prompt_ids(), cache=cache, max_new_tokens=2)
+        cache.reset()
+        generate(small, prompt_ids(), cache=cache, max_new_tokens=2)
+        with pytest.raises(UnsupportedModelError, match=r"gave K/V of 1 heads x 8 dims, but this cache's blocks hold "
+                                                        r"2 x 8 .*serves only the model it was built for"):
+            generate(other_heads, prompt_ids(), cache=cache, max_new_tokens=2)
+        cache.reset()
+        ref = generate(small, prompt_ids(), max_new_tokens=4)
+        out = generate(small, prompt_ids(), cache=cache, max_new_tokens=4)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) == 0.0
+
+
+def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_exact(tmp_path):
+    """Two threads generating on one cache at once: before, the second thread's forward pass
+    unpinned and overwrote the first one's blocks, and one of them failed with "block ... is
+    not in the cache (lost or deleted)", blaming corruption, or got other tokens without a
+    word. Now thread B, starting while thread A's forward pass is half way through its
+    layers (A waits in a hook on layer 1 until B has tried), is refused with an error that
+    says why, having changed nothing; A then completes with DynamicCache's tokens and
+    logits. Once A is done, B may use the cache (one after the other is fine)."""
+    import threading
+
+    model = tiny_model("llama")
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=NEW)
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12)
+    a_inside, b_tried = threading.Event(), threading.Event()
+    a_thread: list = []
+    results: dict = {}
+
+    def hold_a(module, args):
+        if threading.get_ident() in a_thread and not b_tried.is_set():
+            a_inside.set()
+            assert b_tried.wait(60)
+
+    def run(name, **kwargs):
+        try:
+            results[name] = generate(model, ids, cache=cache, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[name] = exc
+        finally:
+            if name == "b":
+                b_tried.set()
+
+    hook = model.model.layers[1].register_forward_pre_hook(hold_a)
+    try:
+        with tiercache.TieredCache(model, cfg) as cache:
+            a = threading.Thread(target=run, args=("a",), kwargs=dict(max_new_tokens=NEW))
+            a.start()
+            a_thread.append(a.ident)
+            assert a_inside.wait(60)
+            b = threading.Thread(target=run, args=("b",), kwargs=dict(max_new_tokens=2))
+            b.start()
+            b.join(60)
+            a.join(60)
+            assert isinstance(results["b"], RuntimeError), results["b"]
+            layers = len(model.model.layers)
+            assert f"another thread's forward pass is at layer 0 of {layers}" in str(results["b"])
+            out = results["a"]
+            assert not isinstance(out, Exception), out
+            assert torch.equal(ref.sequences, out.sequences)
+            assert max((x - y).abs().max().item() for x, y in zip(ref.logits, out.logits)) == 0.0
+            cache.reset()
+            later = threading.Thread(target=run, args=("later",), kwargs=dict(max_new_tokens=NEW))
+            later.start()
+            later.join(60)
+            assert torch.equal(ref.sequences, results["later"].sequences)
+    finally:
+        hook.remove()
 
 
 def test_a_transformers_release_without_cache_kwarg_is_refused_by_name(monkeypatch, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import uuid
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -143,12 +144,35 @@ def check_supported(config: Any) -> Any:
     text = config.get_text_config(decoder=True)
     if getattr(text, "kv_lora_rank", None):
         raise UnsupportedModelError(f"{arch}: multi-latent attention (compressed KV) is not supported")
+    shared = getattr(text, "num_kv_shared_layers", 0)
+    if shared:
+        raise UnsupportedModelError(f"{arch}: layers that reuse another layer's KV cache (num_kv_shared_layers="
+                                    f"{shared}) are not supported")
+    shapes = _kv_shapes_per_layer(text)
+    if len(shapes) > 1:
+        raise UnsupportedModelError(f"{arch}: layers of different KV shapes (head_dim, num_key_value_heads: "
+                                    f"{', '.join(map(str, sorted(shapes, key=str)))}) are not supported; "
+                                    f"tiercache's blocks have one shape for every layer")
     layer_types, _ = get_layer_types_and_kwargs(text)
     other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
     if other:
         raise UnsupportedModelError(f"{arch}: layer types {other} (linear-attention or hybrid layers) are not "
                                     f"supported; tiercache serves attention KV caches only")
     return text
+
+
+def _kv_shapes_per_layer(text: Any) -> set:
+    """The (head_dim, num_key_value_heads) of each layer, where the config says them per
+    layer (transformers' heterogeneous configs, ``per_layer_config``: Gemma4's full-attention
+    layers have their own ``global_head_dim``); empty where it does not."""
+    try:
+        per_layer = getattr(text, "per_layer_config", None)
+        if not per_layer:
+            return set()
+        layers = [per_layer[i] for i in range(len(per_layer))]
+    except (TypeError, KeyError, IndexError):  # a layout this release does not have
+        return set()
+    return {(getattr(layer, "head_dim", None), getattr(layer, "num_key_value_heads", None)) for layer in layers}
 
 
 class TieredCache(Cache):
@@ -199,6 +223,9 @@ class TieredCache(Cache):
         self._attn_config = text  # selection/retention need tiercache's attention hook on this config
         self._hook_seen = False  # the hook ran for this cache's keys (block attention relies on it)
         self.in_place_steps = 0  # layer-steps of decode attention computed in place (attend_in_place)
+        # (thread, last layer it updated): one forward pass at a time (``_claim``)
+        self._forward: tuple = (None, -1)
+        self._forward_lock = threading.Lock()
         if (self.wants_scores or self.trace is not None or self.selection_state is not None
                 or self.retention_state is not None or self._wants_in_place(model)) \
                 and hasattr(model, "config") and hasattr(model, "forward"):
@@ -476,16 +503,20 @@ class TieredCache(Cache):
         # key_states, value_states: [B, H_kv, q, D]
         if self.closed:
             raise RuntimeError("TieredCache is closed")
+        me = threading.get_ident()
+        if self._forward[0] == me:
+            self._forward = (me, layer_idx)
+        else:
+            self._claim(me, layer_idx)
+        if layer_idx >= self.num_layers:
+            raise ValueError(f"TieredCache: layer {layer_idx} of a model with more layers than the "
+                             f"{self.num_layers} this cache was built for; build the cache with the model that uses it")
         if self.store is None:
             self.store = self._open_store(key_states)
-        elif key_states.shape[0] != self.store.geometry.batch or key_states.dtype != self.store.geometry.dtype:
-            if all(layer.num_tokens == 0 for layer in self.layers):
-                self.store.close()
-                self.store = self._open_store(key_states)
-            else:
-                raise ValueError(f"TieredCache holds batch {self.store.geometry.batch} of "
-                                 f"{self.store.geometry.dtype}; got batch {key_states.shape[0]} of "
-                                 f"{key_states.dtype} (use a new cache or reset() this one)")
+        else:
+            g, shape = self.store.geometry, key_states.shape
+            if shape[0] != g.batch or key_states.dtype != g.dtype or shape[1] != g.kv_heads or shape[3] != g.head_dim:
+                self._reopen_for(key_states, layer_idx)
         store, bt = self.store, self.tier_config.block_tokens
         layer = self.layers[layer_idx]
         layer.lazy_initialization(key_states, value_states)
@@ -573,6 +604,38 @@ class TieredCache(Cache):
 
             setattr(keys, PLAN_ATTR, RetentionPlan(self, layer_idx, start, values))
         return keys, values
+
+    def _claim(self, me: int, layer_idx: int) -> None:
+        """``update`` from a thread other than the last one: it may start a forward pass (layer
+        0) once the other thread's has updated every layer. Else two forward passes would run
+        on one cache at once, unpinning and overwriting each other's blocks: errors blaming
+        corruption, or silently wrong tokens. The refused thread changes nothing; the other
+        goes on. A forward pass that stopped half way (an error) leaves the cache half
+        updated: ``reset()`` before using it again, from any thread."""
+        with self._forward_lock:
+            owner, at = self._forward
+            if owner is not None and (layer_idx != 0 or at != self.num_layers - 1):
+                raise RuntimeError(f"TieredCache: another thread's forward pass is at layer {at} of "
+                                   f"{self.num_layers}: one cache serves one forward pass at a time; give each "
+                                   f"thread its own cache (wrap() does, per generate() call), or reset() it after "
+                                   f"a forward pass that stopped with an error")
+            self._forward = (me, layer_idx)
+
+    def _reopen_for(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """``key_states`` do not fit the store's blocks: a new store if the cache holds no
+        token yet (a new batch size or dtype after ``reset()``), else a clear error."""
+        g, shape = self.store.geometry, key_states.shape
+        if all(layer.num_tokens == 0 for layer in self.layers):
+            self.store.close()
+            self.store = self._open_store(key_states)
+        elif shape[1] != g.kv_heads or shape[3] != g.head_dim:
+            raise UnsupportedModelError(
+                f"layer {layer_idx} gave K/V of {shape[1]} heads x {shape[3]} dims, but this cache's blocks "
+                f"hold {g.kv_heads} x {g.head_dim} (the first layer's): a model whose layers differ in KV shape "
+                f"is not supported, and a cache serves only the model it was built for")
+        else:
+            raise ValueError(f"TieredCache holds batch {g.batch} of {g.dtype}; got batch {shape[0]} of "
+                             f"{key_states.dtype} (use a new cache or reset() this one)")
 
     def _update_resident(self, layer: TieredLayer, key_states: torch.Tensor, value_states: torch.Tensor,
                          q: int) -> Optional[tuple]:
@@ -826,6 +889,7 @@ class TieredCache(Cache):
     def reset(self) -> None:
         for i in range(self.num_layers):
             self._drop_layer(i)
+        self._forward = (None, -1)
         self._token_ids = [] if self._token_ids is not None else None
         self._chain = []
 
