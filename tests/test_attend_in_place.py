@@ -41,8 +41,12 @@ def _segments(k: torch.Tensor, v: torch.Tensor, sizes: list) -> list:
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "additive", "per-head"])
 def test_block_attention_is_as_close_to_the_exact_result_as_sdpa(mask_kind):
     """Uneven segments (as a host block, a run of device slots and a partial tail give),
-    grouped query heads, and each kind of mask SDPA gets: the in-place result is within 2e-6
-    of the float64 truth and no further from it than fp32 SDPA over the whole layer."""
+    grouped query heads, and each kind of mask SDPA gets: the in-place result is within
+    float32 rounding of the float64 truth (4e-6, ~10 ulps at outputs of ~3; a wrong block,
+    order or mask is off by 1e-3 or more) and at most twice as far from it as fp32 SDPA
+    over the whole layer, plus an ulp or so. SDPA's own error depends on the CPU's kernel:
+    on an AVX512 machine (2026-12-05) the per-head case gave 1.76e-6 against SDPA's
+    9.6e-7, and "no further than SDPA" failed there on every commit since it was written."""
     g = torch.Generator().manual_seed(7)
     b, hkv, rep, d, n = 2, 2, 3, 16, 301
     q = torch.randn(b, hkv * rep, 1, d, generator=g) * 3
@@ -66,8 +70,8 @@ def test_block_attention_is_as_close_to_the_exact_result_as_sdpa(mask_kind):
     assert ours.shape == fp32.shape == (b, 1, hkv * rep, d)
     err_ours = (ours.double() - truth).abs().max().item()
     err_sdpa = (fp32.double() - truth).abs().max().item()
-    assert err_ours <= 2e-6, err_ours
-    assert err_ours <= err_sdpa + 2e-7, (err_ours, err_sdpa)
+    assert err_ours <= 4e-6, err_ours
+    assert err_ours <= 2 * err_sdpa + 5e-7, (err_ours, err_sdpa)
     # And a different split gives the same answer: the segments only say where bytes lie.
     other = block_attention(q, _segments(k, v, [1, 299, 1]), mask, None)
     assert (other - ours).abs().max().item() <= 1e-6
