@@ -151,6 +151,49 @@ def test_another_model_or_dtype_never_hits(tmp_path):
     assert len(os.listdir(tmp_path / "kv" / "prefix")) == 3
 
 
+def test_a_model_that_differs_in_a_few_weights_never_hits(tmp_path):
+    """The digest named a model by a sample of each weight (192 elements): a model with a
+    few embedding rows retrained (what fine-tuning new tokens with the rest frozen gives)
+    kept the digest and was served the first model's KV, silently other tokens. Now every
+    byte counts: a copy with 20 embedding rows changed finds nothing, and so does the same
+    model object once trained in place (its digest is kept only while no weight changed);
+    its tokens are then its own (DynamicCache's)."""
+    import copy
+
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        rows = ids[0, :20].unique()
+        other.model.embed_tokens.weight[rows] = torch.randn(len(rows), other.config.hidden_size)
+    out, stats = run(other, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(other, ids), out)
+    _, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] > 0  # the first model still finds its own
+    with torch.no_grad():  # trained in place: the same object, other weights
+        model.model.layers[0].self_attn.v_proj.weight[3, 5] += 0.5
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(model, ids), out)
+
+
+def test_the_device_hash_changes_with_any_word_and_only_then():
+    """tensor_fingerprint's GPU path (linear_hash), run here on CPU: equal bytes give equal
+    hashes; changing any one 32-bit word (first, last, in between, or a byte of a length
+    that is not a multiple of 4) changes it."""
+    from tiercache.prefix import linear_hash
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (4 * 1000 + 3,), dtype=torch.uint8, generator=g)
+    base = linear_hash(data)
+    assert linear_hash(data.clone()) == base and len(base) == 8
+    for at in (0, 1, 2, 3, 1999, 2000, 4000, 4002):
+        changed = data.clone()
+        changed[at] ^= 0x5A
+        assert linear_hash(changed) != base, at
+
+
 def prefix_dir(tmp_path) -> str:
     (name,) = os.listdir(tmp_path / "kv" / "prefix")
     return str(tmp_path / "kv" / "prefix" / name)

@@ -311,12 +311,9 @@ class TieredCache(Cache):
 
         if geometry.batch != 1:
             return None
-        digest = getattr(self._model, "_tiercache_digest", None)
-        if digest is None or digest[0] != geometry.dtype:
-            digest = (geometry.dtype, model_digest(self._model, geometry.dtype))
-            self._model._tiercache_digest = digest
+        digest = model_digest(self._model, geometry.dtype)  # kept per model while its weights stay
         try:
-            return open_prefix_cache(self.tier_config.disk_dir, self.tier_config, geometry, digest[1],
+            return open_prefix_cache(self.tier_config.disk_dir, self.tier_config, geometry, digest,
                                      self.num_layers)
         except CacheDirError as exc:
             if self.tier_config.reuse:
