@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -237,6 +238,54 @@ def test_a_missing_dir_is_one_line_and_exit_2_an_empty_one_says_so(tmp_path, act
     proc = cli("cache", action, "--disk-dir", str(empty))
     assert proc.returncode == 0 and proc.stderr == ""
     assert f"no prefix cache in {empty}" in proc.stdout
+
+
+def test_clear_through_a_symlinked_prefix_directory_removes_only_the_caches_files(kv, tmp_path):
+    """A prefix directory may be a symlink to a folder elsewhere (another disk). clear
+    removed every file in the folder it points to, then failed on the link ("Not a
+    directory", exit 2) with the data gone. Now it removes the cache's files there and the
+    link, reports the directory removed, and leaves a file tiercache did not make."""
+    run(tiny_model(), kv)
+    close_all()
+    (d,) = ls(kv)
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(d["path"], elsewhere)
+    os.symlink(elsewhere, d["path"])
+    (elsewhere / "notes.txt").write_text("mine")
+    assert ls(kv)[0]["num_blocks"] == BLOCKS
+    proc = cli("cache", "clear", "--disk-dir", kv)
+    assert proc.returncode == 0 and "removed 1 prefix directory" in proc.stdout, proc.stderr
+    assert not os.path.lexists(d["path"]) and ls(kv) == []
+    assert os.listdir(elsewhere) == ["notes.txt"]
+
+
+def test_cache_commands_on_a_directory_this_user_cannot_read_are_one_line(kv):
+    """Another user's 0700 cache: ls, stats and clear were a PermissionError traceback
+    where the user may enter the folder above it (a shared parent), and said the cache
+    "does not exist" where it may not."""
+    import tempfile
+
+    if not shutil.which("setpriv") or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to run as another user")
+    run(tiny_model(), kv)
+    close_all()
+    shared = tempfile.mkdtemp(prefix="tiercache-shared-", dir="/tmp")
+    try:
+        os.chmod(shared, 0o711)
+        moved = shutil.move(kv, os.path.join(shared, "kv"))  # root's own 0700 cache, in a folder all may enter
+        for disk_dir in (moved, kv + "-behind-a-private-folder"):
+            if disk_dir != moved:
+                os.makedirs(disk_dir, mode=0o700)  # under pytest's root-only tmp folders
+            for action in ("ls", "stats", "clear"):
+                proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                       sys.executable, "-m", "tiercache.cli", "cache", action, "--disk-dir", disk_dir],
+                                      capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": "/tmp"})
+                assert proc.returncode == 2, (action, proc.stderr)
+                assert "cannot read" in proc.stderr and "Permission denied" in proc.stderr, proc.stderr
+                assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert ls(moved)[0]["num_blocks"] == BLOCKS  # nothing was touched
+    finally:
+        shutil.rmtree(shared)
 
 
 def tiny_bench_model(folder) -> str:

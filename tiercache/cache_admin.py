@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
@@ -79,9 +80,13 @@ def record_bytes(block_tokens: int, kv_heads: int, head_dim: int, dtype: str) ->
 
 def check_disk_dir(disk_dir: str) -> None:
     """Raise ``CacheDirError`` unless ``disk_dir`` is an existing directory."""
-    if not os.path.exists(disk_dir):
-        raise CacheDirError(f"--disk-dir: {disk_dir!r} does not exist")
-    if not os.path.isdir(disk_dir):
+    try:
+        st = os.stat(disk_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CacheDirError(f"--disk-dir: {disk_dir!r} does not exist") from None
+    except OSError as exc:  # a folder on the way this user may not enter
+        raise CacheDirError(f"--disk-dir: cannot read {disk_dir!r} ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
         raise CacheDirError(f"--disk-dir: {disk_dir!r} is not a directory")
 
 
@@ -94,6 +99,8 @@ def prefix_dirs(disk_dir: str) -> list:
         return []
     except NotADirectoryError:
         raise CacheDirError(f"--disk-dir: {root!r} is not a directory") from None
+    except OSError as exc:  # another user's 0700 cache, say
+        raise CacheDirError(f"--disk-dir: cannot read {root!r} ({exc.strerror})") from None
     out = []
     for name in names:
         m = _TAG.match(name)
@@ -218,7 +225,10 @@ def summarize(disk_dir: str) -> dict:
               for key in ("directories", "num_blocks", "num_seen_only", "num_prefixes", "stored_bytes",
                           "file_bytes", "hits", "damaged")}
     sessions = os.path.join(disk_dir, SESSIONS_DIR)
-    num_sessions = len(os.listdir(sessions)) if os.path.isdir(sessions) else 0
+    try:
+        num_sessions = len(os.listdir(sessions)) if os.path.isdir(sessions) else 0
+    except OSError as exc:
+        raise CacheDirError(f"--disk-dir: cannot read {sessions!r} ({exc.strerror})") from None
     return {"disk_dir": disk_dir, "models": models, "totals": totals,
             "sessions": {"num_sessions": num_sessions, "bytes": tree_bytes(sessions)}}
 
@@ -274,10 +284,26 @@ def clear(disk_dir: str, model_digest: Optional[str] = None) -> list:
     return infos
 
 
+def _ours(name: str) -> bool:
+    """A file name a prefix directory holds: its data file, its index (with SQLite's side
+    files, and those moved aside as damaged), a direct-I/O probe left by a killed process."""
+    base = name[:-len(".damaged")] if name.endswith(".damaged") else name
+    return (base in (DATA_NAME, INDEX_NAME, INDEX_NAME + "-wal", INDEX_NAME + "-shm", INDEX_NAME + "-journal")
+            or name.startswith(".direct-probe-"))
+
+
 def _remove(path: str) -> None:
-    """Delete a locked prefix directory: its data and index first, the lock file last."""
+    """Delete a locked prefix directory: its data and index first, the lock file last. Only
+    the files tiercache makes there: a prefix directory that is a symlink to a folder of
+    other files (or one where someone put other files) keeps those; the symlink itself
+    goes (``os.rmdir`` refused it, after its files were gone, and the clear reported a
+    failure), and a folder left with other files stays, named in the error."""
+    others = []
     for name in sorted(os.listdir(path)):
         if name == LOCK_NAME:
+            continue
+        if not _ours(name):
+            others.append(name)
             continue
         target = os.path.join(path, name)
         if os.path.isdir(target) and not os.path.islink(target):
@@ -285,7 +311,13 @@ def _remove(path: str) -> None:
         else:
             os.unlink(target)
     os.unlink(os.path.join(path, LOCK_NAME))
-    os.rmdir(path)
+    if os.path.islink(path):
+        os.unlink(path)
+    elif others:
+        raise CacheDirError(f"cache clear: {path}: removed the cache's files; left {len(others)} that tiercache "
+                            f"did not make ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''})")
+    else:
+        os.rmdir(path)
 
 
 # ---- text ------------------------------------------------------------------------------------
