@@ -216,8 +216,11 @@ def test_a_hash_collision_cannot_return_another_prompts_kv(tmp_path):
     assert_same(reference(model, ids), out)
 
 
-@pytest.mark.parametrize("damage", ["delete", "garbage"])
+@pytest.mark.parametrize("damage", ["delete", "garbage", "a directory", "an older schema"])
 def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path, damage):
+    """Whatever is in the index's place, the records' headers rebuild it. A directory
+    there was an IsADirectoryError traceback, and an index of an older schema (without the
+    ``seen`` column) a "no such column" sqlite3 error on every run."""
     model, ids = tiny_model(), prompt()
     run(model, ids, config(tmp_path))
     close_all()
@@ -229,6 +232,12 @@ def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path,
             os.unlink(path + suffix)
     if damage == "delete":
         os.unlink(path)
+    elif damage == "a directory":
+        os.unlink(path)
+        os.mkdir(path)
+    elif damage == "an older schema":
+        with sqlite3.connect(path) as db:
+            db.execute("ALTER TABLE blocks DROP COLUMN seen")
     else:
         with open(path, "r+b") as f:
             f.write(b"this is not an sqlite database" * 40)
@@ -238,6 +247,85 @@ def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path,
     close_all()
     with sqlite3.connect(path) as db:  # and the chain links, re-derived by re-hashing the ids
         assert dict(db.execute("SELECT h, parent FROM blocks").fetchall()) == links
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """Mount a real tmpfs of ``size`` at a path (needs root: skipped elsewhere); unmounted after."""
+    mounted = []
+
+    def mount(path, size: str):
+        os.makedirs(path, exist_ok=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(path)
+        return path
+
+    yield mount
+    close_all()
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_disk_under_the_index_is_a_tier_error_naming_it(small_filesystem, tmp_path):
+    """SQLite on a real full filesystem: a write to the index was a bare
+    sqlite3.OperationalError ("database or disk is full"); it is a TierIOError naming the
+    index. What was written before reads back."""
+    from tiercache.errors import TierIOError
+    from tiercache.prefix import ChainBlock, PrefixIndex
+
+    folder = small_filesystem(tmp_path / "small", "128k")
+    index = PrefixIndex(str(folder / INDEX_NAME))
+    index.upsert(ChainBlock(1, 0, None, b"\0" * 12), layers=3)
+    full = r"prefix index .*index\.sqlite': writing failed \(database or disk is full\)"
+    with pytest.raises(TierIOError, match=full):
+        for h in range(2, 100000):
+            index.upsert(ChainBlock(h, 0, None, os.urandom(3000)), layers=3)
+    assert index.get(1)[:2] == (1, 0)
+    index.close()
+
+
+@pytest.mark.parametrize("reuse", [None, True])
+def test_a_prefix_cache_on_a_full_disk_is_off_for_the_run_or_one_error(small_filesystem, tmp_path, reuse, caplog):
+    """The prefix directory on a real full filesystem (a small tmpfs mounted at
+    ``disk_dir/prefix``; the cache's own session files have room): with reuse=None (on
+    because a disk tier is) the run warns and goes on without it, DynamicCache's tokens;
+    with reuse=True one CacheDirError naming ENOSPC, before anything is generated. Before,
+    either was a sqlite3 error from inside, on this run and every later one."""
+    os.mkdir(tmp_path / "kv", 0o700)
+    small_filesystem(tmp_path / "kv" / "prefix", "64k")
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path, reuse=reuse)
+    if reuse:
+        with pytest.raises(CacheDirError, match="No space left on device|database or disk is full"):
+            run(model, ids, cfg)
+        return
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, stats = run(model, ids, cfg)
+    assert "prefix cache off" in caplog.text and ("No space left" in caplog.text or "disk is full" in caplog.text)
+    assert_same(reference(model, ids), out)
+    assert stats["reused_tokens"] == 0
+
+
+def test_a_file_in_the_prefix_directorys_place_turns_it_off_for_the_run(tmp_path, caplog):
+    """A file where the model's prefix directory goes was a ValueError from inside (the
+    store's config check), not the warning reuse=None gives for a directory it cannot use."""
+    import shutil
+
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    close_all()
+    path = prefix_dir(tmp_path)
+    shutil.rmtree(path)
+    with open(path, "w") as f:
+        f.write("not a directory")
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, stats = run(model, ids, config(tmp_path))
+    assert "prefix cache off for this run" in caplog.text and "is not a directory" in caplog.text
+    assert_same(reference(model, ids), out)
+    with pytest.raises(CacheDirError, match="is not a directory"):
+        run(model, ids, config(tmp_path, reuse=True))
 
 
 def test_a_corrupted_record_is_recomputed_never_served(tmp_path):

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from tiercache.config import TierConfig, as_tier_config, format_bytes
 from tiercache.disk import ensure_private_dir
-from tiercache.errors import CapacityError, TierCacheError, UnsupportedModelError
+from tiercache.errors import CapacityError, TierCacheError, TierIOError, UnsupportedModelError
 from tiercache.events import Events
 from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
 from tiercache.policies import make_eviction, make_prefetch
@@ -342,7 +342,11 @@ class TieredCache(Cache):
         if prefix is None:
             return 0
         ids = input_ids[0].tolist()
-        blocks = prefix.match(ids[:len(ids) - 1])
+        try:
+            blocks = prefix.match(ids[:len(ids) - 1])
+        except TierIOError as exc:
+            self._prefix_failed(exc)
+            return 0
         usable, kv = 0, []
         if blocks:
             kv_heads, head_dim, dtype, device = self._geometry_of_model()
@@ -356,6 +360,9 @@ class TieredCache(Cache):
                 pool.shutdown(wait=False)
             try:
                 usable, kv = prefix.load(blocks)  # kv[layer]: [2, 1, H, usable*bt, D]
+            except TierIOError as exc:
+                self._prefix_failed(exc)
+                usable, kv = 0, []
             finally:
                 if opening is not None:
                     self.store = opening.result()
@@ -410,8 +417,22 @@ class TieredCache(Cache):
         if admitted:
             kv = torch.empty(self.store.geometry.shape, dtype=self.store.geometry.dtype)
             self.store.device_pool.read_block(slot, kv)
-            if self.prefix.publish(block, key.layer, kv):
-                self.events.reused(published=1)
+            try:
+                if self.prefix.publish(block, key.layer, kv):
+                    self.events.reused(published=1)
+            except (TierIOError, CapacityError) as exc:
+                self._prefix_failed(exc)
+
+    def _prefix_failed(self, exc: Exception) -> None:
+        """The prefix cache's storage failed (a full disk, its index made read-only): with
+        ``reuse=True`` that is the caller's error; with ``reuse=None`` (on because a disk
+        tier is), a warning and this run goes on without it, as when it cannot open. The
+        generation's own KV is not in the prefix cache: nothing of it is lost."""
+        if self.tier_config.reuse:
+            raise exc
+        log.warning("prefix cache off for the rest of this run: %s", exc)
+        self.prefix = None
+        self._reuse = False
 
     # ---- traces and attention scores -----------------------------------------------------
     @staticmethod
@@ -920,7 +941,10 @@ class TieredCache(Cache):
             self.trace.close()
         try:
             if self.prefix is not None and not self.prefix.closed:
-                self.prefix.flush()  # what this run published survives the process
+                try:
+                    self.prefix.flush()  # what this run published survives the process
+                except (TierIOError, CapacityError) as exc:
+                    self._prefix_failed(exc)
         finally:
             self._layer_views = [None] * self.num_layers
             if self.store is not None:

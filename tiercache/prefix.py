@@ -37,7 +37,7 @@ from tiercache.config import TierConfig
 if TYPE_CHECKING:
     from tiercache.remote import RemoteTier
 from tiercache.disk import DiskTier
-from tiercache.errors import BlockCorruptedError
+from tiercache.errors import BlockCorruptedError, CacheDirError, TierIOError
 from tiercache.events import Events
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey, Tier
@@ -176,14 +176,17 @@ class PrefixIndex:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.rebuilt = False
         try:
             self._db = self._connect()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, OSError) as exc:  # damaged, an older schema, not a file
             log.warning("prefix index %s is damaged (%s); rebuilding it from the record headers", path, exc)
             self._move_aside()
-            self._db = self._connect()
+            try:
+                self._db = self._connect()
+            except (sqlite3.Error, OSError) as again:
+                raise CacheDirError(f"prefix index {path!r} cannot be opened or rebuilt ({again})") from None
             self.rebuilt = True
 
     def _connect(self) -> sqlite3.Connection:
@@ -198,7 +201,11 @@ class PrefixIndex:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(_SCHEMA)
-            db.execute("SELECT count(*) FROM blocks").fetchone()
+            # every column this code reads: an index of an older schema is rebuilt, not a
+            # "no such column" error from the first query that needs it
+            db.execute("SELECT h, idx, parent, tokens, layers, hits, seen, created, last_used FROM blocks "
+                       "LIMIT 1").fetchone()
+            db.execute("SELECT key, value FROM meta LIMIT 1").fetchone()
             (check,) = db.execute("PRAGMA quick_check").fetchone()
             if check != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {check}")
@@ -211,43 +218,63 @@ class PrefixIndex:
 
     def _move_aside(self) -> None:
         for suffix in ("", "-wal", "-shm"):
+            path = self.path + suffix
             try:
-                os.replace(self.path + suffix, self.path + suffix + ".damaged")
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)  # a directory in a file's place (empty: else it stays and the reopen fails)
+                else:
+                    os.replace(path, path + ".damaged")
             except OSError:
                 pass
 
+    def _io(self, what: str, exc: Exception) -> TierIOError:
+        return TierIOError(f"prefix index {self.path!r}: {what} failed ({exc})")
+
+    def _execute(self, what: str, sql: str, args=(), many: bool = False) -> sqlite3.Cursor:
+        """One statement under the lock; SQLite's errors (a full disk, a file made read-only
+        or damaged meanwhile) are a ``TierIOError`` naming the index, not a sqlite3 error
+        from inside."""
+        with self._lock:
+            try:
+                return (self._db.executemany if many else self._db.execute)(sql, args)
+            except sqlite3.Error as exc:
+                raise self._io(what, exc) from None
+
     def rows(self) -> dict:
         with self._lock:
-            cur = self._db.execute("SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks")
-            return {r[0]: r for r in cur.fetchall()}
+            cur = self._execute("reading", "SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks")
+            try:
+                return {r[0]: r for r in cur.fetchall()}
+            except sqlite3.Error as exc:
+                raise self._io("reading", exc) from None
 
     def upsert(self, block: ChainBlock, layers: int, seen: int = 1) -> None:
         now = time.time()
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO blocks (h, idx, parent, tokens, layers, seen, created, last_used) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(h) DO UPDATE SET layers=excluded.layers, "
-                "seen=max(blocks.seen, excluded.seen), last_used=excluded.last_used",
-                (block.h, block.index, block.parent, block.token_ids, layers, seen, now, now))
+        self._execute("writing",
+                      "INSERT INTO blocks (h, idx, parent, tokens, layers, seen, created, last_used) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(h) DO UPDATE SET layers=excluded.layers, "
+                      "seen=max(blocks.seen, excluded.seen), last_used=excluded.last_used",
+                      (block.h, block.index, block.parent, block.token_ids, layers, seen, now, now))
 
     def get(self, h: int) -> Optional[tuple]:
         with self._lock:
-            return self._db.execute("SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks WHERE h = ?",
-                                    (h,)).fetchone()
+            cur = self._execute("reading", "SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks WHERE h = ?",
+                                (h,))
+            try:
+                return cur.fetchone()
+            except sqlite3.Error as exc:
+                raise self._io("reading", exc) from None
 
     def hit(self, hs: Sequence[int]) -> None:
         now = time.time()
-        with self._lock:
-            self._db.executemany("UPDATE blocks SET hits = hits + 1, last_used = ? WHERE h = ?",
-                                 [(now, h) for h in hs])
+        self._execute("writing", "UPDATE blocks SET hits = hits + 1, last_used = ? WHERE h = ?",
+                      [(now, h) for h in hs], many=True)
 
     def delete(self, hs: Sequence[int]) -> None:
-        with self._lock:
-            self._db.executemany("DELETE FROM blocks WHERE h = ?", [(h,) for h in hs])
+        self._execute("writing", "DELETE FROM blocks WHERE h = ?", [(h,) for h in hs], many=True)
 
     def set_meta(self, key: str, value: str) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        self._execute("writing", "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def close(self) -> None:
         with self._lock:
@@ -290,8 +317,11 @@ class PrefixCache:
         ensure_private_dir(os.path.join(root, "prefix"), config.shared_dir)
         self.salt = hashlib.blake2b(tag.encode(), digest_size=16).digest()
         eviction = prefix_eviction(config.eviction)
-        store_cfg = replace(config, device_budget=2 * g.block_bytes, host_budget=config.reuse_host_budget,
-                            disk_dir=self.directory, prefetch="none", eviction=eviction)
+        try:  # checks the directory: a file or an unwritable folder in its place is a CacheDirError
+            store_cfg = replace(config, device_budget=2 * g.block_bytes, host_budget=config.reuse_host_budget,
+                                disk_dir=self.directory, prefetch="none", eviction=eviction)
+        except ValueError as exc:
+            raise CacheDirError(str(exc)) from None
         self.events = Events(eviction)
         self.store = BlockStore(store_cfg, geometry, disk_dir=self.directory, persistent=True,
                                 model_digest=digest, events=self.events)
@@ -304,9 +334,13 @@ class PrefixCache:
                 from tiercache.disk import RecordCodec
                 self.remote = remote_tier.RemoteTier(config, RecordCodec(geometry, digest), tag, num_layers)
             self.index = PrefixIndex(os.path.join(self.directory, INDEX_NAME))
-            self.index.set_meta("model_digest", digest.hex())
-            self.index.set_meta("layers", str(num_layers))
-            self._reconcile()
+            try:
+                self.index.set_meta("model_digest", digest.hex())
+                self.index.set_meta("layers", str(num_layers))
+                self._reconcile()
+            except TierIOError as exc:  # a full disk, say: the prefix cache cannot open (reuse=None: off)
+                self.index.close()
+                raise CacheDirError(str(exc)) from None
         except BaseException:
             self.store.close()
             raise
