@@ -359,7 +359,7 @@ class TieredCache(Cache):
                 opening = pool.submit(self._open_store_for, template, len(blocks) * self.num_layers)
                 pool.shutdown(wait=False)
             try:
-                usable, kv = prefix.load(blocks)  # kv[layer]: [2, 1, H, usable*bt, D]
+                usable, kv = prefix.load(blocks, self.events)  # kv[layer]: [2, 1, H, usable*bt, D]
             except TierIOError as exc:
                 self._prefix_failed(exc)
                 usable, kv = 0, []

@@ -452,14 +452,16 @@ class PrefixCache:
             self.remote.fetch(blocks[:found], take)
         return promoted
 
-    def load(self, blocks: list) -> tuple:
+    def load(self, blocks: list, events: Optional[Events] = None) -> tuple:
         """Read the KV of ``blocks`` for every layer: ``(usable, kv)`` where ``kv[layer]`` is
         one CPU tensor ``[2, B, H, usable * T, D]``: K and V of the first ``usable`` blocks of
         that layer, in order (what ``TieredCache.update`` takes for a layer). The records are
         read in parallel straight into these tensors (page-aligned), each checked
         against its CRC32C. A block that fails its check or cannot be read ends the run
         there: it and its extensions are forgotten and their tokens recomputed
-        (``usable`` counts the blocks before it; ``kv`` is [] when it is 0).
+        (``usable`` counts the blocks before it; ``kv`` is [] when it is 0). A record that
+        fails its check is counted in the prefix store's ``integrity_errors`` and in
+        ``events`` (the loading cache's, where its user looks).
         """
         g, n, layers = self.geometry, len(blocks), self.num_layers
         if not n:
@@ -481,6 +483,8 @@ class PrefixCache:
                 continue
             if not isinstance(exc, (BlockCorruptedError, KeyError, OSError)):
                 raise exc
+            if isinstance(exc, BlockCorruptedError) and events is not None:
+                events.integrity_error("disk")
             if j % n < usable:
                 usable, reason = j % n, exc
         if usable < n:
