@@ -125,12 +125,25 @@ def test_real_model_prefix_reuse_matches_a_cold_run(real_model, tmp_path):
     """The default model: a second request with the same ~300-token prompt loads 18 full
     16-token blocks (288 tokens) from the prefix cache, computes the last 12, and gives the
     same tokens as DynamicCache with logits within 1e-5 at every step; a third request in a
-    fresh prefix-cache session (closed and reopened from disk) does the same."""
+    fresh prefix-cache session (closed and reopened from disk) does the same.
+
+    A warm run computes the prompt in two parts (288 loaded, then 12), so its reference is
+    DynamicCache given the same two parts: on an AVX512 machine (2026-12-05) DynamicCache
+    itself gave logits 2.5e-5 apart between one 300-token prefill and 288 + 12 (other
+    matmul shapes, other rounding; logits reach ~26), and the warm runs matched the split
+    one. The cold run is held to the one-shot reference."""
+    import transformers
+
     from tiercache.prefix import close_all
 
     model, tokenizer = real_model
     ids = _prompt(tokenizer, PROMPT_TOKENS)
-    ref = _generate(model, ids, cache=__import__("transformers").DynamicCache())
+    ref = _generate(model, ids, cache=transformers.DynamicCache())
+    split = transformers.DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :288], cache=split, use_cache=True)
+    ref_split = _generate(model, ids, cache=split)
+    assert torch.equal(ref.sequences, ref_split.sequences)
     cfg = tiercache.TierConfig(device_budget="8MiB", host_budget="8MiB", disk_dir=str(tmp_path / "kv"),
                                disk_budget="256MiB", block_tokens=BT)
     close_all()
@@ -145,7 +158,8 @@ def test_real_model_prefix_reuse_matches_a_cold_run(real_model, tmp_path):
             assert loaded == (0 if run == "cold" else 288), run
             assert stats["prefill_tokens"] == PROMPT_TOKENS - loaded, run
             assert torch.equal(ref.sequences, out.sequences), run
-            diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
+            against = ref if run == "cold" else ref_split
+            diff = max((a - b).abs().max().item() for a, b in zip(against.logits, out.logits))
             assert diff <= ATOL, f"{run}: max abs logit difference {diff:.3g}"
     finally:
         close_all()
