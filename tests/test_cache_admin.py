@@ -196,6 +196,62 @@ def test_clear_is_refused_while_another_process_holds_the_directory(kv):
     assert ls(kv) == []
 
 
+SESSION_HOLDER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from test_cache_admin import tiny_model, config, prompt_ids
+    from tiercache import TieredCache, TierConfig
+    model, ids = tiny_model(), prompt_ids()
+    cfg = TierConfig(device_budget="24KiB", host_budget="32KiB", disk_dir={kv!r}, disk_budget="16MiB",
+                     block_tokens=4, reuse=False)
+    cache = TieredCache(model, cfg)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False, max_new_tokens=3)
+    print("generating", flush=True)  # the session folder is open (and locked) until the process ends
+    sys.stdin.read()
+""")
+
+
+def _session_holder(kv: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", SESSION_HOLDER.format(tests=os.path.dirname(__file__), kv=kv)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "generating", proc.stderr.read()
+    return proc
+
+
+def test_session_folders_of_killed_processes_are_reclaimed_and_live_ones_left(kv):
+    """A process killed with SIGKILL never closes its store: its session folder, with a data
+    file allocated ahead, stayed for good (every killed run leaked up to disk_budget). The
+    next TieredCache on the directory removes it, and so does ``cache clear``; the folder
+    of a process that is still generating stays, and that process is not disturbed."""
+    import signal
+
+    sessions = os.path.join(kv, "sessions")
+    live = _session_holder(kv)
+    try:
+        for _ in range(2):  # one reclaimed by the next cache, one by cache clear
+            dead = _session_holder(kv)
+            dead.send_signal(signal.SIGKILL)
+            dead.wait(60)
+            names = os.listdir(sessions)
+            assert any(n.startswith(f"{dead.pid}-") for n in names), names
+            if _ == 0:
+                run(tiny_model(), kv)
+                close_all()
+            else:
+                proc = cli("cache", "clear", "--disk-dir", kv)
+                assert proc.returncode == 0 and "removed 1 session folder of processes that are gone" in proc.stdout, \
+                    proc.stdout + proc.stderr
+            names = os.listdir(sessions)
+            assert not any(n.startswith(f"{dead.pid}-") for n in names), names
+            assert [n for n in names if n.startswith(f"{live.pid}-")], names  # still held: left alone
+    finally:
+        live.communicate("", timeout=60)
+    assert live.returncode == 0, live.stderr
+    assert os.listdir(sessions) == []  # the live one removed its own on exit
+
+
 def test_a_damaged_index_is_reported_not_fatal_and_rebuilt_by_the_next_run(kv):
     model = tiny_model()
     run(model, kv)

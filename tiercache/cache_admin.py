@@ -233,6 +233,14 @@ def summarize(disk_dir: str) -> dict:
             "sessions": {"num_sessions": num_sessions, "bytes": tree_bytes(sessions)}}
 
 
+def clear_stale_sessions(disk_dir: str) -> list:
+    """Remove the session folders of processes that are gone (``remove_stale_sessions``);
+    returns their names."""
+    from tiercache.disk import remove_stale_sessions
+
+    return remove_stale_sessions(os.path.join(disk_dir, SESSIONS_DIR))
+
+
 def _take_lock(path: str) -> int:
     """flock the directory's lock file (exclusive, non-blocking); its fd. Raises CacheInUseError."""
     lock_path = os.path.join(path, LOCK_NAME)

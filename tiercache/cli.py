@@ -360,15 +360,20 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(json.dumps(summary) if args.json else admin.format_summary(summary))
     else:
         removed = admin.clear(args.disk_dir, args.model_digest)
+        stale = admin.clear_stale_sessions(args.disk_dir)
         if args.json:
-            print(json.dumps({"disk_dir": args.disk_dir, "removed": admin.as_json(removed)}))
-        elif not removed:
+            print(json.dumps({"disk_dir": args.disk_dir, "removed": admin.as_json(removed),
+                              "stale_sessions_removed": stale}))
+            return 0
+        if not removed:
             which = f" of model digest {args.model_digest}" if args.model_digest else ""
             print(f"no prefix cache{which} in {args.disk_dir}; nothing removed")
         else:
             print(f"removed {len(removed)} prefix director{'y' if len(removed) == 1 else 'ies'} "
                   f"({sum(i.num_blocks for i in removed)} blocks, "
                   f"{format_bytes(sum(i.file_bytes for i in removed))}) from {args.disk_dir}")
+        if stale:
+            print(f"removed {len(stale)} session folder{'s' if len(stale) != 1 else ''} of processes that are gone")
     return 0
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from tiercache.config import TierConfig, as_tier_config, format_bytes
-from tiercache.disk import ensure_private_dir
+from tiercache.disk import ensure_private_dir, remove_stale_sessions
 from tiercache.errors import CapacityError, TierCacheError, TierIOError, UnsupportedModelError
 from tiercache.events import Events
 from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
@@ -275,6 +275,10 @@ class TieredCache(Cache):
             ensure_private_dir(cfg.disk_dir, cfg.shared_dir)
             sessions = os.path.join(cfg.disk_dir, "sessions")
             ensure_private_dir(sessions, cfg.shared_dir)
+            stale = remove_stale_sessions(sessions)
+            if stale:
+                log.info("tiercache: removed %d session folders of processes that are gone from %s",
+                         len(stale), sessions)
             disk_dir = os.path.join(sessions, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
             self._session_dir = disk_dir
         device = cfg.device or key_states.device
