@@ -225,6 +225,35 @@ def test_corrupted_block_on_the_decode_path_raises_naming_it(tmp_path, geometry)
         store.check()
 
 
+def test_a_block_lost_to_a_failed_check_in_a_prefetch_is_named_so_when_read(tmp_path, geometry):
+    """A prefetch (a move no one waits for) finds the only copy of a block corrupted: the
+    copy is dropped, and the block is gone. A later read said "not in the cache (lost or
+    deleted)", hiding the corruption; it now says the record failed its integrity check.
+    A new block put under that key is read back as itself."""
+    cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=1)
+    data = blocks(geometry, 5)
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+    victim = BlockKey(0, 0, 1)
+    with BlockStore(cfg, geometry) as store:
+        slot = store.table.copy(victim, Tier.DISK).slot
+        _flip(os.path.join(cfg.disk_dir, DATA_NAME), slot * store.disk.record_bytes + HEADER_BYTES + 7)
+        store.prefetch([victim], dst=Tier.HOST)
+        store.wait_idle()
+        assert victim not in store and store.stats()["integrity_errors"] == 1
+        with pytest.raises(BlockCorruptedError, match=r"index=1\) is not in the cache \(its disk record failed "
+                                                      r"its integrity check and no intact copy existed\)"):
+            store.ensure_device([victim])
+        store.check()
+        store.put(victim, data[victim])
+        assert torch.equal(store.get(victim), data[victim])
+        store.delete(victim)
+        with pytest.raises(BlockCorruptedError, match=r"is not in the cache \(lost or deleted\)"):
+            store.ensure_device([victim])
+
+
 def test_truncated_data_file_loses_only_the_cut_records(tmp_path, geometry):
     cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1)
     data = blocks(geometry, 6)

@@ -154,6 +154,7 @@ class BlockStore:
             # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
             self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
             self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
+            self._lost: dict = {}  # key -> why its last copy went (a failed check), the latest _LOST_KEPT
             self._parent: dict = {}
             with torch.inference_mode(False):
                 # Pinned on CUDA: disk<->device moves then copy asynchronously at full speed.
@@ -303,6 +304,7 @@ class BlockStore:
         try:
             self.device_pool.write_block(slot, block.to(self.geometry.dtype))
             self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
+            self._lost.pop(key, None)  # a new block under this key
             if token_ids:
                 self._token_ids[key] = token_ids
         finally:
@@ -331,6 +333,7 @@ class BlockStore:
             self.table.commit(key, Tier.HOST)
             self.policies[Tier.HOST].insert(key)
             self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
+            self._lost.pop(key, None)  # a new block under this key
             if token_ids:
                 self._token_ids[key] = token_ids
             self._stalled(stall)
@@ -778,6 +781,7 @@ class BlockStore:
                         self.table.pin(key)
                         self.policies[Tier.DEVICE].insert(key)
                         self._tokens[key] = 0
+                        self._lost.pop(key, None)  # a new block under this key
                     self._stalled(stall)
                     return slots
             stall += self._wait_moves(moves, raise_io=True)
@@ -809,7 +813,7 @@ class BlockStore:
                         for key in keys:
                             entry = get(key)
                             if entry is None:
-                                raise BlockCorruptedError(f"block {key!r} is not in the cache (lost or deleted)")
+                                raise self._missing(key)
                             c = entry.copies.get(device)
                             if c is not None and c.state is ready:
                                 if key not in pinned_keys:
@@ -1130,7 +1134,7 @@ class BlockStore:
                 for key in keys:
                     entry = self.table.get(key)
                     if entry is None:
-                        raise BlockCorruptedError(f"block {key!r} is not in the cache (lost or deleted)")
+                        raise self._missing(key)
                     tier = next((t for t in (Tier.DEVICE, Tier.HOST) if self.table.is_ready(key, t)), None)
                     first = key not in counted
                     counted.add(key)
@@ -1565,8 +1569,22 @@ class BlockStore:
             self.events.eviction(tier.label)
 
     def _discard(self, key: Hashable, tier: Tier) -> None:
-        for t, slot in self.table.discard(key, tier):
+        """Under the lock: drop ``key``'s copy on ``tier``, which failed its check. If it
+        was the last one, the block is gone: its books go too, and a later read names why
+        (it said "not in the cache (lost or deleted)", which hid the corruption)."""
+        freed = self.table.discard(key, tier)
+        for t, slot in freed:
             self._released(key, t, slot)
+        if freed and self.table.get(key) is None:
+            self._forget(key)
+            self._lost[key] = f"its {tier.label} record failed its integrity check and no intact copy existed"
+            while len(self._lost) > _LOST_KEPT:
+                self._lost.pop(next(iter(self._lost)))
+
+    def _missing(self, key: Hashable) -> BlockCorruptedError:
+        """The error for a read of ``key``, which the table does not hold."""
+        why = self._lost.get(key)
+        return BlockCorruptedError(f"block {key!r} is not in the cache ({why or 'lost or deleted'})")
 
     def _released(self, key: Hashable, tier: Tier, slot: int) -> None:
         """Under the lock, right after a slot was freed (before anyone can reuse it)."""
@@ -2376,6 +2394,9 @@ class BlockStore:
     def _as_block(self, buf: torch.Tensor) -> torch.Tensor:
         g = self.geometry
         return buf[:g.block_bytes].view(g.dtype).view(g.shape)
+
+
+_LOST_KEPT = 4096  # blocks lost to failed checks whose reason a later read can still name
 
 
 def _copy_tokens(copy, dst, src, lo: int, hi: int, block_tokens: int, unit: int) -> None:
