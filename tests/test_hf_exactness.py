@@ -875,6 +875,21 @@ def test_a_cache_serves_only_the_model_it_was_built_for(tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) == 0.0
 
 
+def test_a_config_device_other_than_the_models_is_refused_by_name(tmp_path):
+    """TierConfig(device=...) naming another device than the one the model computes on
+    built the device tier there, and attention failed inside with a device mismatch. It is
+    refused at the first forward naming both; the model's own device is accepted."""
+    model = tiny_model("llama")
+    for device, ok in (("meta", False), ("cpu", True)):
+        cfg = tight_config(model, tmp_path / device, batch=1, device_blocks=12, device=device)
+        with tiercache.TieredCache(model, cfg) as cache:
+            if ok:
+                generate(model, prompt_ids(), cache=cache, max_new_tokens=2)
+                continue
+            with pytest.raises(ValueError, match="the TierConfig says 'meta' but the model computes on cpu"):
+                generate(model, prompt_ids(), cache=cache, max_new_tokens=2)
+
+
 def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_exact(tmp_path):
     """Two threads generating on one cache at once: before, the second thread's forward pass
     unpinned and overwrote the first one's blocks, and one of them failed with "block ... is

@@ -161,6 +161,15 @@ def check_supported(config: Any) -> Any:
     return text
 
 
+def _same_device(named: torch.device, actual: torch.device) -> bool:
+    """``named`` (from a config: "cuda" means the current device) is ``actual``."""
+    def index(d: torch.device) -> int:
+        if d.index is not None:
+            return d.index
+        return torch.cuda.current_device() if d.type == "cuda" else 0
+    return named.type == actual.type and index(named) == index(actual)
+
+
 def _kv_shapes_per_layer(text: Any) -> set:
     """The (head_dim, num_key_value_heads) of each layer, where the config says them per
     layer (transformers' heterogeneous configs, ``per_layer_config``: Gemma4's full-attention
@@ -281,7 +290,10 @@ class TieredCache(Cache):
                          len(stale), sessions)
             disk_dir = os.path.join(sessions, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
             self._session_dir = disk_dir
-        device = cfg.device or key_states.device
+        device = key_states.device
+        if cfg.device is not None and not _same_device(torch.device(cfg.device), device):
+            raise ValueError(f"device: the TierConfig says {cfg.device!r} but the model computes on {device}; the "
+                             f"device tier is where attention reads, so leave device=None (the model's) or name that")
         store = BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
         store.defer_stall = True
         self._layer_views = [None] * self.num_layers  # views of an older store's pool would keep it alive
