@@ -315,6 +315,32 @@ def test_clear_through_a_symlinked_prefix_directory_removes_only_the_caches_file
     assert os.listdir(elsewhere) == ["notes.txt"]
 
 
+def test_clear_goes_on_past_a_prefix_directory_with_other_files(kv):
+    """A file someone put in one model's prefix directory stays (with that folder), with a
+    warning; clear goes on to the other models' directories (it stopped at the first)."""
+    run(tiny_model(), kv)
+    run(tiny_model(seed=5), kv)
+    close_all()
+    first, second = sorted(d["path"] for d in ls(kv))
+    with open(os.path.join(first, "notes.txt"), "w") as f:
+        f.write("mine")
+    proc = cli("cache", "clear", "--disk-dir", kv)
+    assert proc.returncode == 0 and "removed 2 prefix directories" in proc.stdout, proc.stderr
+    assert "left 1 that tiercache did not make (notes.txt)" in proc.stderr
+    assert os.listdir(first) == ["notes.txt"] and not os.path.exists(second)
+
+
+def test_odd_names_in_the_sessions_folder_are_left_alone(tmp_path):
+    """Folders that look like a pid but are not one this system has (a superscript digit,
+    20 digits) made the sweep raise, and with it every cache's first forward."""
+    from tiercache.disk import remove_stale_sessions
+
+    for name in ("\u00b2-abc", "99999999999999999999-abc", "notapid-abc", "123"):
+        os.makedirs(tmp_path / name)
+    assert remove_stale_sessions(str(tmp_path)) == []
+    assert len(os.listdir(tmp_path)) == 4
+
+
 def test_cache_commands_on_a_directory_this_user_cannot_read_are_one_line(kv):
     """Another user's 0700 cache: ls, stats and clear were a PermissionError traceback
     where the user may enter the folder above it (a shared parent), and said the cache

@@ -901,9 +901,9 @@ def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_e
     import threading
 
     model = tiny_model("llama")
-    ids = prompt_ids()
+    ids, other = prompt_ids(), prompt_ids(seed=5)
     ref = generate(model, ids, max_new_tokens=NEW)
-    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12)
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12)  # a disk tier: the prefix cache is on
     a_inside, b_tried = threading.Event(), threading.Event()
     a_thread: list = []
     results: dict = {}
@@ -913,7 +913,7 @@ def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_e
             a_inside.set()
             assert b_tried.wait(60)
 
-    def run(name, **kwargs):
+    def run(name, ids=ids, **kwargs):
         try:
             results[name] = generate(model, ids, cache=cache, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the test reads it
@@ -929,7 +929,7 @@ def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_e
             a.start()
             a_thread.append(a.ident)
             assert a_inside.wait(60)
-            b = threading.Thread(target=run, args=("b",), kwargs=dict(max_new_tokens=2))
+            b = threading.Thread(target=run, args=("b",), kwargs=dict(ids=other, max_new_tokens=2))
             b.start()
             b.join(60)
             a.join(60)
@@ -940,6 +940,9 @@ def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_e
             assert not isinstance(out, Exception), out
             assert torch.equal(ref.sequences, out.sequences)
             assert max((x - y).abs().max().item() for x, y in zip(ref.logits, out.logits)) == 0.0
+            # B's prompt reached the model's hook before B was refused: A's later blocks, named
+            # by ids with B's in them, must not reach the prefix cache (a review found them served)
+            assert cache._token_ids is None
             cache.reset()
             later = threading.Thread(target=run, args=("later",), kwargs=dict(max_new_tokens=NEW))
             later.start()
@@ -947,6 +950,13 @@ def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_e
             assert torch.equal(ref.sequences, results["later"].sequences)
     finally:
         hook.remove()
+    mixed = torch.cat([ids[0], other[0]])[None, :ids.shape[1] + 7]  # A's prompt, then B's
+    with tiercache.TieredCache(model, cfg) as fresh:
+        fresh.load_prefix(mixed)
+        out = generate(model, mixed, cache=fresh, max_new_tokens=4)
+    want = generate(model, mixed, max_new_tokens=4)
+    assert torch.equal(want.sequences, out.sequences)
+    assert max((x - y).abs().max().item() for x, y in zip(want.logits, out.logits)) <= 1e-5
 
 
 def test_a_transformers_release_without_cache_kwarg_is_refused_by_name(monkeypatch, tmp_path):

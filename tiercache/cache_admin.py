@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,8 @@ from typing import Optional
 
 from tiercache.config import format_bytes
 from tiercache.errors import CacheDirError
+
+log = logging.getLogger("tiercache")
 
 # Names shared with tiercache.disk and tiercache.prefix (copied so that this module needs no
 # torch; tests/test_cache_admin.py checks they agree).
@@ -283,7 +286,10 @@ def clear(disk_dir: str, model_digest: Optional[str] = None) -> list:
             fds.append(_take_lock(path))
         infos = [replace(describe(path, tag), holder_pid=None) for path, tag in found]  # we hold them
         for path, _ in found:
-            _remove(path)
+            others = _remove(path)
+            if others:  # the cache's files are gone; the folder stays for the others
+                log.warning("tiercache: cache clear: %s: removed the cache's files; left %d that tiercache did not "
+                            "make (%s%s)", path, len(others), ", ".join(others[:5]), ", ..." if len(others) > 5 else "")
     except OSError as exc:
         raise CacheDirError(f"cache clear: {exc.filename or disk_dir}: {exc.strerror}") from None
     finally:
@@ -300,12 +306,12 @@ def _ours(name: str) -> bool:
             or name.startswith(".direct-probe-"))
 
 
-def _remove(path: str) -> None:
+def _remove(path: str) -> list:
     """Delete a locked prefix directory: its data and index first, the lock file last. Only
     the files tiercache makes there: a prefix directory that is a symlink to a folder of
     other files (or one where someone put other files) keeps those; the symlink itself
     goes (``os.rmdir`` refused it, after its files were gone, and the clear reported a
-    failure), and a folder left with other files stays, named in the error."""
+    failure), and a folder left with other files stays. Returns those files' names."""
     others = []
     for name in sorted(os.listdir(path)):
         if name == LOCK_NAME:
@@ -321,11 +327,9 @@ def _remove(path: str) -> None:
     os.unlink(os.path.join(path, LOCK_NAME))
     if os.path.islink(path):
         os.unlink(path)
-    elif others:
-        raise CacheDirError(f"cache clear: {path}: removed the cache's files; left {len(others)} that tiercache "
-                            f"did not make ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''})")
-    else:
+    elif not others:
         os.rmdir(path)
+    return others
 
 
 # ---- text ------------------------------------------------------------------------------------

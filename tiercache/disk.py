@@ -126,7 +126,12 @@ def remove_stale_sessions(sessions: str) -> list:
     for name in names:
         pid, _, rest = name.partition("-")
         path = os.path.join(sessions, name)
-        if not pid.isdigit() or not rest or int(pid) == os.getpid() or _process_alive(int(pid)):
+        if not (pid.isascii() and pid.isdigit()) or not rest or int(pid) == os.getpid():
+            continue
+        try:
+            if _process_alive(int(pid)):
+                continue
+        except (OverflowError, ValueError):  # not a pid this system has: not a session folder
             continue
         if os.path.islink(path) or not os.path.isdir(path):
             continue

@@ -232,11 +232,12 @@ class CheckedPolicy(_Wrapped):
             if victims is None:
                 evictable = sum(1 for key in self._keys() if is_evictable(key))
                 return f"evict({n}) returned None with {evictable} blocks evictable" if evictable >= n else ""
-            if not isinstance(victims, Iterable):
+            if not isinstance(victims, list):
                 return f"evict({n}) returned {type(victims).__name__}, not a list of block keys"
-            return evict_breach(list(victims), n, is_evictable)
-        victims = self._call("evict", n, is_evictable, breach=breach)
-        return None if victims is None else list(victims)
+            return evict_breach(victims, n, is_evictable)
+        # a generator or a tuple is read into a list once, before it is checked
+        return plugin_answer("eviction", self.name, f"evict (the {self.tier} tier)",
+                             lambda: as_plan(self.inner.evict(n, is_evictable)), breach)
 
     def __len__(self) -> int:
         return self._call("__len__")

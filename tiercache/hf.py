@@ -538,9 +538,9 @@ class TieredCache(Cache):
         if self.closed:
             raise RuntimeError("TieredCache is closed")
         me = threading.get_ident()
-        if self._forward[0] == me:
+        if layer_idx and self._forward[0] == me:  # on with this thread's forward pass
             self._forward = (me, layer_idx)
-        else:
+        else:  # a forward pass starts (under the lock: two threads may start at once)
             self._claim(me, layer_idx)
         if layer_idx >= self.num_layers:
             raise ValueError(f"TieredCache: layer {layer_idx} of a model with more layers than the "
@@ -557,7 +557,11 @@ class TieredCache(Cache):
         q = key_states.shape[-2]
         self._flush_trace()
         if layer_idx == 0:
-            self._check_capacity(q)
+            try:
+                self._check_capacity(q)
+            except CapacityError:  # nothing was written: the forward pass did not start
+                self._forward = (None, -1)
+                raise
             if not self._injecting:  # tokens loaded from the prefix cache are not computed
                 self.events.tokens(prefill=q if q > 1 else 0, decode=1 if q == 1 else 0)
             self._step += 1
@@ -643,12 +647,15 @@ class TieredCache(Cache):
         """``update`` from a thread other than the last one: it may start a forward pass (layer
         0) once the other thread's has updated every layer. Else two forward passes would run
         on one cache at once, unpinning and overwriting each other's blocks: errors blaming
-        corruption, or silently wrong tokens. The refused thread changes nothing; the other
-        goes on. A forward pass that stopped half way (an error) leaves the cache half
-        updated: ``reset()`` before using it again, from any thread."""
+        corruption, or silently wrong tokens. The refused thread changes no block; the other
+        goes on, but this cache publishes nothing more to the prefix cache (the refused
+        forward's input ids were already taken in by the model's hook: blocks named by them
+        would be served for other prompts). A forward pass that stopped half way (an error)
+        leaves the cache half updated: ``reset()`` before using it again, from any thread."""
         with self._forward_lock:
             owner, at = self._forward
-            if owner is not None and (layer_idx != 0 or at != self.num_layers - 1):
+            if owner not in (None, me) and (layer_idx != 0 or at != self.num_layers - 1):
+                self._token_ids = None
                 raise RuntimeError(f"TieredCache: another thread's forward pass is at layer {at} of "
                                    f"{self.num_layers}: one cache serves one forward pass at a time; give each "
                                    f"thread its own cache (wrap() does, per generate() call), or reset() it after "

@@ -65,7 +65,7 @@ CREATE TABLE IF NOT EXISTS blocks (
 _DIGESTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (state, dtype, digest)
 _DIGESTS_LOCK = threading.Lock()
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: the golden-ratio multiplier
-_WORDS_PER_STEP = 1 << 24  # 32-bit words hashed per step on a device (64 MiB of index and weights)
+_WORDS_PER_STEP = 1 << 22  # 32-bit words hashed per step on a device (~160 MiB of temporaries)
 
 
 def tensor_fingerprint(t: torch.Tensor) -> bytes:
