@@ -208,17 +208,28 @@ def test_a_corrupted_record_is_never_returned(tmp_path, geometry, where):
                 assert torch.equal(store.get(key), block)
 
 
-def test_corrupted_block_on_the_decode_path_raises_naming_it(tmp_path, geometry):
+def _five_blocks_flushed(tmp_path, geometry) -> tuple:
+    """Five blocks put and given disk copies in a closed store (2 device, 1 host slot)."""
     cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=1)
     data = blocks(geometry, 5)
     with BlockStore(cfg, geometry) as store:
         for key, block in data.items():
             store.put(key, block)
         store.flush()
+    return cfg, data
+
+
+def _flip_disk_record(store, key) -> None:
+    """Flip a payload byte of ``key``'s disk record under an open store."""
+    slot = store.table.copy(key, Tier.DISK).slot
+    _flip(os.path.join(store.config.disk_dir, DATA_NAME), slot * store.disk.record_bytes + HEADER_BYTES + 7)
+
+
+def test_corrupted_block_on_the_decode_path_raises_naming_it(tmp_path, geometry):
+    cfg, _ = _five_blocks_flushed(tmp_path, geometry)
     victim = BlockKey(0, 0, 1)
     with BlockStore(cfg, geometry) as store:
-        slot = store.table.copy(victim, Tier.DISK).slot
-        _flip(os.path.join(cfg.disk_dir, DATA_NAME), slot * store.disk.record_bytes + HEADER_BYTES + 7)
+        _flip_disk_record(store, victim)
         with pytest.raises(BlockCorruptedError, match="index=1"):
             store.ensure_device([victim])
         assert store.stats()["integrity_errors"] == 1
@@ -230,16 +241,10 @@ def test_a_block_lost_to_a_failed_check_in_a_prefetch_is_named_so_when_read(tmp_
     copy is dropped, and the block is gone. A later read said "not in the cache (lost or
     deleted)", hiding the corruption; it now says the record failed its integrity check.
     A new block put under that key is read back as itself."""
-    cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=1)
-    data = blocks(geometry, 5)
-    with BlockStore(cfg, geometry) as store:
-        for key, block in data.items():
-            store.put(key, block)
-        store.flush()
+    cfg, data = _five_blocks_flushed(tmp_path, geometry)
     victim = BlockKey(0, 0, 1)
     with BlockStore(cfg, geometry) as store:
-        slot = store.table.copy(victim, Tier.DISK).slot
-        _flip(os.path.join(cfg.disk_dir, DATA_NAME), slot * store.disk.record_bytes + HEADER_BYTES + 7)
+        _flip_disk_record(store, victim)
         store.prefetch([victim], dst=Tier.HOST)
         store.wait_idle()
         assert victim not in store and store.stats()["integrity_errors"] == 1
