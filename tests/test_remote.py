@@ -118,6 +118,16 @@ def test_config_names_every_bad_remote_setting(tmp_path):
         TierConfig(remote_url="redis://127.0.0.1:6379/0")  # no disk_dir: no prefix cache to share
     with pytest.raises(ValueError, match="remote_url.*prefix cache"):
         TierConfig(**good, reuse=False)
+    # A port that does not parse was accepted, then raised from the writer thread (and hung
+    # close() for 20 s) or made the tier count a server error every 5 s; a database index
+    # that is not a number silently meant database 0.
+    for url, message in [("redis://u:secret@127.0.0.1:notaport/0", "the port must be a number"),
+                         ("redis://127.0.0.1:99999/0", "the port must be a number"),
+                         ("redis://:6379/0", "no host"), ("redis://127.0.0.1:6379/abc", "the database index")]:
+        with pytest.raises(ValueError, match=f"remote_url: {message}") as err:
+            TierConfig(**{**good, "remote_url": url})
+        assert "secret" not in str(err.value)
+    assert redact_url("redis://u:secret@127.0.0.1:notaport/0") == "redis://u:***@127.0.0.1:notaport/0"
 
 
 def test_password_never_shows_and_comes_from_the_environment(tmp_path, monkeypatch):
@@ -424,6 +434,91 @@ def test_a_corrupted_value_is_never_served(tmp_path, model, server, where):
     out_c, stats_c, loaded_c = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
     assert loaded_c == 28 and stats_c["remote"]["errors"]["corrupt"] == 0
     assert_same(ref, out_c)
+
+
+@needs_binary
+@pytest.mark.parametrize("key_kind", ["manifest", "record"])
+def test_a_key_of_another_type_is_counted_corrupt_and_replaced(tmp_path, model, server, key_kind):
+    """Block 3's manifest or one of its records is a list on the server (someone else's
+    key, a bug elsewhere): its WRONGTYPE failed the whole pipeline, the tier was marked
+    down, and the key stayed, so every machine missed that prefix for good. It now counts as
+    one corrupt value, is deleted, and the machine that recomputes block 3 writes it again:
+    a third machine loads the whole prefix. Logits equal a cold run throughout."""
+    ids = prompt(length=PROMPT_LEN)
+    config = cfg(tmp_path, server.url, "a")
+    run(model, ids, config)
+    client = server.client()
+    close_all()
+    with TieredCache(model, config.replace(disk_dir=str(tmp_path / "probe"), reuse=True)) as probe:
+        prefix = probe._ensure_prefix()
+        from tiercache.prefix import chain
+        block3 = chain(ids[0].tolist(), BT, prefix.salt)[3]
+        target = prefix.remote.manifest_key(block3.h) if key_kind == "manifest" else \
+            prefix.remote.record_key(block3.h, 1)
+    close_all()
+    client.delete(target)
+    client.rpush(target, b"not a record")
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 3 * BT and stats["remote"]["state"] == "up"
+    assert stats["remote"]["errors"]["corrupt"] == 1 and stats["remote"]["errors"]["server"] == 0
+    ref = reference(model, ids)
+    assert_same(ref, out)
+    out_c, stats_c, loaded_c = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
+    assert loaded_c == 28 and stats_c["remote"]["errors"]["corrupt"] == 0
+    assert_same(ref, out_c)
+
+
+@needs_binary
+@pytest.mark.parametrize("damage", ["bytes not a number", "lru not a sorted set"])
+def test_bad_budget_keys_are_reset_not_fatal(tmp_path, model, server, damage):
+    """With remote_budget, the namespace's byte count and eviction list are keys too. A
+    count that is not a number, or a list that is not a sorted set, stopped every write of
+    the model for good (each batch failed and marked the server down). They are reset and
+    counted corrupt once; the blocks are written, and a second machine loads them."""
+    probe_cfg = cfg(tmp_path, server.url, "p")
+    close_all()
+    with TieredCache(model, probe_cfg) as probe:
+        remote = probe._ensure_prefix().remote
+        block_bytes, bytes_key, lru_key = remote.block_bytes, remote.bytes_key, remote.lru_key
+    close_all()
+    config = cfg(tmp_path, server.url, "a", remote_budget=64 * block_bytes, remote_namespace=probe_cfg.remote_namespace)
+    client = server.client()
+    if damage == "bytes not a number":
+        client.set(bytes_key, b"abc")
+    else:
+        client.set(lru_key, b"a string")
+    ids = prompt(length=PROMPT_LEN)
+    _, stats, _ = run(model, ids, config)
+    assert stats["remote"]["errors"]["corrupt"] == 1 and stats["remote"]["writes_dropped"] == 0
+    assert stats["remote"]["blocks_written"] >= 7 and stats["remote"]["errors"]["server"] == 0
+    assert int(client.get(bytes_key)) <= 64 * block_bytes and client.type(lru_key) in (b"zset", b"none")
+    out, stats_b, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 28
+    assert_same(reference(model, ids), out)
+
+
+@needs_binary
+def test_a_block_already_on_the_server_is_not_counted_twice(tmp_path, model, server):
+    """Fresh machines answering the same prompt each write the answer's block again. The
+    budget counted its bytes again every time while the server held it once, so the count
+    drifted up until every write evicted a live block. Now the count stays at what the
+    namespace holds."""
+    probe_cfg = cfg(tmp_path, server.url, "p")
+    close_all()
+    with TieredCache(model, probe_cfg) as probe:
+        remote = probe._ensure_prefix().remote
+        block_bytes, bytes_key = remote.block_bytes, remote.bytes_key
+    close_all()
+    config = cfg(tmp_path, server.url, "a", remote_budget=64 * block_bytes, remote_namespace=probe_cfg.remote_namespace)
+    client = server.client()
+    ids = prompt(length=PROMPT_LEN)
+    counts = []
+    for machine in range(4):
+        _, stats, _ = run(model, ids, config.replace(disk_dir=str(tmp_path / f"m{machine}")))
+        listed = len([k for k in keys_of(client, config.remote_namespace) if k.endswith(":m")])
+        counts.append((int(client.get(bytes_key)), listed * block_bytes))
+        assert stats["remote"]["evicted_blocks"] == 0
+    assert all(count == held for count, held in counts), counts
 
 
 @needs_binary

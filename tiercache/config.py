@@ -36,9 +36,31 @@ def redact_url(url: Optional[str]) -> Optional[str]:
     if parts.password is None:
         return url
     user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}{port}", parts.path, parts.query, parts.fragment))
+    # what follows the host as written: a port that does not parse must not make this raise
+    # (it is called from error paths, where it hid the error and killed the writer thread)
+    host_port = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, f"{user}:***@{host_port}", parts.path, parts.query, parts.fragment))
+
+
+def _check_remote_address(url: str, scheme: str) -> None:
+    """A redis:// or rediss:// URL's host, port and database index, checked here: a port
+    that does not parse was accepted and then raised from the remote tier's writer thread
+    (or made it count a server error every 5 s); a database index that is not a number
+    silently meant database 0."""
+    if scheme == "unix":
+        return
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port == -1 or port == 0:
+        raise ValueError(f"remote_url: the port must be a number in [1, 65535], got {redact_url(url)}")
+    if not parts.hostname:
+        raise ValueError(f"remote_url: no host in {redact_url(url)} (expected redis://host:port/db)")
+    db = parts.path.strip("/")
+    if db and not (db.isascii() and db.isdigit()):
+        raise ValueError(f"remote_url: the database index must be a number (redis://host:port/0), got {db!r}")
 
 
 def remote_credentials(url: str) -> tuple:
@@ -227,6 +249,7 @@ class TierConfig:
                              f"got {redact_url(url) if isinstance(url, str) else url!r}")
         if self.remote_cluster and scheme == "unix":
             raise ValueError("remote_cluster: a cluster is reached over TCP (redis:// or rediss://), not unix://")
+        _check_remote_address(url, scheme)
         if not self.reuse_enabled:
             raise ValueError("remote_url: the remote tier shares prefix-cache blocks; it needs the prefix cache "
                              "(set disk_dir with a disk_budget > 0, and reuse not False)")

@@ -174,9 +174,9 @@ class RemoteTier:
         user, password = remote_credentials(self.url)
         kwargs: dict = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
                         "retry": Retry(NoBackoff(), 0), "username": user, "password": password}
-        if self.cluster:
+        if self.cluster:  # no retries on other nodes: a call is bounded by remote_timeout as elsewhere
             from redis.cluster import RedisCluster
-            return RedisCluster.from_url(self.url, **kwargs)
+            return RedisCluster.from_url(self.url, cluster_error_retry_attempts=0, **kwargs)
         return redis.Redis.from_url(self.url, **kwargs)
 
     def _failed(self, exc: BaseException, doing: str) -> None:
@@ -221,10 +221,20 @@ class RemoteTier:
                 self._failed(err, "deleting a bad value")
 
     def _pipeline_get(self, client: Any, keys: Sequence[str]) -> list:
+        """The values of ``keys``, None where missing. A key holding another type (a list,
+        a hash) answers WRONGTYPE: that failed the whole pipeline, which marked the server
+        down, and the key was never repaired, so every later lookup of that prefix did the
+        same. It reads as an empty value: it fails its check, is counted corrupt and deleted."""
         pipe = client.pipeline(transaction=False)
         for k in keys:
             pipe.get(k)
-        return pipe.execute()
+        values = pipe.execute(raise_on_error=False)
+        for i, value in enumerate(values):
+            if _wrong_type(value):
+                values[i] = b""
+            elif isinstance(value, BaseException):  # the server's failure (loading, busy, ...)
+                raise value
+        return values
 
     # ---- reading ----------------------------------------------------------------------------
     def lookup(self, blocks: Sequence[Any]) -> int:
@@ -416,7 +426,12 @@ class RemoteTier:
                     wrote_blocks += 1
                 else:  # touch: only blocks still listed (XX), never resurrecting an evicted one
                     pipe.zadd(self.lru_key, {f"{b.h:016x}": self._score(b) for b in block}, xx=True)
-            pipe.execute()
+            results = pipe.execute(raise_on_error=False)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:  # only the eviction list's ZADDs can meet a wrong type: the records went in
+                if self.budget is None or not all(_wrong_type(r) for r in failed):
+                    raise failed[0]
+                self._repair_budget(client, failed[0])
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "writing blocks")
             self._drop(batch)
@@ -430,12 +445,20 @@ class RemoteTier:
         not written (its records are dropped and counted). Returns the items to write."""
         if self.budget is None:
             return items
+        fresh = list(dict.fromkeys(it[1].h for it in items if it[0] == "record" and it[1].h not in self._reserved))
+        if fresh:  # a block already on the server (another worker wrote it) is rewritten, not counted again
+            pipe = client.pipeline(transaction=False)
+            for h in fresh:
+                pipe.exists(self.manifest_key(h))
+            for h, there in zip(fresh, pipe.execute()):
+                if there:
+                    self._reserved.add(h)
         refused: set = set()
         for kind, block, _layer, _kv in items:
             if kind != "record" or block.h in self._reserved or block.h in refused:
                 continue
             self._unlisted.add(block.h)
-            used = int(client.incrby(self.bytes_key, self.block_bytes))
+            used = self._count_bytes(client, self.block_bytes)
             if used > self.budget and not self._evict(client):
                 client.decrby(self.bytes_key, self.block_bytes)
                 self._unlisted.discard(block.h)
@@ -456,14 +479,48 @@ class RemoteTier:
                     self._poisoned.add(block.h)
                     self._pending.pop(block.h, None)
 
+    def _count_bytes(self, client: Any, delta: int) -> int:
+        """Add ``delta`` to the namespace's byte count; its new value. A count key that
+        holds no integer (or another type) stopped every write of the model for good: it is
+        reset from the blocks listed for eviction (``_repair_budget``) and counted corrupt."""
+        from redis.exceptions import ResponseError
+
+        try:
+            return int(client.incrby(self.bytes_key, delta))
+        except ResponseError as exc:
+            if not (_wrong_type(exc) or "not an integer" in str(exc)):
+                raise
+            self._repair_budget(client, exc)
+            return int(client.incrby(self.bytes_key, delta))
+
+    def _repair_budget(self, client: Any, exc: BaseException) -> None:
+        from redis.exceptions import ResponseError
+
+        with self._lock:
+            self._errors["corrupt"] += 1
+        log.warning("remote tier: the budget's keys %s, %s held bad values (%s); resetting them",
+                    self.bytes_key, self.lru_key, exc)
+        try:
+            listed = int(client.zcard(self.lru_key))
+        except ResponseError:  # not a sorted set: the eviction order is lost with it
+            client.delete(self.lru_key)
+            listed = 0
+        client.set(self.bytes_key, listed * self.block_bytes)
+
     def _evict(self, client: Any) -> bool:
         """Delete least recently used blocks until this namespace is within remote_budget;
         False when that is not possible (every counted block is still being written)."""
+        from redis.exceptions import ResponseError
+
         while True:
-            used = int(client.get(self.bytes_key) or 0)
+            try:
+                used = int(client.get(self.bytes_key) or 0)
+                popped = client.zpopmin(self.lru_key, 1) if used > self.budget else None
+            except (ResponseError, ValueError) as exc:
+                self._repair_budget(client, exc)
+                continue
             if used <= self.budget:
                 return True
-            popped = client.zpopmin(self.lru_key, 1)
             if not popped:
                 # Nothing listed is left to delete: the counter holds blocks being written, or
                 # drifted (blocks evicted by the server, a worker that died mid-write). Resync it
@@ -473,7 +530,10 @@ class RemoteTier:
                     client.set(self.bytes_key, own)
                     continue
                 return False
-            h = int(popped[0][0], 16)
+            try:
+                h = int(popped[0][0], 16)
+            except ValueError:  # not a member this code wrote; it is gone now
+                continue
             keys = self.block_keys(h)
             pipe = client.pipeline(transaction=False)
             pipe.delete(keys[0])  # the manifest first: readers stop seeing the block at once
@@ -527,12 +587,22 @@ class RemoteTier:
                 pass
 
 
+def _wrong_type(value: object) -> bool:
+    """A pipeline's answer for a key that holds another type than the command needs."""
+    from redis.exceptions import ResponseError
+
+    return isinstance(value, ResponseError) and str(value).startswith("WRONGTYPE")
+
+
 def classify(exc: BaseException) -> str:
     """The error kind counted for a failed server call."""
     import redis.exceptions as rx
 
-    if isinstance(exc, rx.TimeoutError) or isinstance(exc, TimeoutError):
-        return "timeout"
+    seen, cause = 0, exc
+    while cause is not None and seen < 8:  # a cluster client wraps the timeout it met
+        if isinstance(cause, (rx.TimeoutError, TimeoutError)):
+            return "timeout"
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
     denied = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
     if isinstance(exc, denied) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
         return "auth"
