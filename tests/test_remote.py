@@ -646,7 +646,7 @@ def test_an_acl_user_limited_to_its_namespace(tmp_path, model, server):
     refused by the server (NOPERM, counted as auth) and generation goes on locally."""
     admin = server.client()
     admin.execute_command("ACL", "SETUSER", "team-a", "on", ">secret", "~team-a:*", "+get", "+set", "+del",
-                          "+zadd", "+zpopmin", "+incrby", "+decrby", "+ping")
+                          "+zadd", "+zpopmin", "+zcard", "+incrby", "+decrby", "+ping")
     ids = prompt(length=PROMPT_LEN)
     url = f"redis://team-a:secret@127.0.0.1:{server.port}/0"
     config = cfg(tmp_path, url, "a", remote_namespace="team-a", remote_budget="64MiB")

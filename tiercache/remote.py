@@ -449,9 +449,9 @@ class RemoteTier:
         if fresh:  # a block already on the server (another worker wrote it) is rewritten, not counted again
             pipe = client.pipeline(transaction=False)
             for h in fresh:
-                pipe.exists(self.manifest_key(h))
+                pipe.get(self.manifest_key(h))  # GET, not EXISTS: the README's ACL grants GET (manifests are small)
             for h, there in zip(fresh, pipe.execute()):
-                if there:
+                if there is not None:
                     self._reserved.add(h)
         refused: set = set()
         for kind, block, _layer, _kv in items:
