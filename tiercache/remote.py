@@ -174,9 +174,9 @@ class RemoteTier:
         user, password = remote_credentials(self.url)
         kwargs: dict = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
                         "retry": Retry(NoBackoff(), 0), "username": user, "password": password}
-        if self.cluster:  # no retries on other nodes: a call is bounded by remote_timeout as elsewhere
+        if self.cluster:
             from redis.cluster import RedisCluster
-            return RedisCluster.from_url(self.url, cluster_error_retry_attempts=0, **kwargs)
+            return RedisCluster.from_url(self.url, **kwargs)
         return redis.Redis.from_url(self.url, **kwargs)
 
     def _failed(self, exc: BaseException, doing: str) -> None:
