@@ -65,12 +65,20 @@ class StreamingRetention(RetentionPolicy):
         return self.sinks + 1
 
     def keep(self, scores: Optional[Any], valid: Any, budget: int) -> Any:
+        """The sinks are each row's first *visible* tokens: in a left-padded row the first
+        tokens are padding, which attention never sees (keeping them spent the row's sink
+        slots on nothing and dropped its real first tokens)."""
         import torch
 
         n = valid.shape[-1]
         sinks = min(self.sinks, budget)
-        index = torch.cat([torch.arange(sinks), torch.arange(n - (budget - sinks), n)])
-        return _arange_keep(valid, index)
+        older = n - (budget - sinks)
+        tail = torch.arange(older, n, device=valid.device).view(1, 1, -1).expand(*valid.shape[:2], -1)
+        if not sinks:
+            return tail.contiguous()
+        order = torch.arange(older, device=valid.device).view(1, 1, -1) + (~valid[..., :older]).long() * n
+        first = order.topk(sinks, dim=-1, largest=False).indices  # visible first, in order
+        return _sorted(torch.cat([first, tail], dim=-1))
 
 
 def _top_with_recent(scores: Any, valid: Any, budget: int, recent: int) -> Any:

@@ -286,3 +286,15 @@ def test_a_plugin_selection_that_breaks_choose_is_named_before_attention_runs(br
             return chosen
 
     assert_plugin_refused(SELECTION_POLICIES, "selection", Broken, message, tmp_path, selection_budget=3 * BT)
+
+
+def test_a_budget_that_is_not_whole_blocks_is_refused_by_name():
+    """quest reads whole blocks and rounded the budget down: 15 tokens of 4-token blocks read
+    3 blocks, so a budget that covered a 15-token context was not exact (6.8 in the logits
+    in a helper's test), which the README promises. Such a budget is refused, naming the
+    two whole-block budgets around it; 'full' takes any."""
+    with pytest.raises(ValueError, match=r"selection_budget: 15 tokens is not a whole number of blocks of "
+                                         r"block_tokens=4 .*use 12 or 16"):
+        tiercache.TierConfig(selection="quest", selection_budget=15, block_tokens=4)
+    tiercache.TierConfig(selection="quest", selection_budget=16, block_tokens=4)
+    tiercache.TierConfig(selection="full", selection_budget=15, block_tokens=4)

@@ -274,6 +274,12 @@ class TierConfig:
                 f"selection_budget: {self.selection_budget} tokens is less than 3 blocks of block_tokens="
                 f"{self.block_tokens} ({self.selection} reads whole blocks: the first, the newest and at least "
                 f"one chosen); use selection_budget >= {3 * self.block_tokens} or a smaller block_tokens")
+        if self.selection != "full" and self.selection_budget % self.block_tokens:
+            lower = self.selection_budget // self.block_tokens * self.block_tokens
+            raise ValueError(
+                f"selection_budget: {self.selection_budget} tokens is not a whole number of blocks of block_tokens="
+                f"{self.block_tokens} ({self.selection} reads whole blocks; the budget was rounded down, so one "
+                f"that covered the context was not exact); use {lower} or {lower + self.block_tokens}")
         if self.retention is not None and self.retention not in RETENTION_POLICIES:
             raise ValueError(f"retention: unknown policy {self.retention!r}; known: "
                              f"{', '.join(sorted(RETENTION_POLICIES))} (or None)")

@@ -912,6 +912,9 @@ class TieredCache(Cache):
         for index in range((new_len + bt - 1) // bt, (layer.num_tokens + bt - 1) // bt):
             self.store.delete(self._key(layer_idx, index))
         layer.num_tokens = new_len
+        state = self.retention_state.layers.get(layer_idx) if self.retention_state is not None else None
+        if state is not None:
+            state.crop(new_len)
         if layer_idx == 0 and self._token_ids is not None:
             del self._token_ids[new_len:]
             del self._chain[new_len // bt:]
