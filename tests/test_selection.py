@@ -298,3 +298,13 @@ def test_a_budget_that_is_not_whole_blocks_is_refused_by_name():
         tiercache.TierConfig(selection="quest", selection_budget=15, block_tokens=4)
     tiercache.TierConfig(selection="quest", selection_budget=16, block_tokens=4)
     tiercache.TierConfig(selection="full", selection_budget=15, block_tokens=4)
+
+
+def test_the_default_budget_is_rounded_to_whole_blocks():
+    """The default selection_budget (4096 tokens) is not a multiple of every block size: with
+    block_tokens=48 it was refused though the user never set it. It is rounded down to
+    whole blocks (4080); a budget the user chose is not."""
+    assert tiercache.TierConfig(selection="quest", block_tokens=48).selection_budget == 4080
+    assert tiercache.TierConfig(selection="quest", block_tokens=1024).selection_budget == 4096
+    with pytest.raises(ValueError, match="use 4080 or 4128"):
+        tiercache.TierConfig(selection="quest", block_tokens=48, selection_budget=4100)

@@ -6,7 +6,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES, SELECTION_POLICIES
 
@@ -32,14 +32,18 @@ def redact_url(url: Optional[str]) -> Optional[str]:
     """``url`` with its password replaced by ``***`` (for logs, stats and errors)."""
     if not url:
         return url
-    parts = urlsplit(url)
-    if parts.password is None:
+    # From the raw text, not urlsplit: a password with '/', '?' or '#' in it (not
+    # percent-encoded) cuts urlsplit's netloc short, and it found no password to hide; and a
+    # port that does not parse must not make this raise (it is called from error paths).
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if not sep or at < 0 or ":" not in rest[:at]:
         return url
-    user = parts.username or ""
-    # what follows the host as written: a port that does not parse must not make this raise
-    # (it is called from error paths, where it hid the error and killed the writer thread)
-    host_port = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, f"{user}:***@{host_port}", parts.path, parts.query, parts.fragment))
+    user = rest[:at].split(":", 1)[0]
+    return f"{scheme}://{user}:***@{rest[at + 1:]}"
+
+
+_DEFAULT_SELECTION_BUDGET = 4096  # TierConfig.selection_budget's default, rounded to whole blocks when not chosen
 
 
 def _check_remote_address(url: str, scheme: str) -> None:
@@ -167,7 +171,7 @@ class TierConfig:
     queue_depth: int = 64
     device: Optional[str] = None
     selection: str = "full"  # which pages attention reads per decode step: "full" (exact) or "quest"
-    selection_budget: int = 4096  # tokens each (row, KV head) reads per step with quest; >= 3 blocks
+    selection_budget: int = _DEFAULT_SELECTION_BUDGET  # tokens each (row, KV head) reads per quest step
     retention: Optional[str] = None  # lossy: None, "streaming", "h2o", "tova", "snapkv"
     retention_budget: int = 1024  # tokens each full-attention layer keeps with a retention policy
     reuse: Optional[bool] = None  # prefix cache; None: on when the disk tier is enabled
@@ -274,6 +278,10 @@ class TierConfig:
                 f"selection_budget: {self.selection_budget} tokens is less than 3 blocks of block_tokens="
                 f"{self.block_tokens} ({self.selection} reads whole blocks: the first, the newest and at least "
                 f"one chosen); use selection_budget >= {3 * self.block_tokens} or a smaller block_tokens")
+        if (self.selection != "full" and self.selection_budget == _DEFAULT_SELECTION_BUDGET
+                and self.selection_budget % self.block_tokens):  # not chosen: whole blocks below it
+            object.__setattr__(self, "selection_budget",
+                               max(3, self.selection_budget // self.block_tokens) * self.block_tokens)
         if self.selection != "full" and self.selection_budget % self.block_tokens:
             lower = self.selection_budget // self.block_tokens * self.block_tokens
             raise ValueError(

@@ -431,7 +431,7 @@ class RemoteTier:
             if failed:  # only the eviction list's ZADDs can meet a wrong type: the records went in
                 if self.budget is None or not all(_wrong_type(r) for r in failed):
                     raise failed[0]
-                self._repair_budget(client, failed[0])
+                self._repair_budget(client, failed[0], [block for kind, block, _, _ in items if kind == "manifest"])
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "writing blocks")
             self._drop(batch)
@@ -447,11 +447,11 @@ class RemoteTier:
             return items
         fresh = list(dict.fromkeys(it[1].h for it in items if it[0] == "record" and it[1].h not in self._reserved))
         if fresh:  # a block already on the server (another worker wrote it) is rewritten, not counted again
-            pipe = client.pipeline(transaction=False)
-            for h in fresh:
-                pipe.get(self.manifest_key(h))  # GET, not EXISTS: the README's ACL grants GET (manifests are small)
-            for h, there in zip(fresh, pipe.execute()):
-                if there is not None:
+            # GET, not EXISTS: the README's ACL grants GET (manifests are small); a key of
+            # another type reads as empty (_pipeline_get): that block is counted, SET replaces it
+            there = self._pipeline_get(client, [self.manifest_key(h) for h in fresh])
+            for h, value in zip(fresh, there):
+                if value:
                     self._reserved.add(h)
         refused: set = set()
         for kind, block, _layer, _kv in items:
@@ -480,20 +480,26 @@ class RemoteTier:
                     self._pending.pop(block.h, None)
 
     def _count_bytes(self, client: Any, delta: int) -> int:
-        """Add ``delta`` to the namespace's byte count; its new value. A count key that
-        holds no integer (or another type) stopped every write of the model for good: it is
-        reset from the blocks listed for eviction (``_repair_budget``) and counted corrupt."""
+        """Add ``delta`` (a block's bytes, the block already in ``_unlisted``) to the
+        namespace's byte count; its new value. A count key that holds no integer (or another
+        type) stopped every write of the model for good: it is reset from the blocks listed
+        for eviction and those being written (``_repair_budget``) and counted corrupt."""
         from redis.exceptions import ResponseError
 
         try:
             return int(client.incrby(self.bytes_key, delta))
         except ResponseError as exc:
-            if not (_wrong_type(exc) or "not an integer" in str(exc)):
+            if not _bad_value_error(exc):
                 raise
-            self._repair_budget(client, exc)
-            return int(client.incrby(self.bytes_key, delta))
+            self._repair_budget(client, exc)  # counts the blocks being written: this one too
+            return int(client.get(self.bytes_key))
 
-    def _repair_budget(self, client: Any, exc: BaseException) -> None:
+    def _repair_budget(self, client: Any, exc: BaseException, relist: Sequence[Any] = ()) -> None:
+        """The byte count or the eviction list held a value of the wrong kind: rebuild them.
+        A list that is not a sorted set is deleted (its order is lost); ``relist``, the
+        blocks just written whose listing failed on it, are listed again; the count becomes
+        the listed blocks plus this process's blocks being written. Only for a bad value:
+        a refused command (an ACL without ZCARD, say) is the server's error, raised."""
         from redis.exceptions import ResponseError
 
         with self._lock:
@@ -501,11 +507,15 @@ class RemoteTier:
         log.warning("remote tier: the budget's keys %s, %s held bad values (%s); resetting them",
                     self.bytes_key, self.lru_key, exc)
         try:
-            listed = int(client.zcard(self.lru_key))
-        except ResponseError:  # not a sorted set: the eviction order is lost with it
-            client.delete(self.lru_key)
-            listed = 0
-        client.set(self.bytes_key, listed * self.block_bytes)
+            client.zcard(self.lru_key)
+        except ResponseError as err:
+            if not _wrong_type(err):
+                raise
+            client.delete(self.lru_key)  # not a sorted set: the eviction order is lost with it
+        if relist:
+            client.zadd(self.lru_key, {f"{b.h:016x}": self._score(b) for b in relist})
+        listed = int(client.zcard(self.lru_key))
+        client.set(self.bytes_key, (listed + len(self._unlisted)) * self.block_bytes)
 
     def _evict(self, client: Any) -> bool:
         """Delete least recently used blocks until this namespace is within remote_budget;
@@ -517,6 +527,8 @@ class RemoteTier:
                 used = int(client.get(self.bytes_key) or 0)
                 popped = client.zpopmin(self.lru_key, 1) if used > self.budget else None
             except (ResponseError, ValueError) as exc:
+                if isinstance(exc, ResponseError) and not _bad_value_error(exc):
+                    raise  # refused, out of memory, read-only, ...: the server's error, not a bad key
                 self._repair_budget(client, exc)
                 continue
             if used <= self.budget:
@@ -585,6 +597,12 @@ class RemoteTier:
                 client.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _bad_value_error(exc: BaseException) -> bool:
+    """A command refused because of the key's value (another type, or not an integer), not
+    because of the server (an ACL, memory, a read-only replica: also ResponseErrors)."""
+    return _wrong_type(exc) or "not an integer" in str(exc)
 
 
 def _wrong_type(value: object) -> bool:

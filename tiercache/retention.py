@@ -212,18 +212,6 @@ class RetentionState:
         self.dropped_tokens += before - k.shape[2]
         self.compactions += 1
 
-    def crop(self, stored: int) -> None:
-        """The layer's tokens from ``stored`` on were removed (before any was dropped: stored
-        index = position). A pending snapkv choice that names one of them is forgotten, as
-        when more prompt arrives. The state was left as it was, and the next forward failed
-        inside torch on mismatched sizes (assisted generation with snapkv always did)."""
-        for name in ("positions", "valid", "scores"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t[..., :stored])
-        if self.pending is not None and bool((self.pending >= stored).any()):
-            self.pending = None
-
     def reorder(self, rows: torch.Tensor) -> None:
         for state in self.layers.values():
             state.reorder(rows)

@@ -1419,28 +1419,36 @@ class BlockStore:
         write-behind, or a demotion an eviction chained down) was skipped as having one, and
         flush returned before it was on disk (a test failed 4 times in 20 for it). Only
         those: moves other threads start meanwhile are theirs (waiting until the store is
-        idle would wait as long as another thread keeps publishing)."""
+        idle would wait as long as another thread keeps publishing). A block whose only
+        copies were on their way gets its disk copy in a second pass, once they landed."""
         if self.disk is None:
             return 0
-        waits: list = []
-        with self._lock:
-            moves = []
-            for key in list(self.table.keys()):
-                entry = self.table.get(key)
-                if Tier.DISK in entry.copies:
-                    if not self.table.is_ready(key, Tier.DISK):
+        written = 0
+        for _ in range(2):
+            waits: list = []
+            moving = False  # a block with no READY copy yet: look again once its moves landed
+            with self._lock:
+                moves = []
+                for key in list(self.table.keys()):
+                    entry = self.table.get(key)
+                    if Tier.DISK in entry.copies:
+                        if not self.table.is_ready(key, Tier.DISK):
+                            waits.extend(self._inflight_for(key))
+                        continue
+                    top = self.table.best_source(key)
+                    if top is None:
                         waits.extend(self._inflight_for(key))
-                    continue
-                top = self.table.best_source(key)
-                if top is None:  # its only copies are on their way: wait for them (no copy to write yet)
-                    waits.extend(self._inflight_for(key))
-                    continue
-                if self.table.num_free(Tier.DISK) < 1:
-                    continue
-                moves.append(self._prepare(key, top, Tier.DISK, drop_source=False))
-        self._wait_moves(moves)
-        wait_all(waits)
-        return len(moves)
+                        moving = True
+                        continue
+                    if self.table.num_free(Tier.DISK) < 1:
+                        continue
+                    moves.append(self._prepare(key, top, Tier.DISK, drop_source=False))
+            self._wait_moves(moves)
+            wait_all(waits)
+            written += len(moves)
+            if not moving:
+                break
+        return written
 
     def close(self) -> None:
         """Wait for moves, write persistent blocks down to disk, stop workers, close files.
