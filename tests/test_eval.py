@@ -97,6 +97,7 @@ def test_fidelity_quest_over_the_context_is_lossless_and_retention_is_not(tiny):
     (["eval", "passkey", "--budgets", "0"], "--budgets: 0 must be >= 1"),
     (["eval", "passkey", "--budgets", "-5"], "--budgets: -5 must be >= 1"),
     (["eval", "passkey", "--budgets", "lots"], "not an integer"),
+    (["eval", "passkey", "--budgets", "128,,256"], "--budgets: an empty item in '128,,256'"),  # was 128 and 256
     (["eval", "passkey", "--methods", "quest", "--budgets", "64", "--block-tokens", "32"], "selection_budget"),
     (["eval", "passkey", "--depths", "150"], "--depths: 150"),
     (["eval", "passkey", "--contexts", "10"], "--contexts: 10"),

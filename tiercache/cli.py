@@ -196,9 +196,11 @@ def check_writable(flag: str, path: str, replaced: bool = False) -> None:
 
 
 def split_list(flag: str, text: str) -> list:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
         raise CLIError(f"{flag}: give a comma-separated list, got {text!r}")
+    if "" in items:  # '128,,256' was 128 and 256 without a word: a typo the run would hide
+        raise CLIError(f"{flag}: an empty item in {text!r}")
     return items
 
 
