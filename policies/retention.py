@@ -158,9 +158,15 @@ class SnapKVRetention(RetentionPolicy):
         return max(1, min(self.window, budget // 2))
 
     def keep(self, scores: Optional[Any], valid: Any, budget: int) -> Any:
+        """Pooled over each token's visible neighbours only: a left-padded row's first real
+        tokens were averaged with the padding's zero scores, so the row kept other tokens
+        than it keeps alone (8.2 in its logits, in a helper's batch test)."""
         import torch
 
         b, h, n = scores.shape
-        pooled = torch.nn.functional.avg_pool1d(scores.float().reshape(b * h, 1, n), self.kernel, stride=1,
-                                                padding=self.kernel // 2, count_include_pad=False).view(b, h, n)
+        pool = dict(kernel_size=self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False)
+        seen = valid.float().reshape(b * h, 1, n)
+        total = torch.nn.functional.avg_pool1d(scores.float().reshape(b * h, 1, n) * seen, **pool)
+        count = torch.nn.functional.avg_pool1d(seen, **pool)  # the same divisor: their ratio is a mean
+        pooled = (total / count.clamp_min(1e-12)).view(b, h, n)
         return _top_with_recent(pooled, valid, budget, self.window_for(budget))
