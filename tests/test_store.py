@@ -158,6 +158,78 @@ def test_a_store_that_fails_to_open_lets_go_of_its_directory(tmp_path, geometry)
             assert torch.equal(store.get(key), block)
 
 
+def test_flush_on_another_thread_never_writes_a_block_before_its_bytes(tmp_path, geometry):
+    """put() marked the device slot READY, then copied the bytes in outside the lock. A
+    flush() on another thread in between wrote the slot's old bytes to disk with a valid
+    checksum; the device copy was then clean and dropped, and the block read back as
+    another block's (19 of 30 in a helper's run, 2 runs of 3). The slot is now FILLING
+    until the copy is done. Three rounds of 30 puts against a flush loop: every block
+    reads back exact."""
+    for round_ in range(3):
+        cfg = tiny_config(tmp_path / f"r{round_}", geometry, device_blocks=3, host_blocks=4, disk_blocks=40)
+        data = {BlockKey(0, 0, i): torch.full(geometry.shape, float(i)) for i in range(30)}
+        done = threading.Event()
+        with BlockStore(cfg, geometry) as store:
+            def flush_loop():
+                while not done.is_set():
+                    store.flush()
+            flusher = threading.Thread(target=flush_loop)
+            flusher.start()
+            try:
+                for key, block in data.items():
+                    store.put(key, block)
+            finally:
+                done.set()
+                flusher.join()
+            store.check()
+            wrong = [key for key, block in data.items() if not torch.equal(store.get(key), block)]
+            assert not wrong, (round_, wrong)
+
+
+@pytest.mark.parametrize("args,error,message", [
+    (dict(block="numpy"), TypeError, "block: expected a torch.Tensor, got ndarray"),
+    (dict(block="meta"), ValueError, "a meta tensor holds no data"),
+    (dict(num_tokens=-1), ValueError, r"num_tokens: an int in \[0, 4\]"),
+    (dict(num_tokens=999), ValueError, "num_tokens"),
+    (dict(num_tokens=3.5), ValueError, "num_tokens"),
+    (dict(token_ids=b"\0" * 5000), ValueError, "token_ids: packed ids"),
+    (dict(token_ids=[1, 2, 3]), ValueError, "token_ids: packed ids as bytes"),
+    (dict(key="a string"), ValueError, "key: a store with a disk tier names blocks by BlockKey"),
+    (dict(key=BlockKey(-1, 0, 0)), ValueError, "key: a store with a disk tier"),
+])
+def test_put_refuses_what_the_disk_record_cannot_hold_and_leaves_nothing(tmp_path, geometry, args, error, message):
+    """Each was accepted and failed only when the block was written down (a bare
+    struct.error, the block stuck above the disk and every later eviction failing with it),
+    or came back as corrupt (999 tokens), or, for a numpy array or a meta tensor, left a
+    block in the table holding a deleted block's bytes. Now each is refused by name before
+    anything is allocated, and the store holds what it held."""
+    import numpy as np
+
+    cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=1, disk_blocks=8)
+    good = blocks(geometry, 3)
+    with BlockStore(cfg, geometry) as store:
+        for key, block in good.items():
+            store.put(key, block)
+        store.delete(BlockKey(0, 0, 1))
+        del good[BlockKey(0, 0, 1)]
+        block = torch.zeros(geometry.shape)
+        if args.get("block") == "numpy":
+            block = np.zeros(geometry.shape, dtype=np.float32)
+        elif args.get("block") == "meta":
+            block = torch.empty(geometry.shape, device="meta")
+        key = args.get("key", BlockKey(0, 0, 9))
+        kwargs = {k: v for k, v in args.items() if k in ("num_tokens", "token_ids")}
+        with pytest.raises(error, match=message):
+            store.put(key, block, **kwargs)
+        assert key not in store
+        store.check()
+        for k in range(5, 9):  # evictions down to disk still work
+            store.put(BlockKey(0, 0, k), torch.full(geometry.shape, float(k)))
+        store.flush()
+        for k, b in good.items():
+            assert torch.equal(store.get(k), b)
+
+
 def test_deleted_blocks_do_not_come_back_after_reopen(tmp_path, geometry):
     cfg = tiny_config(tmp_path, geometry)
     data = blocks(geometry, 8)

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from tiercache.config import TierConfig, as_tier_config, format_bytes
-from tiercache.disk import DiskTier, RecordError, resolve_disk_io
+from tiercache.disk import DiskTier, RecordCodec, RecordError, resolve_disk_io
 from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
 from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
-from tiercache.table import BlockTable, CopyState, Move, Tier
+from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier
 from tiercache.tiers import BlockGeometry, DevicePool, HostPool, aligned_buffer, pin_in_place, unpin_in_place
 from tiercache.transfer import Priority, TransferEngine, wait_all
 
@@ -292,50 +292,74 @@ class BlockStore:
 
         ``token_ids`` (``DiskTier.pack_token_ids``) travel with the block into its disk
         record header, so a reopened store knows which tokens it holds (``token_ids_of``).
+
+        The slot is FILLING while the bytes are copied in, and READY only after: a flush, a
+        demotion or a ``get`` on another thread never reads it half written. (The device
+        slot was READY first: a concurrent ``flush()`` wrote its old bytes to disk with a
+        valid checksum, and the block read back as another block's, found by a helper.)
         """
-        if tuple(block.shape) != self.geometry.shape:
-            raise ValueError(f"block shape {tuple(block.shape)} != {self.geometry.shape}")
+        self._check_put(key, block, num_tokens, token_ids)
         if key in self:  # another copy with other bytes would make its copies disagree
             raise ValueError(f"block {key!r} is already stored; delete it first")
-        if tier is Tier.HOST and Tier.HOST in self.tiers:
-            self._put_on_host(key, block, num_tokens, token_ids)
-            return
-        (slot,) = self.new_blocks([key])
-        try:
-            self.device_pool.write_block(slot, block.to(self.geometry.dtype))
-            self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
-            self._lost.pop(key, None)  # a new block under this key
-            if token_ids:
-                self._token_ids[key] = token_ids
-        finally:
-            self.unpin([key])
+        block = block.to(self.geometry.dtype)
+        self._put_to(Tier.HOST if tier is Tier.HOST and Tier.HOST in self.tiers else Tier.DEVICE,
+                     key, block, num_tokens, token_ids)
 
-    def _put_on_host(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int], token_ids: bytes) -> None:
-        """``put`` straight into the host tier: a store that only keeps blocks (the prefix
-        cache) skips the device slot and the synchronous demotion out of it."""
+    def _check_put(self, key: Hashable, block: object, num_tokens: Optional[int], token_ids: bytes) -> None:
+        """``put``'s arguments, each refused by name: what the disk record cannot hold failed
+        only when the block was written down (a bare ``struct.error``, the block stuck above
+        the disk, and every later eviction failing with it) or came back as corrupt."""
+        if not isinstance(block, torch.Tensor):
+            raise TypeError(f"block: expected a torch.Tensor, got {type(block).__name__}")
+        if block.device.type == "meta":
+            raise ValueError("block: a meta tensor holds no data")
+        if tuple(block.shape) != self.geometry.shape:
+            raise ValueError(f"block shape {tuple(block.shape)} != {self.geometry.shape}")
+        bt = self.geometry.block_tokens
+        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                       or not 0 <= num_tokens <= bt):
+            raise ValueError(f"num_tokens: an int in [0, {bt}] (the block's tokens), got {num_tokens!r}")
+        if not isinstance(token_ids, (bytes, bytearray)):
+            raise ValueError(f"token_ids: packed ids as bytes (DiskTier.pack_token_ids), not {type(token_ids).__name__}")
+        if len(token_ids) % 3 or len(token_ids) > 3 * RecordCodec.MAX_TOKEN_IDS:
+            raise ValueError(f"token_ids: packed ids (DiskTier.pack_token_ids: 3 bytes each, at most "
+                             f"{RecordCodec.MAX_TOKEN_IDS}), got {len(token_ids)} bytes")
+        if self.disk is not None and not (
+                isinstance(key, BlockKey) and all(isinstance(v, int) and not isinstance(v, bool) for v in key)
+                and 0 <= key[0] < 1 << 64 and 0 <= key[1] < 1 << 32 and 0 <= key[2] < 1 << 32):
+            raise ValueError(f"key: a store with a disk tier names blocks by BlockKey(seq_id, layer, index) of "
+                             f"non-negative ints (its records carry the key), got {key!r}")
+
+    def _put_to(self, tier: Tier, key: Hashable, block: torch.Tensor, num_tokens: Optional[int],
+                token_ids: bytes) -> None:
+        """``put`` into ``tier``: a slot allocated FILLING (nobody reads, moves or evicts it),
+        the bytes copied in, then committed READY; a copy that fails gives the slot back."""
         stall = 0.0
         while True:
             with self._lock:
-                moves = self._room(Tier.HOST, 1, {key}, allow_writeback=True)
-                if self.table.num_free(Tier.HOST) < 1 and not moves:
-                    raise CapacityError(self._full_message(1, Tier.HOST, {key}))
-                if self.table.num_free(Tier.HOST) >= 1 and not moves:
-                    slot = self.table.allocate(key, Tier.HOST)  # FILLING: nobody reads or evicts it
+                moves = self._room(tier, 1, {key}, allow_writeback=True)
+                if self.table.num_free(tier) < 1 and not moves:
+                    raise CapacityError(self._full_message(1, tier, {key}))
+                if self.table.num_free(tier) >= 1 and not moves:
+                    slot = self.table.allocate(key, tier)  # FILLING
                     break
             stall += self._wait_moves(moves, raise_io=True)
         try:
-            self.host_pool.view(slot).copy_(block.to(self.geometry.dtype))
+            if tier is Tier.HOST:
+                self.host_pool.view(slot).copy_(block)
+            else:
+                self.device_pool.write_block(slot, block)
         except BaseException:
             with self._lock:
-                self._released(key, Tier.HOST, self.table.abort(key, Tier.HOST))
+                self._released(key, tier, self.table.abort(key, tier))
             raise
         with self._lock:
-            self.table.commit(key, Tier.HOST)
-            self.policies[Tier.HOST].insert(key)
+            self.table.commit(key, tier)
+            self.policies[tier].insert(key)
             self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
             self._lost.pop(key, None)  # a new block under this key
             if token_ids:
-                self._token_ids[key] = token_ids
+                self._token_ids[key] = bytes(token_ids)
             self._stalled(stall)
 
     def token_ids_of(self, key: Hashable) -> bytes:
