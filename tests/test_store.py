@@ -230,6 +230,87 @@ def test_put_refuses_what_the_disk_record_cannot_hold_and_leaves_nothing(tmp_pat
             assert torch.equal(store.get(k), b)
 
 
+CLOSE_RACE = """
+import sys, threading, torch
+from tiercache import BlockKey, BlockStore, TierConfig, Tier
+from tiercache.tiers import BlockGeometry
+g = BlockGeometry(1, 2, 4, 8, torch.float32)
+def store(path, device_blocks=1):
+    cfg = TierConfig(device_budget=device_blocks * g.block_bytes, host_budget=2 * g.padded_bytes, disk_dir=path,
+                     disk_budget=64 * (g.padded_bytes + 4096), block_tokens=4, io_workers=2)
+    return BlockStore(cfg, g)
+s = store(sys.argv[1] + "/a")
+s.put(BlockKey(0, 0, 0), torch.ones(g.shape))
+s.put(BlockKey(0, 0, 1), torch.ones(g.shape))
+s.close()
+calls = [lambda: s.put(BlockKey(0, 0, 2), torch.ones(g.shape)), lambda: s.get(BlockKey(0, 0, 0)),
+         lambda: s.delete(BlockKey(0, 0, 0)), lambda: s.demote(BlockKey(0, 0, 1)), lambda: s.flush(),
+         lambda: s.ensure_device([BlockKey(0, 0, 0)]), lambda: s.pin([BlockKey(0, 0, 0)])]
+for call in calls:
+    try:
+        call()
+        print("NOT REFUSED"); sys.exit(1)
+    except RuntimeError as exc:
+        assert "the store is closed" in str(exc), exc
+for round_ in range(3):
+    s = store(sys.argv[1] + f"/r{round_}", device_blocks=4)
+    errors = []
+    def work(t):
+        i = 0
+        try:
+            while True:
+                k = BlockKey(t, 0, i)
+                s.put(k, torch.full(g.shape, float(i)))
+                s.demote(k).result()
+                s.get(k)
+                s.delete(k)
+                i += 1
+        except RuntimeError as exc:
+            if "the store is closed" not in str(exc):
+                errors.append(exc)
+        except Exception as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    import time; time.sleep(0.05)
+    s.close()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+print("OK")
+"""
+
+
+def test_calls_after_close_and_a_close_during_calls_are_refused_not_a_crash(tmp_path):
+    """A put after close() copied into the unmapped host pool: the process died with a
+    segmentation fault; other calls gave torch or OS errors, or went through a closed file
+    descriptor that the OS may have given to another file. close() on one thread while two
+    threads put, demoted and deleted crashed the process 6 times in 6. Now every public call
+    on a closed store raises "the store is closed", and close() waits for the calls running
+    before it frees anything. Run in a child process: the crash would take pytest down."""
+    proc = subprocess.run([sys.executable, "-c", CLOSE_RACE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_a_moves_future_cannot_be_cancelled_from_under_the_others_waiting(tmp_path, geometry, caplog):
+    """demote() hands out the move's future, shared with whoever else waits on the move. It
+    could be cancelled (an asyncio task's cancellation does that through AsyncStore): the
+    move's end then logged an InvalidStateError, and a flush() waiting on the same future
+    returned before the disk copy existed. cancel() now says no; flush finds the copy."""
+    cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=4, disk_blocks=8)
+    with BlockStore(cfg, geometry) as store, caplog.at_level("ERROR"):
+        key = BlockKey(0, 0, 0)
+        store.put(key, torch.ones(geometry.shape), tier=Tier.HOST)
+        future = store.demote(key)  # host -> disk
+        assert future.cancel() is False and not future.cancelled()
+        store.flush()
+        assert Tier.DISK in store.tiers_of(key)
+        future.result()
+    assert "InvalidStateError" not in caplog.text
+
+
 def test_deleted_blocks_do_not_come_back_after_reopen(tmp_path, geometry):
     cfg = tiny_config(tmp_path, geometry)
     data = blocks(geometry, 8)

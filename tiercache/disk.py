@@ -663,6 +663,9 @@ class DiskTier(RecordCodec):
         for fd in (self._fd_direct, self._fd):
             if fd is not None:
                 os.close(fd)
+        # not left holding the numbers: the OS hands them to the next file opened, and a late
+        # write through them would land in that file
+        self._fd_direct = self._fd = None
         if not self.persistent:
             for name in (DATA_NAME, LOCK_NAME):
                 try:

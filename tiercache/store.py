@@ -58,17 +58,38 @@ def _starts_work(method):
     would stop halfway (consistent, as on any error, but with its work half done). Calls that
     end work (``unpin``, ``release_views``, ``delete``) never raise it; ``close`` raises
     one that is left, after it has shut the store down."""
+    return _store_call(method, raises_policy_failures=True)
+
+
+def _ends_work(method):
+    """A public call of ``BlockStore`` that changes its books without starting moves
+    (``delete``, ``link``, ``pin``, ``flush``): refused once the store is closed, and waited
+    for by ``close``, as ``_starts_work`` calls are; a plug-in's failure is not raised."""
+    return _store_call(method, raises_policy_failures=False)
+
+
+def _store_call(method, raises_policy_failures: bool):
+    """The outermost public call on a thread is counted (``_enter``/``_leave``): once the
+    store is closed it raises, and ``close`` waits for those running to end before it
+    frees the pools and files. A call after close segfaulted (a copy into the unmapped host
+    pool) or wrote through a closed file descriptor that the OS may have given to another
+    file; close() on one thread while others called did the first (6 runs of 6, a
+    helper's test)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         calls = self._calls
         depth = getattr(calls, "depth", 0)
-        if self._policy_failures and not depth:
-            self._raise_policy_failure()
-        calls.depth = depth + 1
+        if not depth:
+            self._enter(method.__name__)
         try:
+            if raises_policy_failures and self._policy_failures and not depth:
+                self._raise_policy_failure()
+            calls.depth = depth + 1
             return method(self, *args, **kwargs)
         finally:
             calls.depth = depth
+            if not depth:
+                self._leave()
     return call
 
 
@@ -89,6 +110,10 @@ class BlockStore:
                  device: Optional[torch.device | str] = None, disk_dir: Optional[str] = None,
                  persistent: bool = True, model_digest: bytes = b"",
                  events: Optional[Events] = None) -> None:
+        self.closed = False
+        self._active = 0  # public calls running (``_store_call``); close waits for them
+        self._active_cv = threading.Condition()
+        self._calls = threading.local()
         self.config = config = as_tier_config(config)
         if not isinstance(geometry, BlockGeometry):
             raise TypeError(f"geometry: expected a tiercache BlockGeometry, got {type(geometry).__name__}")
@@ -129,7 +154,6 @@ class BlockStore:
             # A plug-in policy's failures (``tiercache.guard``), raised by the next public call
             # that starts work (``_starts_work``); ``_calls.depth``: such calls running on a thread.
             self._policy_failures: list = []
-            self._calls = threading.local()
             self.policies = {tier: self._guarded(make_eviction(config.eviction), config.eviction, tier)
                              for tier in self.tiers}
             # CPU with a host tier: attention reads blocks on the device and on the host where
@@ -182,6 +206,18 @@ class BlockStore:
             raise
 
     # ---- construction helpers --------------------------------------------------------
+    def _enter(self, name: str) -> None:
+        with self._active_cv:
+            if self.closed:
+                raise RuntimeError(f"BlockStore.{name}: the store is closed")
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._active_cv:
+            self._active -= 1
+            if not self._active:
+                self._active_cv.notify_all()
+
     def _close_partly(self) -> None:
         """A constructor that failed half way (a policy's constructor, an allocation, the
         disk's records) lets go of what it opened: the I/O threads, the disk tier's file and
@@ -320,7 +356,8 @@ class BlockStore:
                                        or not 0 <= num_tokens <= bt):
             raise ValueError(f"num_tokens: an int in [0, {bt}] (the block's tokens), got {num_tokens!r}")
         if not isinstance(token_ids, (bytes, bytearray)):
-            raise ValueError(f"token_ids: packed ids as bytes (DiskTier.pack_token_ids), not {type(token_ids).__name__}")
+            raise ValueError(f"token_ids: packed ids as bytes (DiskTier.pack_token_ids), "
+                             f"not {type(token_ids).__name__}")
         if len(token_ids) % 3 or len(token_ids) > 3 * RecordCodec.MAX_TOKEN_IDS:
             raise ValueError(f"token_ids: packed ids (DiskTier.pack_token_ids: 3 bytes each, at most "
                              f"{RecordCodec.MAX_TOKEN_IDS}), got {len(token_ids)} bytes")
@@ -555,11 +592,13 @@ class BlockStore:
                 got[i] = exc
         return got
 
+    @_ends_work
     def delete(self, key: Hashable) -> None:
         """Forget ``key``; copies in flight are freed when their move completes."""
         with self._lock:
             self._forget(key)
 
+    @_ends_work
     def link(self, key: Hashable, parent: Hashable) -> None:
         """Declare that block ``key`` extends the prefix block ``parent``.
 
@@ -602,6 +641,7 @@ class BlockStore:
                 victims = [k for k in self.table.keys_on(tier) if idle(k)][:n]
             return victims
 
+    @_ends_work
     def drop_copies(self, tier: Tier) -> int:
         """Drop every idle copy on ``tier``; a block whose only copy it is goes entirely."""
         dropped = 0
@@ -616,6 +656,7 @@ class BlockStore:
                 dropped += 1
         return dropped
 
+    @_ends_work
     def pin(self, keys: Iterable[Hashable]) -> None:
         with self._lock:
             for key in keys:
@@ -1437,7 +1478,13 @@ class BlockStore:
                             block.copy_(block.index_select(1, rows))
                             self.disk.write(slot, key, buf, self._tokens.get(key, 0), self._token_ids.get(key, b""))
 
+    @_ends_work
     def flush(self) -> int:
+        """Give every block a disk copy (where disk slots are free); returns blocks written
+        (``_flush``)."""
+        return self._flush()
+
+    def _flush(self) -> int:
         """Give every block a disk copy (where disk slots are free); returns blocks written.
         Waits for the disk copies being written when it is called, too: such a block (a
         write-behind, or a demotion an eviction chained down) was skipped as having one, and
@@ -1477,14 +1524,18 @@ class BlockStore:
     def close(self) -> None:
         """Wait for moves, write persistent blocks down to disk, stop workers, close files.
         Then raise a plug-in policy's failure that no call has raised yet (``tiercache.guard``)."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._active_cv:
+            if self.closed:
+                return
+            self.closed = True  # new calls are refused from here on
+            own = 1 if getattr(self._calls, "depth", 0) else 0  # a call of this thread that closes
+            while self._active > own:
+                self._active_cv.wait()
         try:
             self.release_views()
             self.wait_idle()
             if self.disk is not None and self.disk.persistent:
-                self.flush()
+                self._flush()
         finally:
             self.engine.close()
             self._staging.close()
@@ -2616,6 +2667,13 @@ class _MoveFuture(Future):
     two busy cores) gets to them."""
 
     pieces: Optional[tuple] = None
+
+    def cancel(self) -> bool:
+        """A move is not called off: its future is shared by everyone waiting on it (a
+        ``flush``, another caller). Cancelled (an asyncio task's cancellation does that
+        through ``AsyncStore``), it logged an ``InvalidStateError`` when the move ended and
+        let a ``flush`` return before the disk copy existed (2 trials of 5, a helper's)."""
+        return False
 
     def result(self, timeout: Optional[float] = None):
         self._help(timeout)
