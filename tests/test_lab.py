@@ -81,6 +81,14 @@ def test_recorded_trace_is_every_access_and_changes_nothing(tmp_path):
     (",".join(HEADER) + "\n1,2,3,read,0,0,x,0,1,\n", "line 2 is malformed"),
     (",".join(HEADER) + "\n5,2,3,read,0,0,2,0,1,\n4,2,3,read,0,0,2,0,1,\n", "goes backwards"),
     (",".join(HEADER) + "\n5,2,3,erase,0,0,2,0,1,\n", "line 2 is malformed"),
+    # a header only was a ZeroDivisionError; a number past int64 an OverflowError; the rest
+    # replayed into figures that meant nothing (negative sizes, ids that are not the key,
+    # two runs' blocks of other sizes glued together)
+    (",".join(HEADER) + "\n", "no rows"),
+    (",".join(HEADER) + "\n99999999999999999999999,2,3,read,0,0,2,0,1,\n", "line 2 is malformed"),
+    (",".join(HEADER) + "\n5,2,-3,read,0,0,2,0,1,\n", "obj_size -3 is not positive"),
+    (",".join(HEADER) + "\n5,7,3,read,0,0,2,0,1,\n", "obj_id 7 is not seq<<40"),
+    (",".join(HEADER) + "\n5,2,3,read,0,0,2,0,1,\n6,2,4,read,0,0,2,0,1,\n", "blocks of 2 sizes"),
 ])
 def test_bad_trace_files_are_named(tmp_path, content, message):
     path = tmp_path / "bad.csv"
@@ -201,6 +209,24 @@ def test_compare_cli_bad_input(tmp_path, args, message):
     path = tmp_path / "scan.csv"
     write_scan_trace(path, layers=2, blocks=2, rounds=2)
     proc = cli("compare", "--trace", str(path), "--libcachesim", "none", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("io,message", [
+    ({"results": []}, "a sweep with no results"),  # an IndexError
+    ({"h2d_gbps": 0, "d2h_gbps": 9, "read_gbps": 1, "write_gbps": 1}, "h2d_gbps must be a positive"),  # 1/0
+    ({"h2d_gbps": 9, "d2h_gbps": 9, "read_gbps": float("nan"), "write_gbps": 1}, "read_gbps must be"),  # NaN JSON
+    ({"h2d_gbps": 9, "d2h_gbps": -9, "read_gbps": 1, "write_gbps": 1}, "d2h_gbps must be"),  # negative stalls
+    ({"h2d_gbps": True, "d2h_gbps": 9, "read_gbps": 1, "write_gbps": 1}, "h2d_gbps must be"),  # 1 GB/s
+])
+def test_compare_cli_bad_io_json_is_one_line(tmp_path, io, message):
+    path = tmp_path / "scan.csv"
+    write_scan_trace(path, layers=2, blocks=2, rounds=2)
+    io_path = tmp_path / "io.json"
+    io_path.write_text(json.dumps(io))
+    proc = cli("compare", "--trace", str(path), "--libcachesim", "none", "--io-json", str(io_path), "--json")
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -8,6 +8,7 @@ through libCacheSim's own reader. ``record_trace`` runs a real generation to mak
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from typing import Any, Callable, Optional
@@ -22,13 +23,19 @@ LIBCACHESIM_DEFAULT = ("lru", "fifo", "lfu", "arc", "s3fifo", "belady")
 
 def bandwidths_from_io(result: dict) -> Bandwidths:
     """Link rates from a ``tiercache bench io --json`` object (the store's own measured rates)."""
-    try:
-        return Bandwidths(host_to_device=float(result["h2d_gbps"]) * 1e9,
-                          device_to_host=float(result["d2h_gbps"]) * 1e9,
-                          disk_read=float(result["read_gbps"]) * 1e9,
-                          disk_write=float(result["write_gbps"]) * 1e9)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"--io-json: not the output of `tiercache bench io --json` (missing or bad {exc})") from None
+    rates = {}
+    for name in ("h2d_gbps", "d2h_gbps", "read_gbps", "write_gbps"):
+        try:
+            value = result[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"--io-json: not the output of `tiercache bench io --json` (no {name!r})") from None
+        # a rate of 0 divided by zero in the replay; NaN or infinity made its JSON invalid;
+        # a negative one gave negative stall seconds; true passed as 1 GB/s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"--io-json: {name} must be a positive number of GB/s, got {value!r}")
+        rates[name] = float(value) * 1e9
+    return Bandwidths(host_to_device=rates["h2d_gbps"], device_to_host=rates["d2h_gbps"],
+                      disk_read=rates["read_gbps"], disk_write=rates["write_gbps"])
 
 
 def measure_bandwidths(directory: Optional[str], block_tokens: int = 1024, total_bytes: int = 64 << 20) -> Bandwidths:
@@ -49,7 +56,11 @@ def load_bandwidths(io_json: Optional[str], directory: Optional[str]) -> Bandwid
         raise ValueError(f"--io-json: cannot read {io_json!r} ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"--io-json: {io_json!r} is not JSON ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--io-json: {io_json!r} is not JSON (not UTF-8 text)") from None
     if isinstance(data, dict) and "results" in data and isinstance(data["results"], list):
+        if not data["results"]:
+            raise ValueError(f"--io-json: {io_json!r} holds a sweep with no results")
         data = data["results"][0]  # a sweep: the first (default) block size
     return bandwidths_from_io(data)
 
@@ -128,7 +139,11 @@ def live_runs(prompt: str, base: TierConfig, policies: list, budgets: list, pref
     for budget in budgets:
         for prefetch in prefetches:
             for policy in policies:
-                cfg = replace(base, device_budget=budget, eviction=policy, prefetch=prefetch)
+                try:  # a budget under one block: that row's error, as the replay skips it (was: the whole run lost)
+                    cfg = replace(base, device_budget=budget, eviction=policy, prefetch=prefetch)
+                except ValueError as exc:
+                    out.append({"policy": policy, "prefetch": prefetch, "budget_bytes": budget, "error": str(exc)})
+                    continue
                 try:
                     run = generate_text(prompt, cfg, max_new_tokens=max_new_tokens, chat=chat, progress=False,
                                         model=model, tokenizer=tokenizer)

@@ -125,6 +125,31 @@ class Trace:
         return bool(np.isfinite(self.score).any())
 
 
+def _check_rows(path: str, ints: dict) -> None:
+    """What a replay relies on, refused by name: before, a header-only trace was a
+    ZeroDivisionError, and negative sizes, object ids that are not the row's key, or blocks
+    of several sizes replayed into figures that looked fine and meant nothing."""
+    n = len(ints["time"])
+    if not n:
+        raise TraceError(f"{path}: the trace has no rows (a header only)")
+    if (np.diff(ints["time"]) < 0).any():
+        raise TraceError(f"{path}: the time column goes backwards")
+    for name in ("obj_size", "seq", "layer", "block", "step", "tokens"):
+        bad = np.flatnonzero(ints[name] < (1 if name == "obj_size" else 0))
+        if len(bad):
+            raise TraceError(f"{path}: line {bad[0] + 2}: {name} {ints[name][bad[0]]} is "
+                             f"{'not positive' if name == 'obj_size' else 'negative'}")
+    sizes = np.unique(ints["obj_size"])
+    if len(sizes) > 1:
+        raise TraceError(f"{path}: blocks of {len(sizes)} sizes ({', '.join(map(str, sizes[:4]))}): one trace "
+                         f"is one run's blocks, of one size")
+    want = (ints["seq"] << (_LAYER_BITS + _BLOCK_BITS)) | (ints["layer"] << _BLOCK_BITS) | ints["block"]
+    bad = np.flatnonzero(want != ints["obj_id"])
+    if len(bad):
+        raise TraceError(f"{path}: line {bad[0] + 2}: obj_id {ints['obj_id'][bad[0]]} is not "
+                         f"seq<<40 | layer<<24 | block ({want[bad[0]]})")
+
+
 def load_trace(path: str) -> Trace:
     """Read a trace written by ``TraceWriter``; raise ``TraceError`` naming the problem."""
     try:
@@ -159,10 +184,9 @@ def load_trace(path: str) -> Trace:
             is_write[i] = op == "write"
             if "score" in col and col["score"] < len(row) and row[col["score"]]:
                 score[i] = float(row[col["score"]])
-        except (ValueError, IndexError) as exc:
+        except (ValueError, IndexError, OverflowError) as exc:  # Overflow: past int64
             raise TraceError(f"{path}: line {i + 2} is malformed ({exc})") from None
-    if n and (np.diff(ints["time"]) < 0).any():
-        raise TraceError(f"{path}: the time column goes backwards")
+    _check_rows(path, ints)
     return Trace(path=os.fspath(path), time_us=ints["time"], obj_id=ints["obj_id"], obj_size=ints["obj_size"],
                  is_write=is_write, seq=ints["seq"], layer=ints["layer"], block=ints["block"],
                  step=ints["step"], tokens=ints["tokens"], score=score)
