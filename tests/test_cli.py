@@ -36,6 +36,8 @@ def cli(*args, input_text=None, timeout=600):
     (["--stats-json", "/proc/tiercache-stats.json"], "--stats-json: cannot write '/proc/tiercache-stats.json'"),
     (["--metrics-textfile", "/nonexistent/m.prom"], "--metrics-textfile: cannot write '/nonexistent/m.prom'"),
     (["--metrics-port", "99999"], "--metrics-port: must be in [0, 65535]"),  # was an OverflowError
+    (["--metrics-linger", "inf"], "--metrics-linger: seconds in [0, 86400]"),  # an OverflowError after the run
+    (["--metrics-linger", "-5"], "--metrics-linger: seconds in [0, 86400]"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     if message.startswith("disk_io: 'kvikio'"):

@@ -151,3 +151,19 @@ def test_cli_passkey_json_and_plot_on_the_real_model(tmp_path, capsys):
     assert rows[("full", None)]["accuracy"] == 1.0
     assert rows[("quest", 512)]["accuracy"] == 1.0  # the budget covers the context: lossless
     assert png.stat().st_size > 1000
+
+
+def test_a_budget_given_twice_is_run_once_and_fidelity_checks_the_positions():
+    """eval passkey --budgets 96,96 counted the same trials twice (n doubled, the interval too
+    narrow); eval fidelity ran past the model's positions (8190 + 10 on an 8192-position
+    model ran 67 s and reported figures) where passkey refused."""
+    import transformers
+
+    from tiercache import eval as ev
+
+    assert ev.check_plan(["full", "quest"], [96, 96, 128], 32) == [("full", None), ("quest", 96), ("quest", 128)]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256))
+    with pytest.raises(ValueError, match="--context: 250 \\+ 10 scored tokens exceed the model's 256 positions"):
+        ev.run_fidelity(model, None, text=None, context=250, tokens=10, methods=["full"], budgets=[64])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import stat
 import sys
@@ -137,6 +138,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:
         raise CLIError(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
+    if not (math.isfinite(args.metrics_linger) and 0 <= args.metrics_linger <= 86400):  # inf: an OverflowError at the end
+        raise CLIError(f"--metrics-linger: seconds in [0, 86400], got {args.metrics_linger}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise CLIError(f"--metrics-port: must be in [0, 65535] (0: any free port), got {args.metrics_port}")
     for flag, path in (("--trace-out", args.trace_out), ("--stats-json", args.stats_json)):

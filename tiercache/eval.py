@@ -67,7 +67,7 @@ def check_plan(methods: list, budgets: list, block_tokens: int) -> list:
     for method in methods:
         if method == "full":
             continue
-        for budget in budgets:
+        for budget in dict.fromkeys(budgets):  # a budget given twice counted the same runs twice in n
             method_config(method, budget, block_tokens)  # raises ValueError naming the problem
             runs.append((method, budget))
     if not runs:
@@ -245,6 +245,9 @@ def run_fidelity(model: Any, tokenizer: Any, *, text: Optional[str], context: in
                  log: Optional[Callable[[str], None]] = None) -> dict:
     """KL divergence to the full cache, top-1 agreement and perplexity change per method and budget."""
     runs = check_plan(["full", *[m for m in methods if m != "full"]], budgets, block_tokens)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit and context + tokens > limit:  # as run_passkey: a run past them measured nothing meaningful
+        raise ValueError(f"--context: {context} + {tokens} scored tokens exceed the model's {limit} positions")
     ids = fidelity_text_ids(tokenizer, text, context + tokens)
     targets = ids[0, context:context + tokens]
     ref = None
