@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -427,7 +428,15 @@ def run(argv: Optional[list] = None) -> int:
     cuda = torch.cuda.is_available()
     if args.setups is None:
         args.setups = ",".join(s for s in SETUPS if cuda or s not in CUDA_ONLY)
-    setups = [s for s in args.setups.split(",") if s]
+    setups = [s.strip() for s in args.setups.split(",")]
+    if not any(setups) or "" in setups:  # ',' was a TypeError from the table's width, after the run
+        raise ValueError(f"--setups: a comma-separated list of set-ups without empty items, got {args.setups!r}")
+    if len(set(setups)) != len(setups):  # two of one shared a cache in the side-by-side run: a RuntimeError
+        raise ValueError(f"--setups: {sorted({s for s in setups if setups.count(s) > 1})} named twice")
+    if args.disk_gbps is not None and not (math.isfinite(args.disk_gbps) and args.disk_gbps > 0):
+        raise ValueError(f"--disk-gbps: a positive rate in GB/s, got {args.disk_gbps}")  # 0: a ZeroDivisionError
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise ValueError(f"--dir: {args.dir!r} is not a directory")
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
     unknown = sorted(s for s in setups if _base(s) not in SETUPS)

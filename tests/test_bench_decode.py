@@ -152,6 +152,12 @@ def test_bench_decode_refuses_bad_arguments():
         (["--eviction", "mru"], "eviction: unknown policy 'mru'; known: .*layer-cycle"),
         (["--context", "0"], "--context: must be >= 1, got 0"),  # was an UnboundLocalError
         (["--prefill-chunk", "-1"], "--prefill-chunk: must be >= 1, got -1"),
+        # each was a traceback, two of them after the whole run (a helper's CLI sweep)
+        (["--setups", ","], "--setups: a comma-separated list of set-ups without empty items"),
+        (["--setups", "dynamic,dynamic"], r"--setups: \['dynamic'\] named twice"),
+        (["--setups", "dynamic,disk", "--disk-gbps", "0"], "--disk-gbps: a positive rate"),
+        (["--setups", "dynamic,disk", "--disk-gbps", "nan"], "--disk-gbps: a positive rate"),
+        (["--setups", "dynamic", "--dir", "/nonexistent-dir"], "--dir: '/nonexistent-dir' is not a directory"),
     ]
     for argv, message in refusals:
         with pytest.raises(ValueError, match=message):
