@@ -879,7 +879,7 @@ class TieredCache(Cache):
 
     def _drop_layer(self, layer_idx: int) -> None:
         layer = self.layers[layer_idx]
-        if self.store is not None:
+        if self.store is not None and not self.store.closed:  # a closed one holds nothing to free
             self.store.unpin([k for k in self._pinned if k.layer == layer_idx])
             self._pinned = [k for k in self._pinned if k.layer != layer_idx]
             for key in self._blocks_of(layer_idx):
