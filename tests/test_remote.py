@@ -399,6 +399,38 @@ def corrupt(client, key: str, offset: int) -> None:
     client.set(key, bytes(value))
 
 
+def _block3_on_the_server(tmp_path, model, server, ids, config, manifest: bool) -> tuple:
+    """A first machine publishes ``ids``; (a client, the server key of block 3's manifest or
+    of its layer-1 record)."""
+    run(model, ids, config)
+    client = server.client()
+    keys = keys_of(client, config.remote_namespace)
+    close_all()
+    with TieredCache(model, config.replace(disk_dir=str(tmp_path / "probe"), reuse=True)) as probe:
+        prefix = probe._ensure_prefix()
+        from tiercache.prefix import chain
+        block3 = chain(ids[0].tolist(), BT, prefix.salt)[3]
+        remote = prefix.remote
+        target = remote.manifest_key(block3.h) if manifest else remote.record_key(block3.h, 1)
+    close_all()
+    assert target in keys
+    return client, target
+
+
+def _block3_refused_then_rewritten(tmp_path, model, ids, config) -> dict:
+    """Block 3's value on the server is bad: a second machine loads blocks 0-2, counts one
+    corrupt value, recomputes the rest (logits equal a cold run) and writes block 3 again,
+    so a third machine loads the whole prefix. The second machine's stats."""
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 3 * BT and stats["remote"]["errors"]["corrupt"] == 1
+    ref = reference(model, ids)
+    assert_same(ref, out)
+    out_c, stats_c, loaded_c = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
+    assert loaded_c == 28 and stats_c["remote"]["errors"]["corrupt"] == 0
+    assert_same(ref, out_c)
+    return stats
+
+
 @needs_binary
 @pytest.mark.parametrize("where", ["record payload", "record header", "manifest", "truncated record"])
 def test_a_corrupted_value_is_never_served(tmp_path, model, server, where):
@@ -406,19 +438,7 @@ def test_a_corrupted_value_is_never_served(tmp_path, model, server, where):
     are recomputed, the bad value is counted and replaced; logits equal a cold run."""
     ids = prompt(length=PROMPT_LEN)
     config = cfg(tmp_path, server.url, "a")
-    run(model, ids, config)
-    client = server.client()
-    ns = config.remote_namespace
-    keys = keys_of(client, ns)
-    close_all()
-    with TieredCache(model, config.replace(disk_dir=str(tmp_path / "probe"), reuse=True)) as probe:
-        prefix = probe._ensure_prefix()
-        from tiercache.prefix import chain
-        block3 = chain(ids[0].tolist(), BT, prefix.salt)[3]
-        remote = prefix.remote
-        target = remote.manifest_key(block3.h) if where == "manifest" else remote.record_key(block3.h, 1)
-    close_all()
-    assert target in keys
+    client, target = _block3_on_the_server(tmp_path, model, server, ids, config, where == "manifest")
     if where == "record payload":
         corrupt(client, target, HEADER_BYTES + 5)
     elif where == "record header":
@@ -427,16 +447,8 @@ def test_a_corrupted_value_is_never_served(tmp_path, model, server, where):
         corrupt(client, target, 30)
     else:
         client.set(target, client.get(target)[:-7])
-    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
-    assert loaded == 3 * BT
-    assert stats["remote"]["errors"]["corrupt"] == 1 and stats["remote"]["hits"] == 3
-    ref = reference(model, ids)
-    assert_same(ref, out)
-    # The bad value was deleted and B, having recomputed block 3, wrote it again: a third
-    # machine gets the whole prefix, intact.
-    out_c, stats_c, loaded_c = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
-    assert loaded_c == 28 and stats_c["remote"]["errors"]["corrupt"] == 0
-    assert_same(ref, out_c)
+    stats = _block3_refused_then_rewritten(tmp_path, model, ids, config)
+    assert stats["remote"]["hits"] == 3
 
 
 @needs_binary
@@ -449,26 +461,11 @@ def test_a_key_of_another_type_is_counted_corrupt_and_replaced(tmp_path, model, 
     a third machine loads the whole prefix. Logits equal a cold run throughout."""
     ids = prompt(length=PROMPT_LEN)
     config = cfg(tmp_path, server.url, "a")
-    run(model, ids, config)
-    client = server.client()
-    close_all()
-    with TieredCache(model, config.replace(disk_dir=str(tmp_path / "probe"), reuse=True)) as probe:
-        prefix = probe._ensure_prefix()
-        from tiercache.prefix import chain
-        block3 = chain(ids[0].tolist(), BT, prefix.salt)[3]
-        target = prefix.remote.manifest_key(block3.h) if key_kind == "manifest" else \
-            prefix.remote.record_key(block3.h, 1)
-    close_all()
+    client, target = _block3_on_the_server(tmp_path, model, server, ids, config, key_kind == "manifest")
     client.delete(target)
     client.rpush(target, b"not a record")
-    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
-    assert loaded == 3 * BT and stats["remote"]["state"] == "up"
-    assert stats["remote"]["errors"]["corrupt"] == 1 and stats["remote"]["errors"]["server"] == 0
-    ref = reference(model, ids)
-    assert_same(ref, out)
-    out_c, stats_c, loaded_c = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
-    assert loaded_c == 28 and stats_c["remote"]["errors"]["corrupt"] == 0
-    assert_same(ref, out_c)
+    stats = _block3_refused_then_rewritten(tmp_path, model, ids, config)
+    assert stats["remote"]["state"] == "up" and stats["remote"]["errors"]["server"] == 0
 
 
 @needs_binary
