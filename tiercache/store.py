@@ -198,7 +198,6 @@ class BlockStore:
             self.write_behind_enabled = True
             self._stall_acc = 0.0
             self.engine = TransferEngine(config.io_workers, config.queue_depth)
-            self.closed = False
             if self.disk is not None and persistent:
                 self._adopt_disk_records()  # e.g. records of another format version: refused
         except BaseException:  # nothing half built stays open: the disk tier holds its directory's lock
