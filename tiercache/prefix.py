@@ -240,13 +240,17 @@ class PrefixIndex:
             except sqlite3.Error as exc:
                 raise self._io(what, exc) from None
 
-    def rows(self) -> dict:
+    def _fetch(self, sql: str, args=(), one: bool = False):
+        """A query's rows (or its first row), under the lock; errors as ``_execute``'s."""
         with self._lock:
-            cur = self._execute("reading", "SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks")
+            cur = self._execute("reading", sql, args)
             try:
-                return {r[0]: r for r in cur.fetchall()}
+                return cur.fetchone() if one else cur.fetchall()
             except sqlite3.Error as exc:
                 raise self._io("reading", exc) from None
+
+    def rows(self) -> dict:
+        return {r[0]: r for r in self._fetch("SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks")}
 
     def upsert(self, block: ChainBlock, layers: int, seen: int = 1) -> None:
         now = time.time()
@@ -257,13 +261,7 @@ class PrefixIndex:
                       (block.h, block.index, block.parent, block.token_ids, layers, seen, now, now))
 
     def get(self, h: int) -> Optional[tuple]:
-        with self._lock:
-            cur = self._execute("reading", "SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks WHERE h = ?",
-                                (h,))
-            try:
-                return cur.fetchone()
-            except sqlite3.Error as exc:
-                raise self._io("reading", exc) from None
+        return self._fetch("SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks WHERE h = ?", (h,), one=True)
 
     def hit(self, hs: Sequence[int]) -> None:
         now = time.time()
