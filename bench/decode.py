@@ -46,6 +46,8 @@ import tempfile
 import time
 from typing import Optional
 
+from tiercache.cli import work_dir
+
 SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
 CUDA_ONLY = ("hf_offload",)  # transformers' offloaded cache needs CUDA streams
 IN_PLACE = "_inplace"  # suffix: the set-up without it, with attend_in_place=True
@@ -435,8 +437,7 @@ def run(argv: Optional[list] = None) -> int:
         raise ValueError(f"--setups: {sorted({s for s in setups if setups.count(s) > 1})} named twice")
     if args.disk_gbps is not None and not (math.isfinite(args.disk_gbps) and args.disk_gbps > 0):
         raise ValueError(f"--disk-gbps: a positive rate in GB/s, got {args.disk_gbps}")  # 0: a ZeroDivisionError
-    if args.dir is not None and not os.path.isdir(args.dir):
-        raise ValueError(f"--dir: {args.dir!r} is not a directory")
+    work_dir("--dir", args.dir)
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
     unknown = sorted(s for s in setups if _base(s) not in SETUPS)

@@ -27,6 +27,8 @@ import textwrap
 import time
 from typing import Callable, Optional
 
+from tiercache.cli import split_list, work_dir
+
 BT = 4
 PROMPT = 30
 NEW = 6
@@ -293,12 +295,13 @@ def run(argv: Optional[list] = None) -> int:
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    kinds = [k.strip() for k in args.faults.split(",")] if args.faults else list(FAULTS)
+    kinds = split_list("--faults", args.faults) if args.faults is not None else list(FAULTS)
     unknown = [k for k in kinds if k not in FAULTS]
     if unknown:
         raise ValueError(f"--faults: unknown {unknown}; known: {'; '.join(FAULTS)}")
     if args.repeat < 1:  # a table of zeros would read as "no wrong answer"
         raise ValueError(f"--repeat: must be >= 1, got {args.repeat}")
+    work_dir("--dir", args.dir)
     model = tiny_model()
     rows = []
     with tempfile.TemporaryDirectory(prefix="tiercache-faults-", dir=args.dir) as workdir:

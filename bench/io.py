@@ -564,10 +564,16 @@ def run(argv: Optional[list] = None) -> int:
             if round_bytes < 1:
                 raise ValueError(f"--round-size: must be > 0, got {args.round_size!r}")
             rounds = max(1, -(-total_bytes // round_bytes))
+        if os.path.exists(args.dir) and not os.path.isdir(args.dir):  # else created
+            raise ValueError(f"--dir: {args.dir!r} is not a directory")
+        sizes = sorted(set(SWEEP_BLOCK_TOKENS) | {args.block_tokens}) if args.sweep else [args.block_tokens]
+        largest = BlockGeometry(1, KV_HEADS, max(sizes), HEAD_DIM, DTYPE).block_bytes
+        if total_bytes < largest:  # was rounded up to one block, silently
+            raise ValueError(f"--size: {args.size} is less than one block ({format_bytes(largest)} at "
+                             f"block_tokens={max(sizes)})")
     except ValueError as exc:
-        print(f"tiercache bench io: {exc}", file=sys.stderr)
+        print(f"tiercache: error: bench io: {exc}", file=sys.stderr)
         return 2
-    sizes = sorted(set(SWEEP_BLOCK_TOKENS) | {args.block_tokens}) if args.sweep else [args.block_tokens]
     rows = []
     for tokens in sizes:
         try:
@@ -575,7 +581,7 @@ def run(argv: Optional[list] = None) -> int:
                                disk_io=args.disk_io)
                     for _ in range(args.repeat)]
         except (ValueError, RuntimeError, OSError) as exc:  # no room, fio/dd failed, ...
-            print(f"tiercache bench io: {exc}", file=sys.stderr)
+            print(f"tiercache: error: bench io: {exc}", file=sys.stderr)
             return 1
         rows.append(_median_of(runs))
         if args.sweep and not args.json:

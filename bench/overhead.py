@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from tiercache.bench.io import _put_random_blocks
+from tiercache.cli import int_list
 from tiercache.config import TierConfig, format_bytes, parse_bytes
 from tiercache.metrics import CacheMetrics
 from tiercache.store import BlockStore
@@ -38,6 +39,7 @@ from tiercache.tiers import BlockGeometry
 
 GEOMETRY = BlockGeometry(1, 1, 16, 64, torch.float32)  # 8 KiB of K and V: copies cost ~nothing
 BATCHES = (10, 43, 86)  # blocks per round; 43 is a round of bench io (64 MiB of 1.5 MiB blocks)
+MAX_BATCH = 4096  # the store holds 8 rounds of the largest: 256 MiB of blocks on each of two tiers
 
 
 def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int = 64 << 20,
@@ -53,8 +55,8 @@ def measure_overhead(batches: tuple = BATCHES, repeat: int = 8, flush_bytes: int
         raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     if repeat < 1:
         raise ValueError(f"--repeat: must be >= 1, got {repeat}")
-    if not batches or min(batches) < 2:
-        raise ValueError(f"--batches: need sizes of at least 2 blocks (a batch), got {list(batches)}")
+    if not batches or min(batches) < 2 or max(batches) > MAX_BATCH:
+        raise ValueError(f"--batches: need sizes of 2 (a batch) to {MAX_BATCH} blocks, got {list(batches)}")
     if flush_bytes < 1:
         raise ValueError(f"--flush: must be > 0, got {flush_bytes}")
     num_blocks = max(batches) * 8
@@ -140,16 +142,9 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: Optional[list] = None) -> int:
     """Entry point of ``tiercache bench overhead``; returns the exit status."""
     args = _parser().parse_args(argv)
-    try:
-        try:
-            batches = tuple(int(b) for b in args.batches.split(","))
-        except ValueError:
-            raise ValueError(f"--batches: a comma list of block counts, got {args.batches!r}") from None
-        result = measure_overhead(batches, args.repeat, parse_bytes(args.flush, "--flush"), args.device,
-                                  args.metrics)
-    except ValueError as exc:
-        print(f"tiercache bench overhead: {exc}", file=sys.stderr)
-        return 2
+    # errors (ValueError, CLIError) reach the command line's one-line "tiercache: error: ..."
+    batches = tuple(int_list("--batches", args.batches, 2, MAX_BATCH))
+    result = measure_overhead(batches, args.repeat, parse_bytes(args.flush, "--flush"), args.device, args.metrics)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -20,6 +20,8 @@ import statistics
 import sys
 from typing import Optional
 
+from tiercache.cli import CLIError, int_list, split_list, work_dir
+
 FRACTIONS = (0.1, 0.25, 0.4, 0.55, 0.75, 0.9)
 BANDS = (("small", 0.0, 0.3), ("medium", 0.3, 0.6), ("large", 0.6, 1.01))
 
@@ -77,8 +79,9 @@ def summarize(results: list, fractions: dict) -> dict:
     stall: dict = {}
     moved: dict = {}
     for r in runtime:
-        stall[r["policy"]] = stall.get(r["policy"], 0.0) + r["est_stall_seconds"]
-        moved[r["policy"]] = moved.get(r["policy"], 0) + r["bytes_moved"]
+        # plain floats and ints: numpy's scalars printed as "np.float64(0.007)" in the summary
+        stall[r["policy"]] = stall.get(r["policy"], 0.0) + float(r["est_stall_seconds"])
+        moved[r["policy"]] = moved.get(r["policy"], 0) + int(r["bytes_moved"])
     ranking = sorted(stall, key=lambda p: (round(stall[p], 2), moved[p]))
     return {"regimes": regimes,
             "total_est_stall_seconds": {p: round(stall[p], 3) for p in ranking},
@@ -136,8 +139,20 @@ def run(argv: Optional[list] = None) -> int:
     from tiercache.models import load_model
     from tiercache.policies import EVICTION_POLICIES
 
-    contexts = [int(c) for c in args.contexts.split(",") if c]
-    prefetches = tuple(x for x in args.prefetch_policies.split(",") if x)
+    from tiercache.config import TierConfig
+    from tiercache.policies import PREFETCH_POLICIES
+
+    # All before the model loads (a context of 0 tokens was a reshape error from inside it).
+    TierConfig(block_tokens=args.block_tokens)  # validates it by name
+    contexts = int_list("--contexts", args.contexts, 1)
+    if args.new_tokens < 1:
+        raise CLIError(f"--new-tokens: must be >= 1, got {args.new_tokens}")
+    prefetches = tuple(split_list("--prefetch-policies", args.prefetch_policies))
+    unknown = [x for x in prefetches if x not in PREFETCH_POLICIES]
+    if unknown:
+        raise CLIError(f"--prefetch-policies: unknown {unknown}; known: {', '.join(sorted(PREFETCH_POLICIES))}")
+    if os.path.exists(args.out):
+        work_dir("--out", args.out)
     os.makedirs(args.out, exist_ok=True)
     model, tokenizer = load_model()
     results, fractions, traces = [], {}, {}

@@ -35,6 +35,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from tiercache.cli import work_dir
+
 POSITION_MARGIN = 8  # tokens left below the model's positions
 
 
@@ -419,8 +421,7 @@ def run(argv: Optional[list] = None) -> int:
                              ("--answer-tokens", args.answer_tokens, 1), ("--block-tokens", args.block_tokens, 1)):
         if value < low:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
-    if args.dir is not None and not os.path.isdir(args.dir):
-        raise ValueError(f"--dir: {args.dir!r} is not a directory")
+    work_dir("--dir", args.dir)
     if args.remote:
         import uuid
 

@@ -157,7 +157,7 @@ def test_bench_decode_refuses_bad_arguments():
         (["--setups", "dynamic,dynamic"], r"--setups: \['dynamic'\] named twice"),
         (["--setups", "dynamic,disk", "--disk-gbps", "0"], "--disk-gbps: a positive rate"),
         (["--setups", "dynamic,disk", "--disk-gbps", "nan"], "--disk-gbps: a positive rate"),
-        (["--setups", "dynamic", "--dir", "/nonexistent-dir"], "--dir: '/nonexistent-dir' is not a directory"),
+        (["--setups", "dynamic", "--dir", "/nonexistent-dir"], "--dir: '/nonexistent-dir' does not exist"),
     ]
     for argv, message in refusals:
         with pytest.raises(ValueError, match=message):

@@ -51,8 +51,10 @@ def test_overhead_prints_a_table_without_json():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--batches", "1,8"], "--batches: need sizes of at least 2 blocks"),
-    (["--batches", "ten"], "--batches: a comma list of block counts, got 'ten'"),
+    (["--batches", "1,8"], "--batches: 1 must be in [2, 4096]"),
+    (["--batches", "ten"], "--batches: 'ten' is not an integer"),
+    (["--batches", "100000000"], "--batches: 100000000 must be in [2, 4096]"),  # was pools of 6 TiB
+    (["--batches", "8,,16"], "--batches: an empty item in '8,,16'"),
     (["--repeat", "0"], "--repeat: must be >= 1"),
     (["--flush", "0"], "--flush: must be > 0"),
     (["--flush", "lots"], "--flush: cannot parse 'lots'"),

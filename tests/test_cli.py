@@ -178,3 +178,39 @@ def test_the_output_file_probe_leaves_everything_as_it_found_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "old.prom", "pipe", "stats.json"]
     with pytest.raises(CLIError, match="--stats-json: .* is a directory"):
         check_writable("--stats-json", str(tmp_path))
+
+
+@pytest.mark.parametrize("argv,message", [
+    # each was a traceback (faults: NotADirectoryError from tempfile; policies: a reshape
+    # error from inside the model at 0 tokens), a silent run on other input, or a hang
+    # allocating pools for 8 x 10^8 blocks (overhead)
+    (["bench", "faults", "--dir", "FILE"], "--dir: 'FILE' is not a directory"),
+    (["bench", "faults", "--dir", "MISSING"], "--dir: 'MISSING' does not exist"),
+    (["bench", "faults", "--faults", "payload-flip,"], "--faults: an empty item"),
+    (["bench", "policies", "--contexts", "0"], "--contexts: 0 must be >= 1"),
+    (["bench", "policies", "--contexts", "2k"], "--contexts: '2k' is not an integer"),
+    (["bench", "policies", "--new-tokens", "0"], "--new-tokens: must be >= 1, got 0"),
+    (["bench", "policies", "--block-tokens", "0"], "block_tokens"),
+    (["bench", "policies", "--prefetch-policies", "none,psychic"], "--prefetch-policies: unknown ['psychic']"),
+    (["bench", "policies", "--out", "FILE"], "--out: 'FILE' is not a directory"),
+    (["bench", "overhead", "--batches", "100000000"], "--batches: 100000000 must be in [2, 4096]"),
+    (["bench", "prefix", "--dir", "MISSING"], "--dir: 'MISSING' does not exist"),
+    (["bench", "io", "--dir", "FILE"], "bench io: --dir: 'FILE' is not a directory"),
+    (["bench", "io", "--size", "0"], "bench io: --size: 0 is less than one block (1.5 MiB at block_tokens=1024)"),
+    (["compare", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+])
+def test_benchmarks_and_compare_refuse_bad_arguments_before_any_work(argv, message, tmp_path, capsys):
+    """Every refusal is one line, ``tiercache: error: ...``, exit status 2, before a model
+    loads or a file is written (in process, so a model load would show as time, and a
+    traceback as an exception here)."""
+    from tiercache.cli import main
+
+    (tmp_path / "file").write_text("not a directory")
+    paths = {"FILE": str(tmp_path / "file"), "MISSING": str(tmp_path / "missing")}
+    argv = [paths.get(a, a) for a in argv]
+    for name, path in paths.items():
+        message = message.replace(f"'{name}'", repr(path))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiercache: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "missing").exists()

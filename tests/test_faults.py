@@ -139,3 +139,14 @@ def test_a_disk_dir_on_a_full_filesystem_stops_with_one_clear_error(full_filesys
     with pytest.raises(TierCacheError, match="No space left on device") as err:
         generate(model, prompt(0), cfg)
     assert str(full_filesystem / "kv") in str(err.value)
+
+
+def test_the_readmes_reliability_table_names_each_fault_as_faults_takes_it():
+    """The table's first column names the faults as ``--faults`` takes them, every one once,
+    so a reader can rerun a row (its names were prose that ``--faults`` refused)."""
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    section = readme.split("## Reliability", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"^\| `([^`]+)`", section, flags=re.M)
+    assert named == list(FAULTS)

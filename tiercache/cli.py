@@ -17,8 +17,9 @@ from tiercache.config import TierConfig, format_bytes
 from tiercache.errors import TierCacheError
 
 
-class CLIError(Exception):
-    """A problem with the user's input: printed as one line, exit status 2."""
+class CLIError(ValueError):
+    """A problem with the user's input: printed as one line, exit status 2. A ValueError, as
+    the benchmarks' own checks are, for a caller of their ``run()``."""
 
 
 def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str = "4GiB",
@@ -198,6 +199,15 @@ def check_writable(flag: str, path: str, replaced: bool = False) -> None:
         raise CLIError(f"{flag}: cannot write {path!r} ({exc.strerror or exc})") from None
 
 
+def work_dir(flag: str, path: Optional[str]) -> Optional[str]:
+    """A benchmark's work directory: ``path`` must be an existing directory (None: the
+    benchmark picks one). Else CLIError, before any work, not an OSError from deep inside."""
+    if path is not None and not os.path.isdir(path):
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise CLIError(f"{flag}: {path!r} {what}")
+    return path
+
+
 def split_list(flag: str, text: str) -> list:
     items = [x.strip() for x in text.split(",")]
     if not any(items):
@@ -230,6 +240,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if trace_path is None:
         if args.prompt is None and args.prompt_file is None:
             raise CLIError("compare needs --trace FILE, or --prompt-file FILE (or --prompt TEXT) to record one")
+        if args.max_new_tokens < 1:  # before the model loads: a trace needs decode steps
+            raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
         from tiercache.models import load_model
 
         prompt = read_prompt(args)
@@ -288,7 +300,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(records=args.records, disk_dir=args.disk_dir)
 
 
-def _int_list(flag: str, text: str, low: int, high: Optional[int] = None) -> list:
+def int_list(flag: str, text: str, low: int, high: Optional[int] = None) -> list:
+    """The integers of a comma list given to ``flag``, each in [low, high]; else CLIError."""
     values = []
     for item in split_list(flag, text):
         try:
@@ -309,7 +322,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in ev.METHODS]
     if unknown:
         raise CLIError(f"--methods: unknown {', '.join(map(repr, unknown))}; known: {', '.join(ev.METHODS)}")
-    budgets = _int_list("--budgets", args.budgets, 1)
+    budgets = int_list("--budgets", args.budgets, 1)
     if args.block_tokens < 1:
         raise CLIError(f"--block-tokens: must be >= 1, got {args.block_tokens}")
     if args.prefill_chunk < 1:
@@ -319,8 +332,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_writable("--plot", args.plot)
     text = None
     if args.task == "passkey":
-        contexts = _int_list("--contexts", args.contexts, 64)
-        depths = _int_list("--depths", args.depths, 0, 100)
+        contexts = int_list("--contexts", args.contexts, 64)
+        depths = int_list("--depths", args.depths, 0, 100)
         if args.trials < 1:
             raise CLIError(f"--trials: must be >= 1, got {args.trials}")
         if args.max_new_tokens < 1:  # no answer token: every trial would read as a wrong answer
