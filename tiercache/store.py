@@ -26,7 +26,7 @@ from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
 from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
-from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier
+from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier, as_tier
 from tiercache.tiers import BlockGeometry, DevicePool, HostPool, aligned_buffer, pin_in_place, unpin_in_place
 from tiercache.transfer import Priority, TransferEngine, wait_all
 
@@ -91,6 +91,15 @@ def _store_call(method, raises_policy_failures: bool):
             if not depth:
                 self._leave()
     return call
+
+
+def _key_list(keys: Iterable[Hashable], name: str) -> list:
+    """The keys of a call that takes many, as a list. One ``BlockKey`` (a tuple of three
+    ints) or a string given instead was iterated: ``pin(key)`` pinned blocks named 0, 0 and
+    0, ``demote_now(key)`` did nothing and said nothing."""
+    if isinstance(keys, (BlockKey, str, bytes)):
+        raise TypeError(f"{name}: expected a list of keys, got one key {keys!r} (pass [key])")
+    return list(keys)
 
 
 class BlockStore:
@@ -275,7 +284,7 @@ class BlockStore:
         return self.geometry.block_bytes
 
     def num_slots(self, tier: Tier) -> int:
-        return self.table.num_slots(tier)
+        return self.table.num_slots(as_tier(tier, "num_slots"))
 
     def capacity_blocks(self) -> int:
         """Distinct blocks that fit when every tier holds different ones."""
@@ -482,6 +491,7 @@ class BlockStore:
         copy of the block is used when there is one. Blocks whose copies are all in flight
         are read through ``get``.
         """
+        keys = _key_list(keys, "read_into")
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} destination tensors")
         g = self.geometry
@@ -631,6 +641,9 @@ class BlockStore:
     def evict_candidates(self, tier: Tier, n: int) -> list:
         """Up to ``n`` blocks the eviction policy of ``tier`` would remove whole: idle
         copies, and never a prefix block while an extension of it is on that tier."""
+        tier = as_tier(tier, "evict_candidates")
+        if tier not in self.tiers:
+            return []
         with self._lock:
             def idle(key) -> bool:
                 return self.table.is_movable(key, tier) and not self._extended_on(key, tier) \
@@ -643,6 +656,7 @@ class BlockStore:
     @_ends_work
     def drop_copies(self, tier: Tier) -> int:
         """Drop every idle copy on ``tier``; a block whose only copy it is goes entirely."""
+        tier = as_tier(tier, "drop_copies")
         dropped = 0
         with self._lock:
             for key in list(self.table.keys_on(tier)):
@@ -657,19 +671,38 @@ class BlockStore:
 
     @_ends_work
     def pin(self, keys: Iterable[Hashable]) -> None:
+        """Pin each block of ``keys`` (a pinned block keeps its device copy); all or none:
+        a key the store does not hold is a KeyError, as in ``get``, and nothing is pinned."""
+        keys = _key_list(keys, "pin")
         with self._lock:
+            for key in keys:
+                if self.table.get(key) is None:
+                    raise KeyError(key)
             for key in keys:
                 self.table.pin(key)
 
     def unpin(self, keys: Iterable[Hashable]) -> None:
+        """Undo one ``pin`` of each block of ``keys``; blocks deleted since are skipped.
+        All or none: a block that is not pinned (as often as it appears in ``keys``) is a
+        ValueError naming it, and nothing is unpinned."""
+        keys = _key_list(keys, "unpin")
         with self._lock:
+            count: dict = {}
             for key in keys:
-                if self.table.get(key) is not None:
+                entry = self.table.get(key)
+                if entry is not None:
+                    count[key] = count.get(key, 0) + 1
+                    if count[key] > entry.pins:
+                        raise ValueError(f"unpin: block {key!r} is not pinned"
+                                         + (f" {count[key]} times" if count[key] > 1 else ""))
+            for key in keys:
+                if key in count:
                     self.table.unpin(key)
 
     @_starts_work
     def promote(self, key: Hashable, dst: Tier = Tier.DEVICE) -> Future:
         """Copy ``key`` up to ``dst`` asynchronously (the lower copy stays)."""
+        dst = as_tier(dst, "promote")
         if dst is Tier.DEVICE:
             return _done_future(lambda: self.ensure_device([key], pin=False))
 
@@ -691,7 +724,7 @@ class BlockStore:
         room below start together (on CPU, host<->device copies in chunks: see
         ``_submit_all``); the rest go one by one as ``demote``, waiting for room. A key
         given twice moves one tier, once; both places get that move's future."""
-        given = list(keys)
+        given = _key_list(keys, "demote_many")
         keys = list(dict.fromkeys(given))
         futures: list = [_done()] * len(keys)  # in the order of keys
         with self._lock:
@@ -714,7 +747,7 @@ class BlockStore:
         1.5 MiB, 10% of the copy (``bench io``'s device->host rounds, which use this). A
         block with no room below waits for room as ``demote`` does, and raises
         ``TierIOError`` as it does when the storage cannot give any."""
-        keys = list(dict.fromkeys(keys))
+        keys = list(dict.fromkeys(_key_list(keys, "demote_now")))
         with self._lock:
             moves, _, later = self._plan_demotions(keys)
         mine: list = []
@@ -857,7 +890,7 @@ class BlockStore:
         ``ahead``: blocks to prefetch to the device once the fetches of ``keys`` are queued
         (behind them), before waiting for those: the next layer's reads then follow this
         layer's without a gap."""
-        keys = list(dict.fromkeys(keys))  # once each: a key given twice is pinned once
+        keys = list(dict.fromkeys(_key_list(keys, "ensure_device")))  # once each: a key given twice is pinned once
         protect = set(keys)
         pinned: list = []
         pinned_keys: set = set()  # the same, for lookups (a batch may hold hundreds of keys)
@@ -970,9 +1003,10 @@ class BlockStore:
     @_starts_work
     def prefetch(self, keys: list, protect: Iterable[Hashable] = (), dst: Tier = Tier.DEVICE) -> int:
         """Start bringing ``keys`` up to ``dst`` without waiting; only clean copies are evicted."""
+        dst = as_tier(dst, "prefetch")
+        keys = list(dict.fromkeys(_key_list(keys, "prefetch")))  # a key asked for twice is fetched once
         if dst not in self.tiers:
             return 0
-        keys = list(dict.fromkeys(keys))  # a key asked for twice is fetched once
         protect = set(protect) | set(keys)
         submit = []
         with self._lock:

@@ -29,6 +29,21 @@ class Tier(enum.IntEnum):
 
 _TIERS = tuple(Tier)  # fastest first
 _LABELS = {tier: tier.name.lower() for tier in Tier}  # looked up per move: not rebuilt each time
+_BY_NAME = {label: tier for tier, label in _LABELS.items()}
+
+
+def as_tier(value: object, name: str = "tier") -> Tier:
+    """``value`` as a ``Tier``: a Tier, its label ("device", "host", "disk") or its number.
+    Anything else is a ValueError naming ``name`` and the tiers. (The store compares tiers
+    by identity: a plain 1 for the host, or the string "host", took other paths silently,
+    or failed deep inside.)"""
+    if isinstance(value, Tier):
+        return value
+    if isinstance(value, str) and value.lower() in _BY_NAME:
+        return _BY_NAME[value.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in _LABELS:
+        return Tier(value)
+    raise ValueError(f"{name}: expected a Tier ({', '.join(_BY_NAME)}), got {value!r}")
 
 
 class CopyState(enum.Enum):
