@@ -108,9 +108,11 @@ def _resummarize(path: str, as_json: bool) -> int:
             data = json.load(f)
         results = data["results"]
         fractions = {(r["trace"], r["budget_bytes"]): r["budget_fraction"] for r in results if "budget_fraction" in r}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--summarize: {path!r} is not a policies.json from this benchmark ({exc})") from None
-    summary = summarize(results, fractions)
+        # inside the check: a `compare --json` report (no budget fractions) or a row with a
+        # null hit ratio was a KeyError or TypeError from the summary
+        summary = summarize(results, fractions)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--summarize: {path!r} is not a policies.json from this benchmark ({exc!r})") from None
     if as_json:
         print(json.dumps({"summary": summary, "traces": data.get("traces", {})}))
     else:

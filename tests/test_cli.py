@@ -214,3 +214,21 @@ def test_benchmarks_and_compare_refuse_bad_arguments_before_any_work(argv, messa
     err = capsys.readouterr().err
     assert err.startswith("tiercache: error: ") and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("content", [
+    # a `tiercache compare --json` report: rows without budget fractions (a KeyError from the summary)
+    {"results": [{"policy": "lru", "trace": "t.csv", "budget_bytes": 4096, "prefetch": "none", "hit_ratio": 0.5,
+                  "bytes_per_token_total": 1.0, "est_stall_seconds": 0.1, "bytes_moved": 1}]},
+    # a row with a null hit ratio (a TypeError from statistics.fmean)
+    {"results": [{"policy": "lru", "trace": "t", "budget_bytes": 4096, "budget_fraction": 0.5, "prefetch": "none",
+                  "hit_ratio": None, "bytes_per_token_total": 1.0, "est_stall_seconds": 0.1, "bytes_moved": 1}]},
+])
+def test_bench_policies_summarize_refuses_other_json_in_one_line(content, tmp_path, capsys):
+    from tiercache.cli import main
+
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(content))
+    assert main(["bench", "policies", "--summarize", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tiercache: error: --summarize: {str(path)!r} is not a policies.json") and err.count("\n") == 1

@@ -89,6 +89,14 @@ def test_recorded_trace_is_every_access_and_changes_nothing(tmp_path):
     (",".join(HEADER) + "\n5,2,-3,read,0,0,2,0,1,\n", "obj_size -3 is not positive"),
     (",".join(HEADER) + "\n5,7,3,read,0,0,2,0,1,\n", "obj_id 7 is not seq<<40"),
     (",".join(HEADER) + "\n5,2,3,read,0,0,2,0,1,\n6,2,4,read,0,0,2,0,1,\n", "blocks of 2 sizes"),
+    # past obj_id's bit ranges two keys shared an id (layer 65536 of seq 0 was layer 0 of seq
+    # 1 to libCacheSim); a size of 2^62 overflowed libCacheSim's budgets, which aborted
+    (",".join(HEADER) + f"\n5,{1 << 40},3,read,0,65536,0,0,1,\n", "layer 65536 is more than 65535"),
+    (",".join(HEADER) + f"\n5,2,{1 << 62},read,0,0,2,0,1,\n", f"obj_size {1 << 62} is more than {1 << 40}"),
+    # int() took these; libCacheSim's reader, replaying the same file, read '4_096' as 4
+    (",".join(HEADER) + "\n5,2,4_096,read,0,0,2,0,1,\n", "obj_size '4_096' is not a plain integer"),
+    (",".join(HEADER) + "\n5,2, 3,read,0,0,2,0,1,\n", "obj_size ' 3' is not a plain integer"),
+    (",".join(HEADER) + "\n5,2,3,read,0,0,2,0,1,\n\n", "line 3 is blank"),  # was "list index out of range"
 ])
 def test_bad_trace_files_are_named(tmp_path, content, message):
     path = tmp_path / "bad.csv"
@@ -130,6 +138,53 @@ def test_cyclic_scan_defeats_lru_and_fifo_in_the_replay(tmp_path):
         assert fits["tier_hit_ratio"]["miss"] == pytest.approx(10 / 60)
         # only the write-behind of each layer's sealed first block moved: nothing came back up
         assert fits["bytes_moved_by_link"] == {"device->host": 5 * 4096}
+
+
+def _min_hits(keys: list, slots: int) -> int:
+    """Belady's MIN (demand paging) on a list of keys: a reference written for this test."""
+    cache: set = set()
+    hits = 0
+    for i, key in enumerate(keys):
+        if key in cache:
+            hits += 1
+            continue
+        if len(cache) >= slots:
+            later = {k: next((j for j in range(i + 1, len(keys)) if keys[j] == k), len(keys)) for k in cache}
+            cache.remove(max(cache, key=later.get))
+        cache.add(key)
+    return hits
+
+
+def test_a_read_that_fetches_its_block_is_a_use_as_in_the_store(tmp_path):
+    """The store's ``ensure_device`` inserts a block fetched for a read into the device's
+    policy and then touches it (a read is a use); the replay only inserted it. On a pure
+    decode scan ``layer-cycle``, which follows the layer being read through touches, then got
+    68, 128 and 248 of MIN's 144, 180 and 252 hits here, where the store gets MIN's
+    (test_policies.py). Found by a helper's reference simulator."""
+    lines = [",".join(HEADER)]
+    for step in range(10):
+        for layer in range(8):
+            lines += [f"{(step * 8 + layer) * 100},{obj_id(1, layer, b)},4096,read,1,{layer},{b},{step},1,"
+                      for b in range(4)]
+    path = tmp_path / "scan.csv"
+    path.write_text("\n".join(lines) + "\n")
+    trace = load_trace(str(path))
+    keys = list(zip(trace.layer.tolist(), trace.block.tolist()))
+    for slots in (16, 20, 28):
+        r = replay(trace, "layer-cycle", slots * 4096, bandwidths=BW, pin_reads=False)
+        assert round(r["tier_hit_ratio"]["device"] * len(trace)) == _min_hits(keys, slots), slots
+
+
+def test_a_block_written_and_then_evicted_in_one_forward_is_not_a_hit(tmp_path):
+    """One forward of one layer writes blocks 0..3 and attention reads them. Without pinned
+    reads and with one device slot, the writes evict each other: the reads are not device
+    hits (4 of 8 were counted, and policies beat Belady on 237 traces of a helper's)."""
+    lines = [",".join(HEADER)] + [f"{t},{obj_id(1, 0, t % 4)},4096,{'write' if t < 4 else 'read'},1,0,{t % 4},0,1,"
+                                  for t in range(8)]
+    path = tmp_path / "written.csv"
+    path.write_text("\n".join(lines) + "\n")
+    r = replay(load_trace(str(path)), "lru", 4096, bandwidths=BW, pin_reads=False)
+    assert r["tier_hit_ratio"]["device"] == 0.0 and r["tier_hit_ratio"]["host"] == 0.5
 
 
 def test_replay_refuses_a_device_smaller_than_one_layer(tmp_path):

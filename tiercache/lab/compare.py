@@ -104,7 +104,7 @@ def compare_trace(trace: Trace, policies: list, budgets: list, *, prefetches: tu
                 results.append(r)
     if libcachesim:
         from tiercache.lab.libcsim import replay_libcachesim
-        for r in replay_libcachesim(trace.path, list(libcachesim), list(budgets)):
+        for r in replay_libcachesim(trace.path, list(libcachesim), list(budgets), skipped=skipped):
             r["trace"] = label
             r.setdefault("prefetch", "none")
             r.setdefault("bytes_moved", r.get("bytes_missed", 0))

@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 @contextlib.contextmanager
 def _quiet_stderr():
@@ -53,8 +54,14 @@ LIBCACHESIM_ALGORITHMS: dict[str, str] = {
 _REQUIRED_COLUMNS = ("time", "obj_id", "obj_size")
 
 
+# libCacheSim's S3-FIFO gives its small FIFO 10% of the bytes: under 10 blocks that holds
+# no block, every request misses, and below 10 bytes it aborts the process.
+S3FIFO_MIN_BLOCKS = 10
+
+
 def replay_libcachesim(
-    trace_path: str | os.PathLike, algorithms: list[str], budgets: list[int]
+    trace_path: str | os.PathLike, algorithms: list[str], budgets: list[int],
+    skipped: Optional[list] = None,
 ) -> list[dict]:
     """Run each libCacheSim algorithm at each byte budget over a trace.
 
@@ -62,7 +69,11 @@ def replay_libcachesim(
         trace_path: CSV trace with a header naming ``time``, ``obj_id`` and
             ``obj_size`` (further columns are ignored).
         algorithms: names from :data:`LIBCACHESIM_ALGORITHMS`.
-        budgets: cache sizes in bytes, each > 0.
+        budgets: cache sizes in bytes, each > 0 and < 2**63.
+        skipped: where the (algorithm, budget) pairs libCacheSim cannot replay go, one
+            dict each (``policy``, ``prefetch``, ``budget_bytes``, ``reason``): budgets
+            under one block, and S3-FIFO's under ``S3FIFO_MIN_BLOCKS`` blocks (0 hits
+            whatever the trace). Without it, such a pair is a ValueError.
 
     Returns:
         One dict per (algorithm, budget), algorithms outer, with keys ``policy``
@@ -75,8 +86,8 @@ def replay_libcachesim(
     """
     _check_names(algorithms)
     for budget_bytes in budgets:
-        if int(budget_bytes) <= 0:
-            raise ValueError(f"budgets: every budget must be > 0 bytes, got {budget_bytes!r}")
+        if not 0 < int(budget_bytes) < 1 << 63:  # past int64: libCacheSim's C overflows, or aborts
+            raise ValueError(f"budgets: every budget must be > 0 bytes and < 2**63, got {budget_bytes!r}")
     trace_path = Path(trace_path)
     # libCacheSim aborts the whole process on a missing file, so check first.
     if not trace_path.is_file():
@@ -101,12 +112,15 @@ def replay_libcachesim(
     # them back into counts.
     num_requests = 0
     requested_bytes = 0
+    largest = 0
     for req in reader:
         num_requests += 1
         requested_bytes += req.obj_size
+        largest = max(largest, req.obj_size)
     if num_requests == 0:
         # libCacheSim's oracle converter aborts the process on an empty trace.
         raise ValueError(f"trace has no requests: {trace_path}")
+    runnable = {name: _runnable(name, budgets, largest, skipped) for name in algorithms}
 
     def run(name: str, trace_reader, budget_bytes: int) -> dict:
         cache_cls = getattr(libcachesim, LIBCACHESIM_ALGORITHMS[name])
@@ -125,9 +139,11 @@ def replay_libcachesim(
     results_by_name: dict[str, list[dict]] = {}
     online = [name for name in algorithms if name != "belady"]
     for name in online:
-        results_by_name[name] = [run(name, reader, b) for b in budgets]
+        results_by_name[name] = [run(name, reader, b) for b in runnable[name]]
 
     if "belady" in algorithms:
+        results_by_name["belady"] = []
+    if runnable.get("belady"):
         with tempfile.TemporaryDirectory(prefix="tiercache-oracle-") as tmp:
             oracle_path = os.path.join(tmp, "trace.oracleGeneral")
             with _quiet_stderr():  # the converter logs INFO lines from C on fd 2
@@ -135,12 +151,31 @@ def replay_libcachesim(
             oracle = libcachesim.TraceReader(
                 oracle_path, libcachesim.TraceType.ORACLE_GENERAL_TRACE
             )
-            results_by_name["belady"] = [run("belady", oracle, b) for b in budgets]
+            results_by_name["belady"] = [run("belady", oracle, b) for b in runnable["belady"]]
             # Dropping the reader closes its file; TraceReader.close() would make
             # the destructor free it a second time (libcachesim 0.3.5 aborts).
             del oracle
 
     return [row for name in dict.fromkeys(algorithms) for row in results_by_name[name]]
+
+
+def _runnable(name: str, budgets: list[int], block_bytes: int, skipped: Optional[list]) -> list[int]:
+    """The budgets ``name`` can replay with blocks of ``block_bytes``; the others are noted
+    in ``skipped`` (or, without it, raise ValueError)."""
+    least = block_bytes * (S3FIFO_MIN_BLOCKS if name == "s3fifo" else 1)
+    out = []
+    for budget in budgets:
+        if int(budget) >= least:
+            out.append(int(budget))
+            continue
+        reason = (f"libCacheSim's S3-FIFO needs {S3FIFO_MIN_BLOCKS} blocks ({least} bytes): its small FIFO, 10% "
+                  f"of the budget, would hold no block" if name == "s3fifo" and int(budget) >= block_bytes
+                  else f"a budget under one block ({block_bytes} bytes)")
+        if skipped is None:
+            raise ValueError(f"budgets: libcachesim:{name} at {budget} bytes: {reason}")
+        skipped.append({"policy": f"libcachesim:{name}", "prefetch": "none", "budget_bytes": int(budget),
+                        "reason": reason, "min_budget_bytes": least})
+    return out
 
 
 def _check_names(algorithms: list[str]) -> None:

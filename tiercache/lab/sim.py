@@ -167,8 +167,8 @@ class _Replay:
             now = self._access(key, protect, now, write=True)
         written = set(writes)
         for key in reads:
-            if key in written:  # just written: on the device
-                self.hits["device"] += 1
+            if key in written and DEVICE in self.where.get(key, ()):  # just written, still there
+                self.hits["device"] += 1  # (without pin_reads a later write may have evicted it)
                 self.pol[DEVICE].touch(key)
             else:
                 now = self._access(key, protect, now, write=False)
@@ -197,17 +197,20 @@ class _Replay:
         elif tiers:
             src = HOST if HOST in tiers else DISK
             self.hits["host" if src == HOST else "disk"] += 1
-            if src == HOST:
-                self.pol[HOST].touch(key)
             done = self._bring_up(key, protect, now, clean_only=False)
             if done is None:
-                raise InfeasibleBudget(len(protect), self.size)
+                raise InfeasibleBudget(max(len(protect), 1), self.size)  # the block itself, at least
+            # As BlockStore.ensure_device: the block arrives (insert), then the read that
+            # fetched it is a use (touch); the host copy it came from is not told. Without
+            # the touch, layer-cycle never saw a missed read and fell to 47-68% of Belady's
+            # hits on a pure decode scan where the store gets Belady's (a helper's replay).
+            self.pol[DEVICE].touch(key)
             self.stall += done - now
             now = done
         else:  # a new block
             self.hits["miss"] += 1
             if not self._room(DEVICE, protect):
-                raise InfeasibleBudget(len(protect), self.size)
+                raise InfeasibleBudget(max(len(protect), 1), self.size)  # the block itself, at least
             self._add(key, DEVICE)
         if write:
             self._written(key)

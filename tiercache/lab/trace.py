@@ -25,6 +25,7 @@ import numpy as np
 
 HEADER = ("time", "obj_id", "obj_size", "op", "seq", "layer", "block", "step", "tokens", "score")
 _LAYER_BITS, _BLOCK_BITS = 16, 24
+MAX_BLOCK_BYTES = 1 << 40  # obj_size: a block of up to 1 TiB
 
 
 def obj_id(seq: int, layer: int, block: int) -> int:
@@ -139,6 +140,15 @@ def _check_rows(path: str, ints: dict) -> None:
         if len(bad):
             raise TraceError(f"{path}: line {bad[0] + 2}: {name} {ints[name][bad[0]]} is "
                              f"{'not positive' if name == 'obj_size' else 'negative'}")
+    # The key's fields within obj_id's bit ranges (two keys shared one id past them: layer
+    # 65536 of seq 0 was layer 0 of seq 1 to libCacheSim), and a block size whose budgets fit
+    # libCacheSim's int64 (a size of 2^62 overflowed them, and it aborted the process).
+    for name, most in (("seq", (1 << 23) - 1), ("layer", (1 << _LAYER_BITS) - 1),
+                       ("block", (1 << _BLOCK_BITS) - 1), ("obj_size", MAX_BLOCK_BYTES)):
+        bad = np.flatnonzero(ints[name] > most)
+        if len(bad):
+            raise TraceError(f"{path}: line {bad[0] + 2}: {name} {ints[name][bad[0]]} is more than {most}, "
+                             f"the most a trace holds")
     sizes = np.unique(ints["obj_size"])
     if len(sizes) > 1:
         raise TraceError(f"{path}: blocks of {len(sizes)} sizes ({', '.join(map(str, sizes[:4]))}): one trace "
@@ -175,9 +185,16 @@ def load_trace(path: str) -> Trace:
     is_write = np.empty(n, dtype=bool)
     score = np.full(n, np.nan)
     for i, row in enumerate(rows):
+        if not row:
+            raise TraceError(f"{path}: line {i + 2} is blank")
         try:
             for name, arr in ints.items():
-                arr[i] = int(row[col[name]])
+                text = row[col[name]]
+                # digits only: int() also took '4_096' and ' 12', which libCacheSim's reader,
+                # replaying the same file, reads as 4 and 0
+                if not (text.isdigit() or (text[:1] == "-" and text[1:].isdigit())):
+                    raise ValueError(f"{name} {text!r} is not a plain integer")
+                arr[i] = int(text)
             op = row[col["op"]]
             if op not in ("read", "write"):
                 raise ValueError(f"op {op!r}")
