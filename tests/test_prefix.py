@@ -3,6 +3,7 @@ computing them, across caches and processes, exactly, and never from another pro
 or a damaged record."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -418,6 +419,93 @@ def test_wrap_reuses_prefixes_automatically(tmp_path):
         out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
     assert wrapped.tiercache_last.stats()["reused_tokens"] == 28
     assert_same(ref, out)
+
+
+def _draft_model():
+    torch.manual_seed(99)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                   initializer_range=0.2, eos_token_id=None, pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("case", ["prompt lookup", "assistant model", "beams", "return sequences", "embeddings",
+                                  "hidden states", "padded mask"])
+def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp_path, case):
+    """``wrap`` fills its fresh cache with a cached prefix, which transformers takes for the
+    caller's past. A helper found where that went wrong once the prompt was cached (each
+    call here comes after a plain call with the same ids published them, and runs twice):
+    - prompt lookup and assisted generation fed the whole prompt again on top of it, and
+      ids given with embeddings named KV the model never computed from: wrong tokens;
+    - beam search and several return sequences expand the batch: a traceback about batch 1;
+    - a mask hiding prompt tokens shifts the positions of the rest: blocks published under
+      the ids alone were loaded by a call with another mask, wrong tokens both ways;
+    - hidden states and attentions of the prompt covered only its tail.
+    Now such a call computes its prompt, with exactly the unwrapped model's result."""
+    model, ids = tiny_model(), prompt()
+    ids[0, 12:16] = ids[0, 0:4]  # something for prompt lookup to find
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=False, max_new_tokens=NEW, return_dict_in_generate=True)
+    if case == "prompt lookup":
+        kw["prompt_lookup_num_tokens"] = 3
+    elif case == "assistant model":
+        kw["assistant_model"] = _draft_model()
+    elif case in ("beams", "return sequences"):
+        kw.update(num_beams=3, num_return_sequences=3 if case == "return sequences" else 1)
+    elif case == "hidden states":
+        kw.update(output_hidden_states=True, output_attentions=True)
+    elif case == "padded mask":
+        ids[0, :4] = 0
+        mask[0, :4] = 0
+    if case != "hidden states":
+        kw["output_logits"] = True
+    if case == "embeddings":  # embeddings scaled: not what the ids would give
+        kw["inputs_embeds"] = model.get_input_embeddings()(ids) * 1.5
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, **kw)
+        cfg = config(tmp_path)
+        if case in ("beams", "return sequences"):  # three rows: blocks three times larger
+            cfg = dataclasses.replace(cfg, device_budget="96KiB", host_budget="96KiB")
+        wrapped = tiercache.wrap(tiny_model(), cfg)
+        wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)  # a plain call publishes the ids
+        outs = [wrapped.generate(ids, attention_mask=mask, **kw) for _ in range(2)]
+    for out in outs:
+        assert torch.equal(ref.sequences, out.sequences)
+        if case == "hidden states":
+            assert [h.shape for h in out.hidden_states[0]] == [h.shape for h in ref.hidden_states[0]]
+        else:
+            assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) <= 1e-5
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == 0
+    if case == "padded mask":  # and what it computed was not published under the ids alone
+        with torch.no_grad():
+            wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+        assert wrapped.tiercache_last.stats()["reused_tokens"] == 28  # the plain call's own blocks
+
+
+@pytest.mark.parametrize("setting", ["use_cache=False", "cache_implementation='dynamic'", "generation_config"])
+def test_wrap_steps_aside_when_the_call_asks_for_no_cache_or_another_kind(tmp_path, setting):
+    """``use_cache=False`` on a wrapped model got a TieredCache anyway, and transformers fed
+    it the whole sequence at every step (108 tokens held for 18: wrong tokens); a
+    ``cache_implementation`` in the call was refused by transformers ("passing both"). The
+    call now runs as the unwrapped model's. A ``cache_implementation`` only in the model's
+    generation config is the model's default, not the caller's: the wrapped call tiers."""
+    model, ids = tiny_model(), prompt()
+    kw = dict(GEN)
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    if setting == "use_cache=False":
+        kw["use_cache"] = False
+    elif setting == "generation_config":
+        wrapped.generation_config.cache_implementation = "dynamic"
+    else:
+        kw["cache_implementation"] = "dynamic"
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    assert_same(ref, out)
+    tiered = getattr(wrapped, "tiercache_last", None)
+    assert (tiered is not None) == (setting == "generation_config")
+    if tiered is not None:
+        assert tiered.stats()["decode_tokens"] == NEW - 1
 
 
 def test_prefix_eviction_keeps_shared_prefixes_longest(tmp_path):

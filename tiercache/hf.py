@@ -15,7 +15,7 @@ import os
 import threading
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -310,6 +310,13 @@ class TieredCache(Cache):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None or ids.dim() != 2 or ids.shape[0] != 1:
             self._token_ids = None  # batches, beams and embeddings are not published
+            return
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
+            # A mask hiding some tokens (left padding of one row) shifts the positions of
+            # the rest: their KV is not what these ids name. Was published, then loaded by
+            # a call with the same ids and another mask (wrong tokens).
+            self._token_ids = None
             return
         self._token_ids.extend(ids[0].tolist())
 
@@ -1006,6 +1013,38 @@ class TieredCache(Cache):
         return f"TieredCache(layers={self.num_layers}, config={self.tier_config!r})"
 
 
+def _generation_setting(model: Any, kwargs: dict) -> Callable[[str, Any], Any]:
+    """``setting(name, default)``: what ``generate(**kwargs)`` will use for ``name``, the
+    call's keyword first, then its ``generation_config``, then the model's."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+    def setting(name: str, default: Any) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        return getattr(config, name, default) if config is not None else default
+    return setting
+
+
+def _prefix_loadable(kwargs: dict, setting: Callable[[str, Any], Any]) -> bool:
+    """Whether ``wrap``'s ``generate`` may fill its fresh cache with a cached prefix first.
+    transformers treats a cache that holds tokens as the caller's past. Only the plain
+    decoding loops slice the prompt by it: assisted generation and prompt lookup fed the
+    whole prompt again on top of it (wrong tokens); beam search and several return sequences
+    expand the batch, which a batch-1 prefix cannot follow; prompt embeddings, or a mask
+    that hides some prompt tokens, make KV that the prompt's ids do not name (wrong tokens);
+    and outputs asked for the prompt (hidden states, attentions) would cover only its tail."""
+    if kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None:
+        return False
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
+        return False
+    if setting("prompt_lookup_num_tokens", None) or setting("assistant_early_exit", None):
+        return False
+    if (setting("num_beams", 1) or 1) > 1 or (setting("num_return_sequences", 1) or 1) > 1:
+        return False
+    return not (setting("output_hidden_states", False) or setting("output_attentions", False))
+
+
 def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     """Make ``model.generate()`` use a TieredCache (one per call) unless a cache is passed.
 
@@ -1024,13 +1063,21 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     def generate(*args, **kwargs):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             return original(*args, **kwargs)
+        setting = _generation_setting(model, kwargs)
+        # The caller asked for no cache, or for another kind: a cache passed anyway was fed
+        # the whole sequence again at every step (use_cache=False: wrong tokens), or
+        # transformers refused both (cache_implementation given in the call).
+        if setting("use_cache", True) is False or kwargs.get("cache_implementation") is not None:
+            return original(*args, **kwargs)
         kwargs.pop("cache", None)
         kwargs.pop("past_key_values", None)
+        if setting("cache_implementation", None) is not None:  # the model's default, not the caller's
+            kwargs["cache_implementation"] = None
         cache = TieredCache(model, model._tiercache_config)
         model.tiercache_last = cache
         try:
             ids = kwargs.get("input_ids", args[0] if args else None)
-            if isinstance(ids, torch.Tensor):
+            if isinstance(ids, torch.Tensor) and _prefix_loadable(kwargs, setting):
                 cache.load_prefix(ids)  # a cached prefix is loaded, not recomputed
             return original(*args, cache=cache, **kwargs)
         finally:
