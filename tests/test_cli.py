@@ -232,3 +232,28 @@ def test_bench_policies_summarize_refuses_other_json_in_one_line(content, tmp_pa
     assert main(["bench", "policies", "--summarize", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"tiercache: error: --summarize: {str(path)!r} is not a policies.json") and err.count("\n") == 1
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_from_stdin_or_a_file(tmp_path):
+    """Python decodes stdin with surrogateescape, so bad bytes reached the tokenizer and
+    failed there (a TypeError traceback, exit 1); a file's error named neither the flag nor
+    the file. Both are refused before the model loads, naming where and which byte."""
+    bad = b"ok \xff\xfe\x80abc"
+    (tmp_path / "p.txt").write_bytes(bad)
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "generate", "--max-new-tokens", "1"],
+                          input=bad, capture_output=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip() == "tiercache: error: stdin is not UTF-8 text (byte 0xff at offset 3)"
+    proc = cli("generate", "--prompt-file", str(tmp_path / "p.txt"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"tiercache: error: --prompt-file: {str(tmp_path / 'p.txt')!r} is not UTF-8 text "
+                                   f"(byte 0xff at offset 3)")
+
+
+def test_prompt_newlines_are_read_as_text_mode_reads_them(tmp_path):
+    from argparse import Namespace
+
+    from tiercache.cli import read_prompt
+
+    (tmp_path / "p.txt").write_bytes("a\r\nb\rc\n\u00e9".encode())
+    assert read_prompt(Namespace(prompt=None, prompt_file=str(tmp_path / "p.txt"))) == "a\nb\nc\n\u00e9"

@@ -77,13 +77,23 @@ def read_prompt(args: argparse.Namespace) -> str:
         return args.prompt
     if args.prompt_file is not None:
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                return f.read()
+            with open(args.prompt_file, "rb") as f:
+                return _utf8(f.read(), f"--prompt-file: {args.prompt_file!r}")
         except OSError as exc:
             raise CLIError(f"--prompt-file: cannot read {args.prompt_file!r} ({exc.strerror})") from None
     if sys.stdin is None or sys.stdin.isatty():
         raise CLIError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
-    return sys.stdin.read()
+    # bytes, decoded here: Python's own decoding of stdin passes bad bytes on as surrogates,
+    # and the tokenizer then failed with a TypeError traceback
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    return _utf8(data, "stdin")
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:  # newlines as text mode reads them (\r\n and \r to \n): the prompt's tokens stay the same
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as exc:
+        raise CLIError(f"{where} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})") from None
 
 
 def stats_table(stats: dict, seconds: dict) -> str:
