@@ -652,6 +652,33 @@ def test_capacity_error_states_minimum(family, when, tmp_path):
     assert lengths == {tokens_before}, "a layer was written by the forward that failed"
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_min_device_budget_is_the_working_set_of_the_whole_run_chunked_or_not(family, tmp_path):
+    """``TieredCache.min_device_budget`` (what ``tiercache generate`` checks before a run) is
+    the widest working set over the prefill's chunks and the decode steps; a run at exactly
+    that budget, prefilled in chunks, is exact, and one block less stops with CapacityError.
+    (Over chunked prefill the error's own minimum is the failing chunk's, which grows with
+    each chunk: following it failed again further in, as a helper's 5k-token prompt showed.)"""
+    model = tiny_model(family)
+    windows = layer_windows(model)
+    bb = block_bytes(model, 1)
+    ids = prompt_ids(length=PROMPT)
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=64)) as probe:
+        for chunk in (None, CHUNK):
+            schedule = [PROMPT] if chunk is None else [CHUNK] * (PROMPT // CHUNK) + [PROMPT % CHUNK]
+            prefill = working_set_blocks(windows, schedule)
+            whole = working_set_blocks(windows, schedule + [1] * (NEW - 1))
+            assert probe.min_device_budget(PROMPT, 0, chunk) == prefill * bb, (chunk, prefill)
+            assert probe.min_device_budget(PROMPT, NEW, chunk) == whole * bb, (chunk, whole)
+    ref = generate(model, ids, max_new_tokens=NEW)
+    need = working_set_blocks(windows, [CHUNK] * (PROMPT // CHUNK) + [PROMPT % CHUNK] + [1] * (NEW - 1))
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=need)) as cache:
+        assert_same(ref, generate(model, ids, cache=cache, max_new_tokens=NEW, prefill_chunk_size=CHUNK))
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=need - 1)) as cache:
+        with pytest.raises(CapacityError, match="minimum"):
+            generate(model, ids, cache=cache, max_new_tokens=NEW, prefill_chunk_size=CHUNK)
+
+
 @pytest.mark.parametrize("prefetch", ["none", "next-layer", "lookahead"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_minimum_device_budget_is_enough(family, prefetch, tmp_path):

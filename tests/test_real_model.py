@@ -8,12 +8,14 @@ of fp32 KV per token per layer (46 KB per token over all layers).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import tiercache
+from tiercache import CapacityError, TierConfig
 
 pytestmark = pytest.mark.model
 
@@ -163,3 +165,26 @@ def test_real_model_prefix_reuse_matches_a_cold_run(real_model, tmp_path):
             assert diff <= ATOL, f"{run}: max abs logit difference {diff:.3g}"
     finally:
         close_all()
+
+
+def test_generate_text_refuses_a_device_budget_under_the_prompts_need_before_the_run(real_model, tmp_path):
+    """``tiercache generate``'s body checks the budget before the prefill: the error states
+    the minimum for the whole prompt (and with the new tokens), and a run at that minimum
+    goes through (a 5k-token prompt in chunks failed chunk after chunk, each error asking for
+    a little more)."""
+    import re
+
+    from tiercache.generation import generate_text
+
+    model, tokenizer = real_model
+    prompt = "The tiered cache keeps recent blocks in fast memory. " * 12
+    cfg = TierConfig(device_budget="64KiB", host_budget="4MiB", disk_dir=str(tmp_path / "kv"), disk_budget="64MiB",
+                     block_tokens=16)
+    with pytest.raises(CapacityError, match=r"this prompt of \d+ tokens: minimum device_budget = \d+ bytes") as info:
+        generate_text(prompt, cfg, model=model, tokenizer=tokenizer, max_new_tokens=4, chat=False, prefill_chunk=32,
+                      progress=False)
+    need, whole = map(int, re.findall(r"(\d+) bytes", str(info.value)))
+    assert 0 < need <= whole
+    run = generate_text(prompt, dataclasses.replace(cfg, device_budget=whole), model=model, tokenizer=tokenizer,
+                        max_new_tokens=4, chat=False, prefill_chunk=32, progress=False)
+    assert len(run["new_token_ids"]) == 4

@@ -58,6 +58,23 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _check_device_budget(cache: Any, config: TierConfig, num_prompt: int, max_new_tokens: int,
+                         prefill_chunk: Optional[int]) -> None:
+    """Before the run: a device budget under what the prompt's prefill needs fails here, with
+    the minimum for the whole prompt, not after some chunks with the minimum for the chunk
+    that failed (following that advice failed again further in: a helper's report)."""
+    from tiercache.config import format_bytes
+    from tiercache.errors import CapacityError
+
+    need = cache.min_device_budget(num_prompt, 0, prefill_chunk)
+    if need and config.device_budget < need:
+        whole = cache.min_device_budget(num_prompt, max_new_tokens, prefill_chunk)
+        raise CapacityError(
+            f"device_budget={format_bytes(config.device_budget)} is less than attention needs resident for this "
+            f"prompt of {num_prompt} tokens: minimum device_budget = {need} bytes ({format_bytes(need)}) for its "
+            f"prefill, {whole} bytes ({format_bytes(whole)}) with {max_new_tokens} new tokens")
+
+
 def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] = None,
                   max_new_tokens: int = 128, chat: bool = True, prefill_chunk: Optional[int] = 512,
                   stream: Optional[IO[str]] = None, progress: bool = True, model: Any = None,
@@ -95,8 +112,11 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         cache.events.add_listener(meter)
         if on_open is not None:
             on_open(cache)
-        cache.load_prefix(inputs["input_ids"])
-        kwargs = {"prefill_chunk_size": prefill_chunk} if prefill_chunk and num_prompt > prefill_chunk else {}
+        chunked = bool(prefill_chunk) and num_prompt > prefill_chunk
+        _check_device_budget(cache, config, num_prompt, max_new_tokens, prefill_chunk if chunked else None)
+        loaded = cache.load_prefix(inputs["input_ids"])
+        meter.prefill_total = num_prompt - loaded  # the bar counts what is computed, to its end
+        kwargs = {"prefill_chunk_size": prefill_chunk} if chunked else {}
         with torch.inference_mode():
             out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
                                  streamer=streamer, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,

@@ -508,6 +508,32 @@ class TieredCache(Cache):
         bt = self.tier_config.block_tokens
         return self._keys(layer_idx, layer.first_block, (layer.num_tokens - layer.dropped + bt - 1) // bt)
 
+    def min_device_budget(self, prompt_tokens: int, new_tokens: int = 0, prefill_chunk: Optional[int] = None) -> int:
+        """The smallest ``device_budget`` (bytes) that lets one row of ``prompt_tokens``,
+        prefilled in chunks of ``prefill_chunk`` (None: at once), then ``new_tokens`` decode
+        steps run on this empty cache: attention needs each layer's visible blocks resident,
+        in every forward (``_check_capacity``). 0 where no such bound holds (selection or
+        retention on, which read or keep fewer blocks). Over chunked prefill the need grows
+        with every chunk, so a budget that the first chunks fit fails later: ``tiercache
+        generate`` checks this before the run."""
+        if self.selection_state is not None or self.retention_state is not None:
+            return 0
+        bt = self.tier_config.block_tokens
+        chunk = prefill_chunk or prompt_tokens
+        ends = list(range(min(chunk, prompt_tokens), prompt_tokens, chunk)) + [prompt_tokens]
+        forwards = list(zip([0] + ends[:-1], ends))  # (tokens stored before, after)
+        if new_tokens > 1:  # the last decode step is the widest (its first token is the prefill's)
+            total = prompt_tokens + new_tokens - 1
+            forwards.append((total - 1, total))
+        widest = 0
+        for layer in self.layers:
+            window = layer.sliding_window if layer.is_sliding else None
+            for stored, after in forwards:
+                first = 0 if window is None else max(stored - window + 1, 0) // bt
+                widest = max(widest, (after + bt - 1) // bt - first)
+        kv_heads, head_dim, dtype, _ = self._geometry_of_model()
+        return widest * BlockGeometry(1, kv_heads, bt, head_dim, dtype).block_bytes
+
     def _check_capacity(self, query_length: int) -> None:
         """Before the first layer of a forward writes anything: will every layer fit?"""
         store, bt = self.store, self.tier_config.block_tokens
