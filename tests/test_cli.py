@@ -231,7 +231,8 @@ def test_bench_policies_summarize_refuses_other_json_in_one_line(content, tmp_pa
     path.write_text(json.dumps(content))
     assert main(["bench", "policies", "--summarize", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"tiercache: error: --summarize: {str(path)!r} is not a policies.json") and err.count("\n") == 1
+    assert err.startswith(f"tiercache: error: --summarize: {str(path)!r} is not a policies.json")
+    assert err.count("\n") == 1
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line_from_stdin_or_a_file(tmp_path):
@@ -257,3 +258,37 @@ def test_prompt_newlines_are_read_as_text_mode_reads_them(tmp_path):
 
     (tmp_path / "p.txt").write_bytes("a\r\nb\rc\n\u00e9".encode())
     assert read_prompt(Namespace(prompt=None, prompt_file=str(tmp_path / "p.txt"))) == "a\nb\nc\n\u00e9"
+
+
+def test_a_metrics_port_that_is_taken_is_refused_before_the_model_loads():
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        proc = cli("generate", "--prompt", "hi", "--metrics-port", str(port))
+    finally:
+        taken.close()
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tiercache: error: metrics: cannot serve on 127.0.0.1:{port} (Address already in use)"
+    proc = cli("generate", "--prompt", "hi", "--metrics-port", "0", "--metrics-addr", "999.1.1.1")
+    assert proc.returncode == 2 and proc.stderr.startswith("tiercache: error: metrics: cannot serve on 999.1.1.1:0 (")
+    assert "Loading" not in proc.stderr
+
+
+def test_a_metrics_textfile_that_fails_at_the_end_is_one_line_and_the_stats_are_still_written(tmp_path):
+    """The check before the run probes the folder, but prometheus_client writes a temporary
+    file of another name (``<path>.<pid>.<tid>.tmp``) after the run: a name near the limit
+    passes the check and fails there. That was a traceback (exit 1) after the whole run,
+    and --stats-json, written after it, was lost."""
+    textfile = tmp_path / ("m" * 235 + ".prom")
+    stats = tmp_path / "stats.json"
+    proc = cli("generate", "--prompt", "hi", "--max-new-tokens", "1", "--quiet", "--device-budget", "4MiB",
+               "--metrics-textfile", str(textfile), "--stats-json", str(stats))
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tiercache: error: --metrics-textfile: cannot write {str(textfile)!r} (File name too long")
+    assert "Traceback" not in proc.stderr
+    assert json.loads(stats.read_text())["stats"]["decode_tokens"] == 0  # one new token: the prefill's

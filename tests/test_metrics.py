@@ -236,6 +236,53 @@ def test_serves_on_loopback_only_unless_another_address_is_asked_for(make_cache)
         assert "tiercache_tier_budget_bytes" in response.read().decode()
 
 
+def test_addr_none_is_loopback_and_a_wrong_address_type_is_named(make_cache):
+    """``addr=None`` (a wrapper passing an unset setting) reached prometheus_client, which
+    listened on every interface; an address of another type was a TypeError from getaddrinfo
+    that named no parameter."""
+    cache = make_cache()
+    port = serve_metrics(cache, addr=None)
+    assert metrics_for(cache).addresses == [("127.0.0.1", port)]
+    with pytest.raises(OSError):
+        socket.create_connection((_outbound_ip(), port), timeout=5).close()
+    with pytest.raises(TypeError, match="metrics addr: expected an address string .* got 123"):
+        serve_metrics(cache, addr=123)
+    from tiercache.metrics import metrics_url  # what `tiercache generate` prints: IPv6 in brackets
+
+    assert metrics_url("::1", 9464) == "http://[::1]:9464/metrics"
+    assert metrics_url("127.0.0.1", 9464) == "http://127.0.0.1:9464/metrics"
+
+
+def test_stopping_an_exporter_detaches_it_and_a_failed_one_leaves_nothing_behind(make_cache):
+    """``stop_metrics`` left the stopped exporter listening to the cache's events (one more
+    per serve/stop cycle, each called on every move); an exporter whose registration into
+    the default registry failed (a second cache there) stayed attached too."""
+    cache = make_cache()
+    listeners = list(cache.events._listeners)
+    for _ in range(5):
+        scrape(serve_metrics(cache))
+        stop_metrics(cache)
+    assert cache.events._listeners == listeners
+    other = make_cache()
+    first = CacheMetrics(cache, register_default=True)
+    try:
+        with pytest.raises(ValueError, match="Duplicated timeseries"):
+            CacheMetrics(other, register_default=True)
+        assert other.events._listeners == [fn for fn in other.events._listeners if fn not in listeners] == []
+    finally:
+        first.close()
+    assert b"tiercache_" not in generate_latest(REGISTRY)
+    # metrics_for(register_default=True) on a cache that has an exporter registers that one
+    # (it was ignored: the default registry stayed empty)
+    metrics_for(cache)
+    try:
+        assert metrics_for(cache, register_default=True) is metrics_for(cache)
+        assert b"tiercache_tier_budget_bytes" in generate_latest(REGISTRY)
+    finally:
+        stop_metrics(cache)
+    assert b"tiercache_" not in generate_latest(REGISTRY)
+
+
 def test_an_endpoint_that_cannot_listen_is_one_clear_error(make_cache):
     """A port another socket holds, an address no interface has, a port out of range: one
     error naming the address and the reason (a ``MetricsServerError``, still an

@@ -786,3 +786,30 @@ def test_bench_prefix_remote_smoke(tmp_path, shared_url):
     assert r["warm_remote_max_abs_diff"] <= 1e-5 and not any(r["remote_errors"].values())
     client = redis.Redis.from_url(shared_url)
     assert not list(client.scan_iter("tiercache-bench-*"))
+
+
+def test_the_remote_tier_connects_as_it_opens_so_up_means_up(tmp_path, model, shared_url, server):
+    """Until a first lookup or write the tier's state was "unknown", which the exporter's
+    ``tiercache_remote_up`` showed as 0, "down", for a healthy server (an alert on it fired
+    at every process start). The tier now connects in the background as it opens: a cache
+    that only opened its store reads "up" soon, and a server that is not there "down"."""
+    from tiercache.metrics import metrics_for
+    from prometheus_client import generate_latest
+
+    def state_after_open(url: str, name: str) -> tuple:
+        close_all()
+        with TieredCache(model, cfg(tmp_path, url, name)) as cache:
+            cache.load_prefix(prompt(length=2))  # opens the prefix cache (and its remote tier); nothing to load
+            deadline = time.monotonic() + 10
+            while cache.stats()["remote"]["state"] == "unknown" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            scraped = generate_latest(metrics_for(cache).registry).decode()
+            return cache.stats()["remote"], scraped
+
+    remote, scraped = state_after_open(shared_url, "up")
+    assert remote["state"] == "up" and remote["lookups"] == 0 and remote["bytes_written"] == 0
+    assert "tiercache_remote_up 1.0" in scraped
+    url = server.url
+    server.stop()
+    remote, scraped = state_after_open(url, "down")
+    assert remote["state"] == "down" and "tiercache_remote_up 0.0" in scraped

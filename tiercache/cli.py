@@ -85,7 +85,8 @@ def read_prompt(args: argparse.Namespace) -> str:
         raise CLIError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
     # bytes, decoded here: Python's own decoding of stdin passes bad bytes on as surrogates,
     # and the tokenizer then failed with a TypeError traceback
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    stdin = sys.stdin
+    data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode("utf-8", "surrogateescape")
     return _utf8(data, "stdin")
 
 
@@ -127,18 +128,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     prompt = read_prompt(args)
 
+    late_errors: list = []  # after the run: reported once the other outputs are written
+
     def on_open(cache) -> None:
         if args.metrics_port is not None:
-            from tiercache.metrics import serve_metrics
+            from tiercache.metrics import metrics_url, serve_metrics
 
             port = serve_metrics(cache, port=args.metrics_port, addr=args.metrics_addr)
-            print(f"metrics: http://{args.metrics_addr}:{port}/metrics", file=sys.stderr)
+            print(f"metrics: {metrics_url(args.metrics_addr, port)}", file=sys.stderr)
 
     def on_done(cache) -> None:
         from tiercache.metrics import stop_metrics, write_textfile
 
         if args.metrics_textfile:
-            write_textfile(cache, args.metrics_textfile)
+            try:
+                write_textfile(cache, args.metrics_textfile)
+            except OSError as exc:  # checked before the run, but its temporary file has another name
+                late_errors.append(f"--metrics-textfile: cannot write {args.metrics_textfile!r} "
+                                   f"({exc.strerror or exc})")
         if args.metrics_port is not None:
             if args.metrics_linger > 0:
                 print(f"metrics: serving {args.metrics_linger:g} s more", file=sys.stderr)
@@ -158,6 +165,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             check_writable(flag, path)
     if args.metrics_textfile:
         check_writable("--metrics-textfile", args.metrics_textfile, replaced=True)
+    if args.metrics_port is not None:  # a port taken, an unknown address: now, not after the model loads
+        from tiercache.metrics import check_endpoint
+
+        check_endpoint(args.metrics_port, args.metrics_addr)
     result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
                            chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
                            stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done,
@@ -171,7 +182,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 json.dump({"stats": result["stats"], "attention": result["attention"], "seconds": result["seconds"],
                            "text": result["text"]}, f, indent=2)
         except OSError as exc:  # checked before the run; the disk may have filled since
-            raise CLIError(f"--stats-json: cannot write {args.stats_json!r} ({exc.strerror or exc})") from None
+            late_errors.append(f"--stats-json: cannot write {args.stats_json!r} ({exc.strerror or exc})")
+    if late_errors:
+        raise CLIError("; ".join(late_errors))
     return 0
 
 

@@ -64,10 +64,24 @@ class CacheMetrics(Collector):
                                         MOVE_BUCKETS)
         self._stall_seconds = _Histogram("tiercache_stall_seconds", "One wait of the compute thread "
                                          "for blocks to reach the device", [], STALL_BUCKETS)
+        try:  # registered first: a failed registration (a second cache in REGISTRY) left the listener
+            for reg in [self.registry] + ([REGISTRY] if register_default else []):
+                reg.register(self)
+                self._registries.append(reg)
+        except BaseException:
+            for reg in self._registries:
+                reg.unregister(self)
+            raise
         cache.events.add_listener(self._on_event)
-        for reg in [self.registry] + ([REGISTRY] if register_default else []):
-            reg.register(self)
-            self._registries.append(reg)
+
+    def register_default(self) -> None:
+        """Also register into prometheus_client's default ``REGISTRY`` (once)."""
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("CacheMetrics is closed")
+            if REGISTRY not in self._registries:
+                REGISTRY.register(self)
+                self._registries.append(REGISTRY)
 
     def _on_event(self, kind: str, fields: dict) -> None:
         # Called by Events, sometimes under the store's lock: never call back into the cache
@@ -134,7 +148,7 @@ class CacheMetrics(Collector):
         out.extend(hist.family(samples=stats is not None) for hist in (self._move_seconds, self._stall_seconds))
         return out
 
-    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
+    def serve(self, port: int = 0, addr: Optional[str] = "127.0.0.1") -> int:
         """Serve ``/metrics`` over HTTP from a daemon thread; returns the bound port.
 
         Listens on loopback unless ``addr`` says otherwise ("0.0.0.0" for every interface).
@@ -142,8 +156,7 @@ class CacheMetrics(Collector):
         """
         if self.closed:
             raise RuntimeError("CacheMetrics is closed")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"metrics port: must be an integer in [0, 65535], got {port!r}")
+        port, addr = _endpoint(port, addr)
         try:
             server, thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:  # port taken, an address no interface has, a name that does not resolve
@@ -172,6 +185,7 @@ class CacheMetrics(Collector):
         for reg in self._registries:
             reg.unregister(self)
         self._registries = []
+        self.cache.events.remove_listener(self._on_event)  # was left attached: one per serve/stop cycle
 
 
 class _Histogram:
@@ -262,19 +276,58 @@ def _counter(name: str, doc: str, labels: list, items: Iterable) -> Metric:
 
 
 def metrics_for(cache: Any, register_default: bool = False) -> CacheMetrics:
-    """The cache's exporter, created (and attached to ``cache.events``) on first use."""
+    """The cache's exporter, created (and attached to ``cache.events``) on first use;
+    ``register_default``: registered into the default ``REGISTRY`` too, if not yet."""
     metrics = getattr(cache, _ATTR, None)
     if metrics is None or metrics.closed:
         metrics = CacheMetrics(cache, register_default=register_default)
         setattr(cache, _ATTR, metrics)
+    elif register_default:  # was ignored when the cache had an exporter already
+        metrics.register_default()
     return metrics
 
 
-def serve_metrics(cache: Any, port: int = 0, addr: str = "127.0.0.1") -> int:
+def _endpoint(port: Any, addr: Any) -> tuple:
+    """(port, addr) checked: an int port in [0, 65535]; an address string, None meaning the
+    default, loopback (prometheus_client took None for every interface)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"metrics port: must be an integer in [0, 65535], got {port!r}")
+    if addr is None:
+        addr = "127.0.0.1"
+    if not isinstance(addr, str) or not addr:
+        raise TypeError(f"metrics addr: expected an address string such as '127.0.0.1' or '0.0.0.0', got {addr!r}")
+    return port, addr
+
+
+def metrics_url(addr: str, port: int) -> str:
+    """``http://addr:port/metrics``, an IPv6 address in brackets."""
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+    return f"http://{host}:{port}/metrics"
+
+
+def check_endpoint(port: int, addr: Optional[str]) -> None:
+    """Raise ``MetricsServerError`` now if ``serve(port, addr)`` could not listen there (a
+    port taken, an address no interface has): ``tiercache generate`` calls this before it
+    loads the model, not after. A probe socket, closed again: the port may still be taken
+    by someone else in between, which ``serve`` then reports."""
+    import socket
+
+    port, addr = _endpoint(port, addr)
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server does
+            probe.bind(sockaddr)
+    except OSError as exc:
+        raise MetricsServerError(f"metrics: cannot serve on {addr}:{port} ({exc.strerror or exc})") from exc
+
+
+def serve_metrics(cache: Any, port: int = 0, addr: Optional[str] = "127.0.0.1") -> int:
     """Serve the cache's metrics at ``http://addr:port/metrics``; returns the bound port.
 
-    Loopback only by default; pass ``addr="0.0.0.0"`` (or an interface address) to expose
-    them to other machines. Stop with ``stop_metrics(cache)``.
+    Loopback only by default (``addr=None`` too); pass ``addr="0.0.0.0"`` (or an interface
+    address) to expose them to other machines. Stop with ``stop_metrics(cache)``.
     """
     return metrics_for(cache).serve(port, addr)
 

@@ -102,6 +102,11 @@ class RemoteTier:
         self._counts = {"lookups": 0, "hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0,
                         "blocks_written": 0, "writes_dropped": 0, "evicted_blocks": 0}
         self._errors = {k: 0 for k in ERROR_KINDS}
+        # The writer connects at once (in the background): until a first lookup or write the
+        # state stayed "unknown", which tiercache_remote_up exported as 0, "down", for a
+        # healthy server.
+        with self._cv:
+            self._start_writer_locked()
 
     # ---- keys -------------------------------------------------------------------------------
     def manifest_key(self, h: int) -> str:
@@ -379,6 +384,8 @@ class RemoteTier:
         return float(int(time.time() // 60) * 4096 - min(block.index, 4095))
 
     def _write_loop(self) -> None:
+        if not self.closed:
+            self._connection()  # up or down now, not "unknown" until the first request
         while True:
             with self._cv:
                 while not self._queue and not self.closed:
