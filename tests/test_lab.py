@@ -380,3 +380,25 @@ def test_replay_stops_at_a_plugin_policys_wrong_answer(tmp_path, kind, cls, mess
                 ref = replay(trace, "lru", 9 * 4096, prefetch=prefetch, **kwargs)
                 assert {k: v for k, v in ours.items() if k != "policy"} == \
                     {k: v for k, v in ref.items() if k != "policy"}, same
+
+
+def test_the_readmes_policy_table_is_the_saved_runs():
+    """README's hit-ratio table (8k trace, no prefetch) is docs/bench-policies.json's, which
+    `tiercache bench policies --summarize` reads: a rerun that changes one changes the other."""
+    import json
+    import os
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    saved = json.load(open(os.path.join(root, "docs", "bench-policies.json"), encoding="utf-8"))
+    got: dict = {}
+    for r in saved["results"]:
+        if r["trace"] == "8192 tokens" and r.get("prefetch", "none") == "none":
+            name = "Belady (libCacheSim)" if r["policy"] == "libcachesim:belady" else r["policy"]
+            got.setdefault(name, []).append((r["budget_fraction"], f"{r['hit_ratio']:.2f}"))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    section = readme.split("Device hit ratio without prefetch, 8k trace", 1)[1].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| ([\w() -]+?) \| ([\d. |]+)\|$", section, flags=re.M)
+    assert len(rows) == 9
+    for name, cells in rows:
+        assert [c.strip() for c in cells.split("|")] == [v for _, v in sorted(got[name])], name
