@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig
-from tiercache.disk import DATA_NAME, HEADER_BYTES
+from tiercache.disk import DATA_NAME, HEADER_BYTES, DiskTier
 from tiercache.policies import EVICTION_POLICIES
 from tiercache.store import BlockStore, _MoveFuture
 from tiercache.transfer import wait_all
@@ -503,6 +503,26 @@ def test_cache_dir_is_private_and_a_second_process_is_refused(tmp_path, geometry
                 "try:\n    BlockStore(cfg, g)\nexcept Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 3 and "CacheDirError" in proc.stdout and f"pid {os.getpid()}" in proc.stdout
+        # A child made by fork inherits the parent's record of its locks, not the locks: it
+        # was told the directory was held "in this process; close it first".
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once, whatever happens (no torch work after fork)
+            try:
+                os.close(read)
+                try:
+                    DiskTier(cfg.disk_dir, geometry, 4)
+                    message = "opened"
+                except Exception as exc:  # noqa: BLE001 - reported to the parent
+                    message = f"{type(exc).__name__} {exc}"
+                os.write(write, message.encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            message = pipe.read().decode()
+        os.waitpid(pid, 0)
+        assert message.startswith("CacheDirError") and f"another tiercache process (pid {os.getpid()})" in message
 
 
 def test_a_directory_with_loose_permissions_is_refused(tmp_path, geometry):

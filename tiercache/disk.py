@@ -43,7 +43,10 @@ DATA_NAME = "blocks.dat"
 
 
 _KVIKIO_LOCK = threading.Lock()  # kvikio's settings are process-wide (and _LOCKED_HERE)
-_LOCKED_HERE: set = set()  # real paths of the directories this process's disk tiers hold locked
+# real path of each directory this process's disk tiers hold locked -> the pid that took the
+# lock (a child made by fork inherits this dict, not the lock: it must not call the parent's
+# lock its own)
+_LOCKED_HERE: dict = {}
 
 
 def kvikio_status() -> tuple:
@@ -393,7 +396,7 @@ class DiskTier(RecordCodec):
     def _release_lock(self) -> None:
         os.close(self._lock_fd)
         with _KVIKIO_LOCK:
-            _LOCKED_HERE.discard(os.path.realpath(self.directory))
+            _LOCKED_HERE.pop(os.path.realpath(self.directory), None)
 
     def _take_lock(self) -> int:
         path = os.path.join(self.directory, LOCK_NAME)
@@ -411,7 +414,7 @@ class DiskTier(RecordCodec):
                 pass
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                if os.path.realpath(self.directory) in _LOCKED_HERE:
+                if _LOCKED_HERE.get(os.path.realpath(self.directory)) == os.getpid():
                     raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache store "
                                         f"in this process; close it first, or use another directory") from None
                 raise CacheDirError(f"disk_dir: {self.directory!r} is in use by another tiercache "
@@ -424,7 +427,7 @@ class DiskTier(RecordCodec):
             os.close(fd)
             raise CacheDirError(f"disk_dir: cannot write in {self.directory!r} ({exc.strerror})") from None
         with _KVIKIO_LOCK:
-            _LOCKED_HERE.add(os.path.realpath(self.directory))
+            _LOCKED_HERE[os.path.realpath(self.directory)] = os.getpid()
         return fd
 
     # ---- record codec ----------------------------------------------------------------
