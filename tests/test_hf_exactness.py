@@ -917,6 +917,56 @@ def test_a_config_device_other_than_the_models_is_refused_by_name(tmp_path):
                 generate(model, prompt_ids(), cache=cache, max_new_tokens=2)
 
 
+def test_a_new_thread_with_a_finished_threads_id_does_not_inherit_its_half_forward(tmp_path):
+    """A forward pass that stops half way (an error in layer 1) leaves the cache half
+    updated, and other threads are refused until ``reset()``. The claim was keyed by the
+    thread's id, which the OS gives to the next thread: a new thread with the failed one's
+    id was let through, onto layers that held a token more than layer 0 would."""
+    import threading
+
+    model = tiny_model("llama")
+    ids = prompt_ids()
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12)
+    failed_in: list = []
+
+    def fail_once(module, args):
+        if not failed_in:
+            failed_in.append(threading.get_ident())
+            raise RuntimeError("layer 1 broke")
+
+    def attempt(out: list) -> None:
+        out.append(threading.get_ident())
+        try:
+            out.append(generate(model, ids, cache=cache, max_new_tokens=2))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out.append(exc)
+
+    hook = model.model.layers[1].register_forward_pre_hook(fail_once)
+    try:
+        with tiercache.TieredCache(model, cfg) as cache:
+            first: list = []
+            t = threading.Thread(target=attempt, args=(first,))
+            t.start()
+            t.join(60)
+            assert str(first[1]) == "layer 1 broke"
+            for _ in range(50):  # until the OS hands the failed thread's id to a new one
+                later: list = []
+                t = threading.Thread(target=attempt, args=(later,))
+                t.start()
+                t.join(60)
+                if later[0] == first[0]:
+                    break
+            else:
+                pytest.skip("the OS gave no new thread the failed thread's id")
+            assert isinstance(later[1], RuntimeError), later[1]
+            assert "another thread's forward pass is at layer 0" in str(later[1])
+            cache.reset()
+            assert torch.equal(generate(model, ids, cache=cache, max_new_tokens=2).sequences,
+                               generate(model, ids, max_new_tokens=2).sequences)
+    finally:
+        hook.remove()
+
+
 def test_a_second_thread_on_a_cache_mid_forward_is_refused_and_the_first_stays_exact(tmp_path):
     """Two threads generating on one cache at once: before, the second thread's forward pass
     unpinned and overwrote the first one's blocks, and one of them failed with "block ... is

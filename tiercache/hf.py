@@ -570,8 +570,8 @@ class TieredCache(Cache):
         # key_states, value_states: [B, H_kv, q, D]
         if self.closed:
             raise RuntimeError("TieredCache is closed")
-        me = threading.get_ident()
-        if layer_idx and self._forward[0] == me:  # on with this thread's forward pass
+        me = _thread_token()
+        if layer_idx and self._forward[0] is me:  # on with this thread's forward pass
             self._forward = (me, layer_idx)
         else:  # a forward pass starts (under the lock: two threads may start at once)
             self._claim(me, layer_idx)
@@ -676,7 +676,7 @@ class TieredCache(Cache):
             setattr(keys, PLAN_ATTR, RetentionPlan(self, layer_idx, start, values))
         return keys, values
 
-    def _claim(self, me: int, layer_idx: int) -> None:
+    def _claim(self, me: object, layer_idx: int) -> None:
         """``update`` from a thread other than the last one: it may start a forward pass (layer
         0) once the other thread's has updated every layer. Else two forward passes would run
         on one cache at once, unpinning and overwriting each other's blocks: errors blaming
@@ -1037,6 +1037,19 @@ class TieredCache(Cache):
 
     def __repr__(self) -> str:
         return f"TieredCache(layers={self.num_layers}, config={self.tier_config!r})"
+
+
+_THREADS = threading.local()
+
+
+def _thread_token() -> object:
+    """An object of this thread's own, which the forward-pass claim holds (``_claim``). Not
+    ``threading.get_ident()``: the OS gives a finished thread's id to a new one, which then
+    passed for the thread whose forward pass had stopped half way."""
+    token = getattr(_THREADS, "token", None)
+    if token is None:
+        token = _THREADS.token = object()
+    return token
 
 
 def _generation_setting(model: Any, kwargs: dict) -> Callable[[str, Any], Any]:
