@@ -1091,3 +1091,18 @@ def test_wrong_objects_are_refused_by_name():
         with pytest.raises(TypeError, match=message):
             call()
     assert not getattr(model, "_tiercache_wrapped", False)
+
+
+def test_copying_or_pickling_a_cache_is_a_clear_type_error(tmp_path):
+    """transformers' prompt-reuse recipe deep-copies a prefilled cache; this one's blocks live
+    in pools, files and I/O threads. The error was pickle's "cannot pickle '_thread.lock'
+    object"; it now names TieredCache and the way to reuse a prompt (the prefix cache)."""
+    import copy
+    import pickle
+
+    model = tiny_model("llama")
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=12)) as cache:
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=2)
+        for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="TieredCache cannot be copied or pickled.*load_prefix"):
+                attempt(cache)

@@ -1023,6 +1023,15 @@ class TieredCache(Cache):
             return 0
         return prefix.clear(None if tier is None else tiers[tier])
 
+    def __copy__(self) -> "TieredCache":
+        raise TypeError(_NOT_COPYABLE)
+
+    def __deepcopy__(self, memo: dict) -> "TieredCache":
+        raise TypeError(_NOT_COPYABLE)
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(_NOT_COPYABLE)
+
     def __enter__(self) -> "TieredCache":
         return self
 
@@ -1040,6 +1049,11 @@ class TieredCache(Cache):
 
 
 _THREADS = threading.local()
+# transformers' prompt-reuse recipe deep-copies a cache; this one's blocks live in pools, files
+# and I/O threads (the error was "cannot pickle '_thread.lock' object")
+_NOT_COPYABLE = ("TieredCache cannot be copied or pickled: its blocks live in the tiers' pools and files. To reuse "
+                 "a prompt's KV across requests, give the TierConfig a disk_dir: the prefix cache keeps it, and "
+                 "load_prefix() (wrap() calls it) loads it into a new cache")
 
 
 def _thread_token() -> object:
