@@ -430,7 +430,7 @@ def _draft_model():
 
 
 @pytest.mark.parametrize("case", ["prompt lookup", "assistant model", "beams", "return sequences", "embeddings",
-                                  "hidden states", "padded mask"])
+                                  "hidden states", "padded mask", "inferred mask", "model's beams"])
 def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp_path, case):
     """``wrap`` fills its fresh cache with a cached prefix, which transformers takes for the
     caller's past. A helper found where that went wrong once the prompt was cached (each
@@ -441,7 +441,11 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
     - a mask hiding prompt tokens shifts the positions of the rest: blocks published under
       the ids alone were loaded by a call with another mask, wrong tokens both ways;
     - hidden states and attentions of the prompt covered only its tail.
-    Now such a call computes its prompt, with exactly the unwrapped model's result."""
+    A review of the fix found two more ways in: pad tokens in the ids and no mask
+    (transformers infers one with zeros), and settings of the model's generation config
+    behind a ``generation_config`` the caller passes (transformers fills its unset fields
+    from the model's). Now such a call computes its prompt, with exactly the unwrapped
+    model's result."""
     model, ids = tiny_model(), prompt()
     ids[0, 12:16] = ids[0, 0:4]  # something for prompt lookup to find
     mask = torch.ones_like(ids)
@@ -454,21 +458,28 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
         kw.update(num_beams=3, num_return_sequences=3 if case == "return sequences" else 1)
     elif case == "hidden states":
         kw.update(output_hidden_states=True, output_attentions=True)
-    elif case == "padded mask":
-        ids[0, :4] = 0
+    elif case in ("padded mask", "inferred mask"):
+        ids[0, :4] = 0  # the pad token
         mask[0, :4] = 0
+        if case == "inferred mask":
+            mask = None
     if case != "hidden states":
         kw["output_logits"] = True
+    if case == "model's beams":  # the model's config asks for beams; the call passes a config of its own
+        kw = dict(generation_config=transformers.GenerationConfig(**kw, num_return_sequences=1))
     if case == "embeddings":  # embeddings scaled: not what the ids would give
         kw["inputs_embeds"] = model.get_input_embeddings()(ids) * 1.5
+    given = {} if mask is None else {"attention_mask": mask}
     with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, **kw)
         cfg = config(tmp_path)
-        if case in ("beams", "return sequences"):  # three rows: blocks three times larger
+        if case in ("beams", "return sequences", "model's beams"):  # three rows: blocks three times larger
             cfg = dataclasses.replace(cfg, device_budget="96KiB", host_budget="96KiB")
         wrapped = tiercache.wrap(tiny_model(), cfg)
         wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)  # a plain call publishes the ids
-        outs = [wrapped.generate(ids, attention_mask=mask, **kw) for _ in range(2)]
+        if case == "model's beams":
+            model.generation_config.num_beams = wrapped.generation_config.num_beams = 3
+        ref = model.generate(ids, **given, **kw)
+        outs = [wrapped.generate(ids, **given, **kw) for _ in range(2)]
     for out in outs:
         assert torch.equal(ref.sequences, out.sequences)
         if case == "hidden states":
@@ -482,7 +493,8 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
         assert wrapped.tiercache_last.stats()["reused_tokens"] == 28  # the plain call's own blocks
 
 
-@pytest.mark.parametrize("setting", ["use_cache=False", "cache_implementation='dynamic'", "generation_config"])
+@pytest.mark.parametrize("setting", ["use_cache=False", "cache_implementation='dynamic'", "generation_config",
+                                     "use_cache=False behind a call's config", "the call's config asks for dynamic"])
 def test_wrap_steps_aside_when_the_call_asks_for_no_cache_or_another_kind(tmp_path, setting):
     """``use_cache=False`` on a wrapped model got a TieredCache anyway, and transformers fed
     it the whole sequence at every step (108 tokens held for 18: wrong tokens); a
@@ -496,6 +508,11 @@ def test_wrap_steps_aside_when_the_call_asks_for_no_cache_or_another_kind(tmp_pa
         kw["use_cache"] = False
     elif setting == "generation_config":
         wrapped.generation_config.cache_implementation = "dynamic"
+    elif setting == "use_cache=False behind a call's config":  # transformers fills the call's config from the model's
+        model.generation_config.use_cache = wrapped.generation_config.use_cache = False
+        kw = dict(generation_config=transformers.GenerationConfig(**GEN))
+    elif setting == "the call's config asks for dynamic":
+        kw = dict(generation_config=transformers.GenerationConfig(**GEN, cache_implementation="dynamic"))
     else:
         kw["cache_implementation"] = "dynamic"
     with torch.no_grad():

@@ -15,7 +15,7 @@ import os
 import threading
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -1066,34 +1066,52 @@ def _thread_token() -> object:
     return token
 
 
-def _generation_setting(model: Any, kwargs: dict) -> Callable[[str, Any], Any]:
-    """``setting(name, default)``: what ``generate(**kwargs)`` will use for ``name``, the
-    call's keyword first, then its ``generation_config``, then the model's."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+def _effective_generation_config(model: Any, kwargs: dict) -> Any:
+    """The ``GenerationConfig`` that ``generate(**kwargs)`` will run with: transformers' own
+    merge (the call's keywords, then its ``generation_config``, whose unset fields come from
+    the model's, then the defaults). A lookup of our own missed the model's values behind a
+    caller's config (``use_cache=False`` on the model: wrong tokens again)."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is not None:
+        rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
+        try:
+            return prepare(kwargs.get("generation_config"), **rest)[0]
+        except Exception:  # noqa: BLE001 - generate() itself reports what is wrong with the call
+            pass
+    return kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
-    def setting(name: str, default: Any) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        return getattr(config, name, default) if config is not None else default
-    return setting
+
+def _callers_cache_choice(kwargs: dict) -> bool:
+    """A cache other than ours asked for by the call: ``cache_implementation`` as a keyword
+    or in the call's own ``generation_config`` (the model's default is not the caller's)."""
+    config = kwargs.get("generation_config")
+    return kwargs.get("cache_implementation") is not None or getattr(config, "cache_implementation", None) is not None
 
 
-def _prefix_loadable(kwargs: dict, setting: Callable[[str, Any], Any]) -> bool:
+def _prefix_loadable(ids: torch.Tensor, kwargs: dict, config: Any) -> bool:
     """Whether ``wrap``'s ``generate`` may fill its fresh cache with a cached prefix first.
     transformers treats a cache that holds tokens as the caller's past. Only the plain
     decoding loops slice the prompt by it: assisted generation and prompt lookup fed the
     whole prompt again on top of it (wrong tokens); beam search and several return sequences
     expand the batch, which a batch-1 prefix cannot follow; prompt embeddings, or a mask
-    that hides some prompt tokens, make KV that the prompt's ids do not name (wrong tokens);
-    and outputs asked for the prompt (hidden states, attentions) would cover only its tail."""
+    that hides some prompt tokens (given, or inferred by transformers from pad tokens in
+    the ids), make KV that the prompt's ids do not name (wrong tokens); and outputs asked
+    for the prompt (hidden states, attentions) would cover only its tail."""
+    def setting(name: str, default: Any) -> Any:
+        value = getattr(config, name, None) if config is not None else None
+        return default if value is None else value
+
     if kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None:
         return False
     mask = kwargs.get("attention_mask")
     if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
         return False
+    pad = setting("pad_token_id", None)
+    if mask is None and isinstance(pad, int) and bool((ids == pad).any()):
+        return False  # transformers infers a mask with zeros there
     if setting("prompt_lookup_num_tokens", None) or setting("assistant_early_exit", None):
         return False
-    if (setting("num_beams", 1) or 1) > 1 or (setting("num_return_sequences", 1) or 1) > 1:
+    if setting("num_beams", 1) > 1 or setting("num_return_sequences", 1) > 1:
         return False
     return not (setting("output_hidden_states", False) or setting("output_attentions", False))
 
@@ -1116,21 +1134,21 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     def generate(*args, **kwargs):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             return original(*args, **kwargs)
-        setting = _generation_setting(model, kwargs)
+        config = _effective_generation_config(model, kwargs)
         # The caller asked for no cache, or for another kind: a cache passed anyway was fed
         # the whole sequence again at every step (use_cache=False: wrong tokens), or
         # transformers refused both (cache_implementation given in the call).
-        if setting("use_cache", True) is False or kwargs.get("cache_implementation") is not None:
+        if getattr(config, "use_cache", True) is False or _callers_cache_choice(kwargs):
             return original(*args, **kwargs)
         kwargs.pop("cache", None)
         kwargs.pop("past_key_values", None)
-        if setting("cache_implementation", None) is not None:  # the model's default, not the caller's
+        if getattr(config, "cache_implementation", None) is not None:  # the model's default, not the caller's
             kwargs["cache_implementation"] = None
         cache = TieredCache(model, model._tiercache_config)
         model.tiercache_last = cache
         try:
             ids = kwargs.get("input_ids", args[0] if args else None)
-            if isinstance(ids, torch.Tensor) and _prefix_loadable(kwargs, setting):
+            if isinstance(ids, torch.Tensor) and _prefix_loadable(ids, kwargs, config):
                 cache.load_prefix(ids)  # a cached prefix is loaded, not recomputed
             return original(*args, cache=cache, **kwargs)
         finally:
