@@ -249,6 +249,10 @@ def test_a_prompt_that_is_not_utf8_is_one_line_from_stdin_or_a_file(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"tiercache: error: --prompt-file: {str(tmp_path / 'p.txt')!r} is not UTF-8 text "
                                    f"(byte 0xff at offset 3)")
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"tiercache.cli", b"generate", b"--prompt", bad],
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip() == "tiercache: error: --prompt is not UTF-8 text (byte 0xff at offset 3)"
 
 
 def test_prompt_newlines_are_read_as_text_mode_reads_them(tmp_path):

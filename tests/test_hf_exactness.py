@@ -679,6 +679,42 @@ def test_min_device_budget_is_the_working_set_of_the_whole_run_chunked_or_not(fa
             generate(model, ids, cache=cache, max_new_tokens=NEW, prefill_chunk_size=CHUNK)
 
 
+def _all_sliding_model(window: int = 8):
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     sliding_window=window, initializer_range=0.2, eos_token_id=None, pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_min_device_budget_of_a_model_whose_every_layer_slides(tmp_path):
+    """Where every layer slides, a decode step's working set depends on how the window meets
+    the block edges, so an early step can need more than the last: counting only the last
+    gave 2 blocks where a run needs 3 (a review's repro: window 8, 4-token blocks, a 6-token
+    prompt, 7 new tokens). And a prefix loaded from the prefix cache is written in one update
+    per layer, the window no help: a warm run at the cold run's minimum failed in
+    ``load_prefix``. It now loads what the device holds and computes the rest."""
+    model = _all_sliding_model()
+    bb = block_bytes(model, 1)
+    windows = layer_windows(model)
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=64)) as probe:
+        for prompt_len, new in ((6, 7), (5, 12), (13, 9), (40, 4)):
+            assert probe.min_device_budget(prompt_len, new) == \
+                working_set_blocks(windows, [prompt_len] + [1] * (new - 1)) * bb, (prompt_len, new)
+        need = probe.min_device_budget(40, 4, 8)
+    ids = prompt_ids(length=40)
+    ref = generate(model, ids, max_new_tokens=4)
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=need // bb)
+    for run in ("cold", "warm"):  # the cold run publishes the prompt's blocks
+        with tiercache.TieredCache(model, cfg) as cache:
+            loaded = cache.load_prefix(ids)
+            out = generate(model, ids, cache=cache, max_new_tokens=4, prefill_chunk_size=8)
+        assert_same(ref, out, run)
+        assert loaded == (0 if run == "cold" else need // bb * BT)  # what the device holds, not all 36
+
+
 @pytest.mark.parametrize("prefetch", ["none", "next-layer", "lookahead"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_minimum_device_budget_is_enough(family, prefetch, tmp_path):

@@ -813,3 +813,32 @@ def test_the_remote_tier_connects_as_it_opens_so_up_means_up(tmp_path, model, sh
     server.stop()
     remote, scraped = state_after_open(url, "down")
     assert remote["state"] == "down" and "tiercache_remote_up 0.0" in scraped
+
+
+def test_a_prefix_cache_that_fails_to_open_closes_its_remote_tier(tmp_path, model, shared_url, monkeypatch):
+    """The remote tier connects as it opens; a prefix cache whose index then failed (a full
+    disk: the cache runs without reuse, and the next one tries again) left the tier's thread
+    and its connection to the server behind, one more per cache (a review's repro)."""
+    import threading
+
+    from tiercache.errors import TierIOError
+    from tiercache.prefix import PrefixIndex
+
+    def full(self, key, value):
+        raise TierIOError("No space left on device (injected)")
+
+    monkeypatch.setattr(PrefixIndex, "set_meta", full)
+    ids = prompt(length=PROMPT_LEN)
+    before = {t for t in threading.enumerate() if t.name == "tiercache-remote"}
+    for i in range(3):
+        with TieredCache(model, cfg(tmp_path, shared_url, "a")) as cache, torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, do_sample=False)
+            assert cache.prefix is None  # off for this run
+    close_all()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = {t for t in threading.enumerate() if t.name == "tiercache-remote" and t.is_alive()} - before
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left

@@ -73,8 +73,8 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        return args.prompt
+    if args.prompt is not None:  # argv is decoded with surrogateescape too: bad bytes arrive as surrogates
+        return _utf8(args.prompt.encode("utf-8", "surrogateescape"), "--prompt", text_mode=False)
     if args.prompt_file is not None:
         try:
             with open(args.prompt_file, "rb") as f:
@@ -90,9 +90,12 @@ def read_prompt(args: argparse.Namespace) -> str:
     return _utf8(data, "stdin")
 
 
-def _utf8(data: bytes, where: str) -> str:
-    try:  # newlines as text mode reads them (\r\n and \r to \n): the prompt's tokens stay the same
-        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+def _utf8(data: bytes, where: str, text_mode: bool = True) -> str:
+    """``data`` decoded, else a CLIError naming ``where`` and the first bad byte. ``text_mode``:
+    newlines as text mode reads them (\r\n and \r to \n), as files and stdin were read."""
+    try:
+        text = data.decode("utf-8")
+        return text.replace("\r\n", "\n").replace("\r", "\n") if text_mode else text
     except UnicodeDecodeError as exc:
         raise CLIError(f"{where} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})") from None
 

@@ -59,16 +59,17 @@ class _Progress:
 
 
 def _check_device_budget(cache: Any, config: TierConfig, num_prompt: int, max_new_tokens: int,
-                         prefill_chunk: Optional[int]) -> None:
-    """Before the run: a device budget under what the prompt's prefill needs fails here, with
-    the minimum for the whole prompt, not after some chunks with the minimum for the chunk
-    that failed (following that advice failed again further in: a helper's report)."""
+                         prefill_chunk: Optional[int], loaded: int = 0) -> None:
+    """Before the prefill: a device budget under what it needs fails here, with the minimum
+    for the whole prompt, not after some chunks with the minimum for the chunk that failed
+    (following that advice failed again further in: a helper's report). ``loaded``: prompt
+    tokens already loaded from the prefix cache."""
     from tiercache.config import format_bytes
     from tiercache.errors import CapacityError
 
-    need = cache.min_device_budget(num_prompt, 0, prefill_chunk)
+    need = cache.min_device_budget(num_prompt, 0, prefill_chunk, loaded)
     if need and config.device_budget < need:
-        whole = cache.min_device_budget(num_prompt, max_new_tokens, prefill_chunk)
+        whole = cache.min_device_budget(num_prompt, max_new_tokens, prefill_chunk, loaded)
         raise CapacityError(
             f"device_budget={format_bytes(config.device_budget)} is less than attention needs resident for this "
             f"prompt of {num_prompt} tokens: minimum device_budget = {need} bytes ({format_bytes(need)}) for its "
@@ -113,8 +114,8 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         if on_open is not None:
             on_open(cache)
         chunked = bool(prefill_chunk) and num_prompt > prefill_chunk
-        _check_device_budget(cache, config, num_prompt, max_new_tokens, prefill_chunk if chunked else None)
-        loaded = cache.load_prefix(inputs["input_ids"])
+        loaded = cache.load_prefix(inputs["input_ids"])  # fast, and it changes what the prefill needs
+        _check_device_budget(cache, config, num_prompt, max_new_tokens, prefill_chunk if chunked else None, loaded)
         meter.prefill_total = num_prompt - loaded  # the bar counts what is computed, to its end
         kwargs = {"prefill_chunk_size": prefill_chunk} if chunked else {}
         with torch.inference_mode():

@@ -373,6 +373,12 @@ class TieredCache(Cache):
         usable, kv = 0, []
         if blocks:
             kv_heads, head_dim, dtype, device = self._geometry_of_model()
+            # One update per layer writes the whole prefix: all of it resident on the device at
+            # once, sliding layers too. More than the device holds failed there (CapacityError)
+            # where the same prompt, computed in chunks, fits: load what fits, compute the rest.
+            bt = self.tier_config.block_tokens
+            blocks = blocks[:self.tier_config.device_budget // BlockGeometry(1, kv_heads, bt, head_dim,
+                                                                             dtype).block_bytes]
             opening = None
             if self.store is None:  # the cache's own store is built (pools allocated) while the reads run
                 from concurrent.futures import ThreadPoolExecutor
@@ -508,27 +514,33 @@ class TieredCache(Cache):
         bt = self.tier_config.block_tokens
         return self._keys(layer_idx, layer.first_block, (layer.num_tokens - layer.dropped + bt - 1) // bt)
 
-    def min_device_budget(self, prompt_tokens: int, new_tokens: int = 0, prefill_chunk: Optional[int] = None) -> int:
+    def min_device_budget(self, prompt_tokens: int, new_tokens: int = 0, prefill_chunk: Optional[int] = None,
+                          loaded: int = 0) -> int:
         """The smallest ``device_budget`` (bytes) that lets one row of ``prompt_tokens``,
-        prefilled in chunks of ``prefill_chunk`` (None: at once), then ``new_tokens`` decode
-        steps run on this empty cache: attention needs each layer's visible blocks resident,
-        in every forward (``_check_capacity``). 0 where no such bound holds (selection or
-        retention on, which read or keep fewer blocks). Over chunked prefill the need grows
-        with every chunk, so a budget that the first chunks fit fails later: ``tiercache
-        generate`` checks this before the run."""
+        of which the first ``loaded`` came from the prefix cache (``load_prefix``: one update
+        per layer), the rest prefilled in chunks of ``prefill_chunk`` (None: at once), then
+        ``new_tokens`` decode steps run on this cache: attention needs each layer's visible
+        blocks resident, in every forward (``_check_capacity``). 0 where no such bound holds
+        (selection or retention on, which read or keep fewer blocks). Over chunked prefill
+        the need grows with every chunk, so a budget that the first chunks fit fails later:
+        ``tiercache generate`` checks this before the prefill."""
         if self.selection_state is not None or self.retention_state is not None:
             return 0
         bt = self.tier_config.block_tokens
         chunk = prefill_chunk or prompt_tokens
-        ends = list(range(min(chunk, prompt_tokens), prompt_tokens, chunk)) + [prompt_tokens]
+        ends = [loaded] if loaded else []
+        ends += list(range(loaded + chunk, prompt_tokens, chunk)) + [prompt_tokens]
         forwards = list(zip([0] + ends[:-1], ends))  # (tokens stored before, after)
-        if new_tokens > 1:  # the last decode step is the widest (its first token is the prefill's)
-            total = prompt_tokens + new_tokens - 1
-            forwards.append((total - 1, total))
+        total = prompt_tokens + max(new_tokens - 1, 0)  # the first new token comes with the prefill
         widest = 0
-        for layer in self.layers:
-            window = layer.sliding_window if layer.is_sliding else None
-            for stored, after in forwards:
+        for window in {layer.sliding_window if layer.is_sliding else None for layer in self.layers}:
+            steps = forwards
+            if window is None:  # a full layer: the last step is its widest
+                steps = forwards + ([(total - 1, total)] if total > prompt_tokens else [])
+            else:  # a sliding one: where the window meets block edges; periodic past the window
+                last = min(total, prompt_tokens + window + 2 * bt)
+                steps = forwards + [(s, s + 1) for s in range(prompt_tokens, last)]
+            for stored, after in steps:
                 first = 0 if window is None else max(stored - window + 1, 0) // bt
                 widest = max(widest, (after + bt - 1) // bt - first)
         kv_heads, head_dim, dtype, _ = self._geometry_of_model()

@@ -340,6 +340,8 @@ class PrefixCache:
                 self.index.close()
                 raise CacheDirError(str(exc)) from None
         except BaseException:
+            if self.remote is not None:  # it connects as it opens: its thread and socket went on for good
+                self.remote.close(timeout=0)
             self.store.close()
             raise
         self.closed = False
