@@ -44,6 +44,12 @@ def test_budgets_are_stored_as_int_bytes_and_config_is_frozen(tmp_path):
     ("io_workers", 0, "io_workers"),
     ("direct_io", "maybe", "direct_io"),
     ("disk_io", "io_uring", "disk_io"),
+    # each was accepted: "no" counted as True (a 0777 directory let through), a device name
+    # torch cannot parse failed at the first generate(), 1 passed for True
+    ("shared_dir", "no", "shared_dir: must be True or False"),
+    ("device", "bogus", "device: expected a torch device such as 'cpu' or 'cuda:0', got 'bogus'"),
+    ("attend_in_place", 1, "attend_in_place: must be True or False"),
+    ("reuse", 1, "reuse: must be True, False or None"),
 ])
 def test_invalid_values_name_the_field_and_value(field, value, message):
     with pytest.raises(ValueError, match=message) as info:

@@ -140,6 +140,26 @@ def test_the_prefix_survives_the_process(tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(cold.logits, warm_logits)) <= 1e-5
 
 
+def test_a_run_with_the_attention_hook_meets_the_plain_runs_prefixes(tmp_path):
+    """The attention hook (installed for a trace, attention-score eviction, selection,
+    retention) marks the model's config with ``_tiercache_inner_attention``, which went into
+    the model's digest: such a run published under another name and reused nothing of the
+    plain runs' prefixes, nor they of its (`tiercache generate --trace-out` then without)."""
+    from tiercache.attention import install
+    from tiercache.prefix import model_digest
+
+    model, ids = tiny_model(), prompt()
+    plain = model_digest(model, torch.float32)
+    ref = reference(model, ids)
+    run(model, ids, config(tmp_path))  # publishes under the plain name
+    install(model)
+    assert model.config._tiercache_inner_attention == "sdpa"
+    assert model_digest(model, torch.float32) == plain
+    out, stats = run(model, ids, config(tmp_path, eviction="attention-score"))  # a hooked run
+    assert stats["reused_tokens"] == 28
+    assert_same(ref, out)
+
+
 def test_another_model_or_dtype_never_hits(tmp_path):
     """Blocks are salted with the model digest: other weights, or the same weights in
     bfloat16, find nothing (and each gets its own directory)."""

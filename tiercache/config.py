@@ -216,11 +216,19 @@ class TierConfig:
             object.__setattr__(self, "disk_dir", os.path.abspath(os.fspath(self.disk_dir)))
             if self.disk_budget > 0:
                 _check_dir_usable(self.disk_dir)
-        if self.device is not None and not isinstance(self.device, str):
-            object.__setattr__(self, "device", str(self.device))
+        if self.device is not None:  # a name torch cannot parse failed at the first generate()
+            import torch
+
+            try:
+                object.__setattr__(self, "device", str(torch.device(self.device)))
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got {self.device!r} "
+                                 f"({str(exc).splitlines()[0][:120]})") from None
         object.__setattr__(self, "reuse_host_budget", parse_bytes(self.reuse_host_budget, "reuse_host_budget"))
-        if self.reuse not in (None, True, False):
+        if self.reuse is not None and not isinstance(self.reuse, bool):
             raise ValueError(f"reuse: must be True, False or None (auto), got {self.reuse!r}")
+        if not isinstance(self.shared_dir, bool):  # "no" was accepted, and counted as True
+            raise ValueError(f"shared_dir: must be True or False, got {self.shared_dir!r}")
         if self.reuse and not self.disk_enabled:
             raise ValueError("reuse: the prefix cache lives in disk_dir; set disk_dir (and a disk_budget > 0)")
         if self.reuse and self.retention is not None:
@@ -237,9 +245,9 @@ class TierConfig:
             object.__setattr__(self, "remote_budget", parse_bytes(self.remote_budget, "remote_budget"))
         if not isinstance(self.remote_namespace, str) or not _NAMESPACE_RE.match(self.remote_namespace):
             raise ValueError(f"remote_namespace: 1-64 letters, digits, '_', '.' or '-', got {self.remote_namespace!r}")
-        if self.attend_in_place not in (True, False):
+        if not isinstance(self.attend_in_place, bool):
             raise ValueError(f"attend_in_place: must be True or False, got {self.attend_in_place!r}")
-        if self.remote_cluster not in (True, False):
+        if not isinstance(self.remote_cluster, bool):
             raise ValueError(f"remote_cluster: must be True or False, got {self.remote_cluster!r}")
         if (isinstance(self.remote_timeout, bool) or not isinstance(self.remote_timeout, (int, float))
                 or not 0 < self.remote_timeout <= 600):

@@ -98,6 +98,15 @@ def linear_hash(data: torch.Tensor) -> bytes:
     return int(total).to_bytes(8, "little", signed=True)
 
 
+def _naming_fields(fields: dict) -> dict:
+    """A config's fields that name the model's KV: not where it was loaded from (machines
+    differ), nor tiercache's own marks (the attention hook's ``_tiercache_inner_attention``,
+    set by a run with a trace, selection or retention: such runs published under another
+    name and never met the plain runs' prefixes), in nested configs too."""
+    return {k: _naming_fields(v) if isinstance(v, dict) else v for k, v in fields.items()
+            if k != "_name_or_path" and not str(k).startswith("_tiercache")}
+
+
 def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
     """16 bytes naming the model: class, full config, dtype, and every byte of every weight
     and buffer (``tensor_fingerprint``). Two models that differ anywhere get different
@@ -121,8 +130,7 @@ def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
     h.update(type(model).__name__.encode())
     config = getattr(model, "config", None)
     if config is not None:  # where the model was loaded from does not name it: machines differ
-        fields = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
-        h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+        h.update(json.dumps(_naming_fields(config.to_dict()), sort_keys=True, default=str).encode())
     h.update(str(dtype or (tensors[0][1].dtype if tensors else "")).encode())
     with torch.no_grad():
         for name, t in tensors:
