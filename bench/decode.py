@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Optional
 
-from tiercache.cli import work_dir
+from tiercache.cli import doc_summary, work_dir
 
 SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
 CUDA_ONLY = ("hf_offload",)  # transformers' offloaded cache needs CUDA streams
@@ -361,7 +361,7 @@ def _raw_disk_next_to(setup: str, caches: dict, workdir: str, num_bytes: int):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiercache bench decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tiercache bench decode", description=doc_summary(__doc__))
     p.add_argument("--context", type=int, default=8192, help="prompt tokens (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per set-up and round "
                    "(default %(default)s)")
@@ -379,7 +379,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--selection", default="full", help="full (default) or quest: adds the quest set-up "
                    "(the disk set-up reading only the selected pages)")
     p.add_argument("--selection-budget", type=int, default=4096, help="quest: tokens per KV head and step "
-                   "(>= 3 blocks; default %(default)s)")
+                   "(>= 3 blocks, a whole number of blocks; default %(default)s)")
     p.add_argument("--device-fraction", type=float, default=0.25, help="disk/quest set-ups: device tier as a "
                    "share of the KV (default %(default)s)")
     p.add_argument("--host-fraction", type=float, default=0.25, help="disk/quest set-ups: host tier share "

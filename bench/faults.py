@@ -27,7 +27,7 @@ import textwrap
 import time
 from typing import Callable, Optional
 
-from tiercache.cli import split_list, work_dir
+from tiercache.cli import doc_summary, split_list, work_dir
 
 BT = 4
 PROMPT = 30
@@ -289,7 +289,7 @@ def inject(kind: str, model, seed: int, workdir: str) -> tuple:
 
 
 def run(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="tiercache bench faults", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tiercache bench faults", description=doc_summary(__doc__))
     p.add_argument("--repeat", type=int, default=20, help="injections per fault (default %(default)s)")
     p.add_argument("--faults", default=None, help="comma list (default: all): " + "; ".join(FAULTS))
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir)")

@@ -597,7 +597,7 @@ def run(argv: Optional[list] = None) -> int:
           f"{os.path.abspath(args.dir)}, {args.workers} workers, raw disk: {main['raw_tool']} "
           f"({'direct I/O' if main['direct_io'] else 'buffered I/O'}), store's disk I/O: {main['disk_io']}, "
           f"device: {main['device']}, "
-          f"GB/s, ratio = store / raw (* = default)")
+          f"GB/s, ratio = store / raw (* = --block-tokens)")
     print(_table(rows, args.block_tokens))
     return 0
 

@@ -296,3 +296,32 @@ def test_a_metrics_textfile_that_fails_at_the_end_is_one_line_and_the_stats_are_
     assert last.startswith(f"tiercache: error: --metrics-textfile: cannot write {str(textfile)!r} (File name too long")
     assert "Traceback" not in proc.stderr
     assert json.loads(stats.read_text())["stats"]["decode_tokens"] == 0  # one new token: the prefill's
+
+
+
+def test_a_metrics_textfile_holds_the_runs_histograms(tmp_path):
+    """The exporter was made after the run, for the file alone: its histograms (move and
+    stall seconds) had counted nothing (``tiercache_stall_seconds_count 0``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    textfile = tmp_path / "m.prom"
+    proc = cli("generate", "--prompt", "hi " * 40, "--max-new-tokens", "2", "--quiet", "--device-budget", "2MiB",
+               "--host-budget", "4MiB", "--block-tokens", "16", "--metrics-textfile", str(textfile))
+    assert proc.returncode == 0, proc.stderr
+    samples = {s.name: s.value for f in text_string_to_metric_families(textfile.read_text()) for s in f.samples
+               if not s.labels}
+    layers = 30  # SmolLM2-135M: one stall observation per layer update
+    assert samples["tiercache_stall_seconds_count"] == 2 * layers  # the prefill and one decode step
+
+
+@pytest.mark.parametrize("name", ["decode", "faults", "overhead", "policies", "prefix"])
+def test_each_benchmarks_help_describes_it_in_whole_sentences(name):
+    """The description was the docstring's first line: two stopped mid-sentence ("... on
+    real files, and")."""
+    import importlib
+
+    from tiercache.cli import doc_summary
+
+    text = doc_summary(importlib.import_module(f"tiercache.bench.{name}").__doc__)
+    assert text.startswith(f"``tiercache bench {name}``") or text.startswith(f"`tiercache bench {name}`")
+    assert text.endswith(".") and "\n" not in text

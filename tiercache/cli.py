@@ -134,6 +134,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     late_errors: list = []  # after the run: reported once the other outputs are written
 
     def on_open(cache) -> None:
+        if args.metrics_textfile:  # attached now: its histograms count from here (at the end they were empty)
+            from tiercache.metrics import metrics_for
+
+            metrics_for(cache)
         if args.metrics_port is not None:
             from tiercache.metrics import metrics_url, serve_metrics
 
@@ -223,6 +227,12 @@ def check_writable(flag: str, path: str, replaced: bool = False) -> None:
             os.unlink(target)  # made here a moment ago (O_EXCL): nobody else's
     except OSError as exc:
         raise CLIError(f"{flag}: cannot write {path!r} ({exc.strerror or exc})") from None
+
+
+def doc_summary(doc: Optional[str]) -> str:
+    """A module docstring's first paragraph on one line: a command's ``--help`` description
+    (its first line alone stopped mid-sentence where the paragraph wraps)."""
+    return " ".join((doc or "").strip().split("\n\n", 1)[0].split())
 
 
 def work_dir(flag: str, path: Optional[str]) -> Optional[str]:
