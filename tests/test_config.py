@@ -49,7 +49,7 @@ def test_budgets_are_stored_as_int_bytes_and_config_is_frozen(tmp_path):
     ("shared_dir", "no", "shared_dir: must be True or False"),
     ("device", "bogus", "device: expected a torch device such as 'cpu' or 'cuda:0', got 'bogus'"),
     ("attend_in_place", 1, "attend_in_place: must be True or False"),
-    ("reuse", 1, "reuse: must be True, False or None"),
+    ("reuse", 1, "reuse: must be True or False, or None"),
 ])
 def test_invalid_values_name_the_field_and_value(field, value, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -90,3 +90,11 @@ def test_replace_validates_again(tmp_path):
     assert cfg.replace(block_tokens=64).block_tokens == 64
     with pytest.raises(ValueError, match="block_tokens"):
         cfg.replace(block_tokens=-1)
+
+
+def test_numpy_bools_are_bools():
+    import numpy as np
+
+    cfg = TierConfig(attend_in_place=np.True_, shared_dir=np.False_, reuse=np.False_)
+    assert (cfg.attend_in_place, cfg.shared_dir, cfg.reuse) == (True, False, False)
+    assert all(type(v) is bool for v in (cfg.attend_in_place, cfg.shared_dir, cfg.reuse))

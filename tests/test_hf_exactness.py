@@ -709,10 +709,33 @@ def test_min_device_budget_of_a_model_whose_every_layer_slides(tmp_path):
     cfg = tight_config(model, tmp_path, batch=1, device_blocks=need // bb)
     for run in ("cold", "warm"):  # the cold run publishes the prompt's blocks
         with tiercache.TieredCache(model, cfg) as cache:
-            loaded = cache.load_prefix(ids)
+            loaded = cache.load_prefix(ids, prefill_chunk=8)
             out = generate(model, ids, cache=cache, max_new_tokens=4, prefill_chunk_size=8)
         assert_same(ref, out, run)
         assert loaded == (0 if run == "cold" else need // bb * BT)  # what the device holds, not all 36
+
+
+def test_a_warm_run_fits_wherever_the_cold_run_fits(tmp_path):
+    """Loading a prefix moves where the prefill's chunks fall, and with a sliding window a
+    chunk can then need a block more than the same prompt computed from its start: a review's
+    sweep found 42 cases (window 10, 4-token blocks, a 21-token prompt in chunks of 5: the
+    warm run failed at the cold run's minimum). ``load_prefix(prefill_chunk=...)`` loads no
+    more than keeps the chunks within the budget; every case of a smaller sweep runs exact."""
+    for window, length, chunk in ((10, 21, 5), (6, 19, 3), (9, 30, 7)):
+        model = _all_sliding_model(window)
+        bb = block_bytes(model, 1)
+        ids = prompt_ids(length=length, seed=window)
+        ref = generate(model, ids, max_new_tokens=3)
+        with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=64)) as probe:
+            cold = probe.min_device_budget(length, 3, chunk)
+        cfg = tight_config(model, tmp_path / f"w{window}", batch=1, device_blocks=cold // bb)
+        for run in ("cold", "warm"):
+            with tiercache.TieredCache(model, cfg) as cache:
+                loaded = cache.load_prefix(ids, prefill_chunk=chunk)
+                assert cache.min_device_budget(length, 3, chunk, loaded) <= cold
+                assert (loaded > 0) == (run == "warm")  # a part of the prompt came from the prefix cache
+                out = generate(model, ids, cache=cache, max_new_tokens=3, prefill_chunk_size=chunk)
+            assert_same(ref, out, f"{run}, window {window}")
 
 
 @pytest.mark.parametrize("prefetch", ["none", "next-layer", "lookahead"])

@@ -3,6 +3,7 @@ computing them, across caches and processes, exactly, and never from another pro
 or a damaged record."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -158,6 +159,13 @@ def test_a_run_with_the_attention_hook_meets_the_plain_runs_prefixes(tmp_path):
     out, stats = run(model, ids, config(tmp_path, eviction="attention-score"))  # a hooked run
     assert stats["reused_tokens"] == 28
     assert_same(ref, out)
+    # Nested configs (multimodal models) keep their own _name_or_path, as before: dropping it
+    # renamed every plain run of those models, orphaning their prefix caches (a review).
+    from tiercache.prefix import _naming_fields
+
+    assert _naming_fields({"_name_or_path": "/a", "x": 1, "text_config": {
+        "_name_or_path": "", "_tiercache_inner_attention": "sdpa", "id2label": {0: "A"}}}) == {
+        "x": 1, "text_config": {"_name_or_path": "", "id2label": {0: "A"}}}
 
 
 def test_another_model_or_dtype_never_hits(tmp_path):
@@ -513,8 +521,32 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
         assert wrapped.tiercache_last.stats()["reused_tokens"] == 28  # the plain call's own blocks
 
 
+@pytest.mark.parametrize("pad,eos,loads", [(0, 0, True), (0, [5, 0], True), (torch.tensor(0), None, False),
+                                          (0, None, False)])
+def test_wrap_follows_transformers_rule_for_inferring_a_mask(tmp_path, pad, eos, loads):
+    """With no mask given, transformers infers one from pad tokens in the ids, unless the pad
+    token is an eos token (SmolLM2's is: every chat prompt holds it). Refusing to load for
+    any pad token left the default model without reuse; a pad token given as a tensor was
+    not recognised, and a prefix was loaded under an inferred mask (wrong tokens). Both
+    from a review; each case here is exactly the unwrapped model's."""
+    model, ids = tiny_model(), prompt()
+    ids[0, 5] = 0
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    for m in (model, wrapped):
+        m.generation_config.pad_token_id, m.generation_config.eos_token_id = pad, eos
+    kw = dict(GEN, min_new_tokens=NEW)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        wrapped.generate(ids, attention_mask=torch.ones_like(ids), **kw)  # publishes the ids
+        out = wrapped.generate(ids, **kw)
+    assert_same(ref, out)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == (28 if loads else 0)
+
+
 @pytest.mark.parametrize("setting", ["use_cache=False", "cache_implementation='dynamic'", "generation_config",
-                                     "use_cache=False behind a call's config", "the call's config asks for dynamic"])
+                                     "use_cache=False behind a call's config", "the call's config asks for dynamic",
+                                     "use_cache=False in a config given by position",
+                                     "the model's own config, hybrid", "a copy of the model's config, static"])
 def test_wrap_steps_aside_when_the_call_asks_for_no_cache_or_another_kind(tmp_path, setting):
     """``use_cache=False`` on a wrapped model got a TieredCache anyway, and transformers fed
     it the whole sequence at every step (108 tokens held for 18: wrong tokens); a
@@ -533,14 +565,28 @@ def test_wrap_steps_aside_when_the_call_asks_for_no_cache_or_another_kind(tmp_pa
         kw = dict(generation_config=transformers.GenerationConfig(**GEN))
     elif setting == "the call's config asks for dynamic":
         kw = dict(generation_config=transformers.GenerationConfig(**GEN, cache_implementation="dynamic"))
+    elif setting == "use_cache=False in a config given by position":  # generate(ids, config): was missed
+        kw = dict(use_cache=False, **GEN)
+    elif setting == "the model's own config, hybrid":  # Gemma's hub configs; transformers drops "hybrid"
+        wrapped.generation_config.cache_implementation = "hybrid"
+        kw = dict(generation_config=wrapped.generation_config, **GEN)
+    elif setting == "a copy of the model's config, static":  # the model's default, not the caller's choice
+        wrapped.generation_config.cache_implementation = "static"
+        kw = dict(generation_config=copy.deepcopy(wrapped.generation_config), **GEN)
     else:
         kw["cache_implementation"] = "dynamic"
+    positional = setting == "use_cache=False in a config given by position"
     with torch.no_grad():
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        if positional:
+            ref = model.generate(ids, transformers.GenerationConfig(**kw), attention_mask=torch.ones_like(ids))
+            out = wrapped.generate(ids, transformers.GenerationConfig(**kw), attention_mask=torch.ones_like(ids))
+        else:  # the reference: the unwrapped model (its own config has no cache_implementation)
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), **(GEN if "model's" in setting else kw))
+            out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     assert_same(ref, out)
     tiered = getattr(wrapped, "tiercache_last", None)
-    assert (tiered is not None) == (setting == "generation_config")
+    assert (tiered is not None) == (setting in ("generation_config", "the model's own config, hybrid",
+                                                "a copy of the model's config, static"))
     if tiered is not None:
         assert tiered.stats()["decode_tokens"] == NEW - 1
 

@@ -225,10 +225,9 @@ class TierConfig:
                 raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got {self.device!r} "
                                  f"({str(exc).splitlines()[0][:120]})") from None
         object.__setattr__(self, "reuse_host_budget", parse_bytes(self.reuse_host_budget, "reuse_host_budget"))
-        if self.reuse is not None and not isinstance(self.reuse, bool):
-            raise ValueError(f"reuse: must be True, False or None (auto), got {self.reuse!r}")
-        if not isinstance(self.shared_dir, bool):  # "no" was accepted, and counted as True
-            raise ValueError(f"shared_dir: must be True or False, got {self.shared_dir!r}")
+        if self.reuse is not None:
+            self._check_bool("reuse", ", or None (auto)")
+        self._check_bool("shared_dir")  # "no" was accepted, and counted as True
         if self.reuse and not self.disk_enabled:
             raise ValueError("reuse: the prefix cache lives in disk_dir; set disk_dir (and a disk_budget > 0)")
         if self.reuse and self.retention is not None:
@@ -245,10 +244,8 @@ class TierConfig:
             object.__setattr__(self, "remote_budget", parse_bytes(self.remote_budget, "remote_budget"))
         if not isinstance(self.remote_namespace, str) or not _NAMESPACE_RE.match(self.remote_namespace):
             raise ValueError(f"remote_namespace: 1-64 letters, digits, '_', '.' or '-', got {self.remote_namespace!r}")
-        if not isinstance(self.attend_in_place, bool):
-            raise ValueError(f"attend_in_place: must be True or False, got {self.attend_in_place!r}")
-        if not isinstance(self.remote_cluster, bool):
-            raise ValueError(f"remote_cluster: must be True or False, got {self.remote_cluster!r}")
+        self._check_bool("attend_in_place")
+        self._check_bool("remote_cluster")
         if (isinstance(self.remote_timeout, bool) or not isinstance(self.remote_timeout, (int, float))
                 or not 0 < self.remote_timeout <= 600):
             raise ValueError(f"remote_timeout: seconds in (0, 600], got {self.remote_timeout!r}")
@@ -271,6 +268,16 @@ class TierConfig:
 
         if importlib.util.find_spec("redis") is None:
             raise ValueError("remote_url: the remote tier needs the redis client; pip install 'tiercache[remote]'")
+
+    def _check_bool(self, name: str, alternative: str = "") -> None:
+        """A bool field: True or False (numpy's bools too, stored as bool); 1 or "no" refused."""
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            import numpy
+
+            if not isinstance(value, numpy.bool_):
+                raise ValueError(f"{name}: must be True or False{alternative}, got {value!r}")
+            object.__setattr__(self, name, bool(value))
 
     @property
     def remote_enabled(self) -> bool:

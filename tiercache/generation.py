@@ -114,7 +114,7 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         if on_open is not None:
             on_open(cache)
         chunked = bool(prefill_chunk) and num_prompt > prefill_chunk
-        loaded = cache.load_prefix(inputs["input_ids"])  # fast, and it changes what the prefill needs
+        loaded = cache.load_prefix(inputs["input_ids"], prefill_chunk=prefill_chunk if chunked else None)
         _check_device_budget(cache, config, num_prompt, max_new_tokens, prefill_chunk if chunked else None, loaded)
         meter.prefill_total = num_prompt - loaded  # the bar counts what is computed, to its end
         kwargs = {"prefill_chunk_size": prefill_chunk} if chunked else {}

@@ -351,12 +351,14 @@ class TieredCache(Cache):
             self.prefix = self._open_prefix(BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype))
         return self.prefix
 
-    def load_prefix(self, input_ids: torch.Tensor) -> int:
+    def load_prefix(self, input_ids: torch.Tensor, prefill_chunk: Optional[int] = None) -> int:
         """Fill this empty cache with the longest cached prefix of ``input_ids`` (whole blocks,
         always leaving the last prompt token to compute); returns the tokens loaded.
 
         ``generate()`` then computes only the rest of the prompt (it slices ``input_ids`` by
-        ``get_seq_length()``). ``wrap()`` and ``tiercache generate`` call this for you.
+        ``get_seq_length()``), in chunks of ``prefill_chunk`` if it is given that
+        ``prefill_chunk_size``: pass the same here, and no more is loaded than keeps those
+        chunks within the device budget. ``wrap()`` and ``tiercache generate`` call this for you.
         """
         if (not self._reuse or input_ids.dim() != 2 or input_ids.shape[0] != 1
                 or any(layer.num_tokens for layer in self.layers)):
@@ -376,9 +378,9 @@ class TieredCache(Cache):
             # One update per layer writes the whole prefix: all of it resident on the device at
             # once, sliding layers too. More than the device holds failed there (CapacityError)
             # where the same prompt, computed in chunks, fits: load what fits, compute the rest.
-            bt = self.tier_config.block_tokens
-            blocks = blocks[:self.tier_config.device_budget // BlockGeometry(1, kv_heads, bt, head_dim,
-                                                                             dtype).block_bytes]
+            block_bytes = BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype).block_bytes
+            blocks = blocks[:self._loadable_blocks(len(blocks), len(ids), prefill_chunk, block_bytes)]
+        if blocks:
             opening = None
             if self.store is None:  # the cache's own store is built (pools allocated) while the reads run
                 from concurrent.futures import ThreadPoolExecutor
@@ -524,8 +526,17 @@ class TieredCache(Cache):
         (selection or retention on, which read or keep fewer blocks). Over chunked prefill
         the need grows with every chunk, so a budget that the first chunks fit fails later:
         ``tiercache generate`` checks this before the prefill."""
-        if self.selection_state is not None or self.retention_state is not None:
+        widest = self._widest_blocks(prompt_tokens, new_tokens, prefill_chunk, loaded)
+        if widest is None:
             return 0
+        kv_heads, head_dim, dtype, _ = self._geometry_of_model()
+        return widest * BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype).block_bytes
+
+    def _widest_blocks(self, prompt_tokens: int, new_tokens: int, prefill_chunk: Optional[int],
+                       loaded: int) -> Optional[int]:
+        """``min_device_budget`` in blocks (None: no bound)."""
+        if self.selection_state is not None or self.retention_state is not None:
+            return None
         bt = self.tier_config.block_tokens
         chunk = prefill_chunk or prompt_tokens
         ends = [loaded] if loaded else []
@@ -543,8 +554,27 @@ class TieredCache(Cache):
             for stored, after in steps:
                 first = 0 if window is None else max(stored - window + 1, 0) // bt
                 widest = max(widest, (after + bt - 1) // bt - first)
-        kv_heads, head_dim, dtype, _ = self._geometry_of_model()
-        return widest * BlockGeometry(1, kv_heads, bt, head_dim, dtype).block_bytes
+        return widest
+
+    def _loadable_blocks(self, matched: int, prompt_tokens: int, prefill_chunk: Optional[int], block_bytes: int) -> int:
+        """How many of ``matched`` cached blocks to load so that the prefill of the rest stays
+        within the device budget: at most what the device holds (the load writes them in one
+        update per layer), and no more than keeps the chunks after them within it. Loading
+        moves where the chunks fall, and with a sliding window a chunk can then need a block
+        more than the same prompt computed from its start (a warm run failed at the cold
+        run's minimum: a review's sweep). 0 when no load fits."""
+        bt = self.tier_config.block_tokens
+        slots = self.tier_config.device_budget // block_bytes
+        usable = min(matched, slots)
+        sliding = any(layer.is_sliding for layer in self.layers)
+        while usable > 0:
+            widest = self._widest_blocks(prompt_tokens, 0, prefill_chunk, usable * bt)
+            if widest is None or widest <= slots:
+                return usable
+            if not sliding:  # the need does not depend on the load: the prompt does not fit at all
+                return 0
+            usable -= 1
+        return 0
 
     def _check_capacity(self, query_length: int) -> None:
         """Before the first layer of a forward writes anything: will every layer fit?"""
@@ -1093,11 +1123,53 @@ def _effective_generation_config(model: Any, kwargs: dict) -> Any:
     return kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
 
-def _callers_cache_choice(kwargs: dict) -> bool:
-    """A cache other than ours asked for by the call: ``cache_implementation`` as a keyword
-    or in the call's own ``generation_config`` (the model's default is not the caller's)."""
-    config = kwargs.get("generation_config")
-    return kwargs.get("cache_implementation") is not None or getattr(config, "cache_implementation", None) is not None
+def _call_arguments(generate: Any, args: tuple, kwargs: dict) -> Optional[dict]:
+    """``generate(*args, **kwargs)`` as one dict of keyword arguments (a ``generation_config``
+    or ``assistant_model`` given by position was missed), or None if they do not bind."""
+    import inspect
+
+    try:
+        signature = inspect.signature(generate)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    call: dict = {}
+    for name, value in bound.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(value)
+        elif signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return None
+        else:
+            call[name] = value
+    return call
+
+
+def _callers_cache_choice(model: Any, call: dict) -> bool:
+    """A cache other than ours asked for by the call: ``cache_implementation`` as a keyword,
+    or in the call's own ``generation_config`` where it differs from the model's (a copy of
+    the model's config, or the model's own object, carries the model's default, not a choice
+    of the caller's; "hybrid", which transformers drops, is none either)."""
+    if call.get("cache_implementation") is not None:
+        return True
+    chosen = getattr(call.get("generation_config"), "cache_implementation", None)
+    models = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    return chosen not in (None, "hybrid", models)
+
+
+def _infers_a_mask(ids: torch.Tensor, pad: Any, eos: Any) -> bool:
+    """Whether transformers infers an attention mask with zeros for ``ids`` given no mask:
+    its rule (``_prepare_attention_mask_for_generation``): a pad token among the ids, and
+    the pad token not an eos token (SmolLM2's pad is its eos: no mask is inferred there)."""
+    if pad is None:
+        return False
+    try:
+        pad_t = torch.as_tensor(pad, device=ids.device).flatten()
+        if not bool(torch.isin(ids, pad_t).any()):
+            return False
+        return eos is None or not bool(torch.isin(torch.as_tensor(eos, device=ids.device).flatten(), pad_t).any())
+    except (TypeError, ValueError, RuntimeError):
+        return True  # a pad token we cannot read: do not load
 
 
 def _prefix_loadable(ids: torch.Tensor, kwargs: dict, config: Any) -> bool:
@@ -1118,9 +1190,8 @@ def _prefix_loadable(ids: torch.Tensor, kwargs: dict, config: Any) -> bool:
     mask = kwargs.get("attention_mask")
     if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
         return False
-    pad = setting("pad_token_id", None)
-    if mask is None and isinstance(pad, int) and bool((ids == pad).any()):
-        return False  # transformers infers a mask with zeros there
+    if mask is None and _infers_a_mask(ids, setting("pad_token_id", None), setting("eos_token_id", None)):
+        return False
     if setting("prompt_lookup_num_tokens", None) or setting("assistant_early_exit", None):
         return False
     if setting("num_beams", 1) > 1 or setting("num_return_sequences", 1) > 1:
@@ -1144,25 +1215,27 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     original = model.generate
 
     def generate(*args, **kwargs):
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            return original(*args, **kwargs)
-        config = _effective_generation_config(model, kwargs)
+        call = _call_arguments(original, args, kwargs)
+        if call is None or call.get("cache") is not None or call.get("past_key_values") is not None:
+            return original(*args, **kwargs)  # a call generate() itself refuses, or a cache of the caller's
+        config = _effective_generation_config(model, call)
         # The caller asked for no cache, or for another kind: a cache passed anyway was fed
         # the whole sequence again at every step (use_cache=False: wrong tokens), or
         # transformers refused both (cache_implementation given in the call).
-        if getattr(config, "use_cache", True) is False or _callers_cache_choice(kwargs):
+        if getattr(config, "use_cache", True) is False or _callers_cache_choice(model, call):
             return original(*args, **kwargs)
-        kwargs.pop("cache", None)
-        kwargs.pop("past_key_values", None)
+        call.pop("cache", None)
+        call.pop("past_key_values", None)
         if getattr(config, "cache_implementation", None) is not None:  # the model's default, not the caller's
-            kwargs["cache_implementation"] = None
+            call["cache_implementation"] = None
         cache = TieredCache(model, model._tiercache_config)
         model.tiercache_last = cache
         try:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if isinstance(ids, torch.Tensor) and _prefix_loadable(ids, kwargs, config):
-                cache.load_prefix(ids)  # a cached prefix is loaded, not recomputed
-            return original(*args, cache=cache, **kwargs)
+            ids = call.get("inputs", call.get("input_ids"))
+            if isinstance(ids, torch.Tensor) and _prefix_loadable(ids, call, config):
+                # a cached prefix is loaded, not recomputed (as much as keeps the prefill within budget)
+                cache.load_prefix(ids, prefill_chunk=call.get("prefill_chunk_size"))
+            return original(**call, cache=cache)
         finally:
             cache.close()
 

@@ -98,13 +98,14 @@ def linear_hash(data: torch.Tensor) -> bytes:
     return int(total).to_bytes(8, "little", signed=True)
 
 
-def _naming_fields(fields: dict) -> dict:
+def _naming_fields(fields: dict, top: bool = True) -> dict:
     """A config's fields that name the model's KV: not where it was loaded from (machines
-    differ), nor tiercache's own marks (the attention hook's ``_tiercache_inner_attention``,
+    differ; the top level's ``_name_or_path``, as always, so that no user's prefix cache is
+    renamed), nor tiercache's own marks (the attention hook's ``_tiercache_inner_attention``,
     set by a run with a trace, selection or retention: such runs published under another
     name and never met the plain runs' prefixes), in nested configs too."""
-    return {k: _naming_fields(v) if isinstance(v, dict) else v for k, v in fields.items()
-            if k != "_name_or_path" and not str(k).startswith("_tiercache")}
+    return {k: _naming_fields(v, top=False) if isinstance(v, dict) else v for k, v in fields.items()
+            if not (top and k == "_name_or_path") and not str(k).startswith("_tiercache")}
 
 
 def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
