@@ -521,6 +521,43 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
         assert wrapped.tiercache_last.stats()["reused_tokens"] == 28  # the plain call's own blocks
 
 
+def test_wrap_tiers_a_generate_that_takes_star_args_and_reads_the_chunk_from_the_config(tmp_path):
+    """Binding the call's arguments, a ``generate(*args, **kwargs)`` (PEFT's, remote code)
+    fell back to the unwrapped call: no tiers, no prefix (a review's repro). And
+    ``load_prefix`` was told the chunk size only from a keyword, so a ``prefill_chunk_size``
+    in a generation config planned the load for one unchunked prefill (over a budget sized
+    for chunks: nothing loaded)."""
+    class Forwarding(transformers.LlamaForCausalLM):
+        def generate(self, *args, **kwargs):  # the PEFT pattern
+            return super().generate(*args, **kwargs)
+
+    model, ids = tiny_model(), prompt()
+    ref = reference(model, ids)
+    forwarding = Forwarding(model.config).eval()
+    forwarding.load_state_dict(model.state_dict())
+    forwarding.generation_config.eos_token_id, forwarding.generation_config.pad_token_id = None, 0
+    wrapped = tiercache.wrap(forwarding, config(tmp_path))
+    with torch.no_grad():
+        for _ in range(2):
+            out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+            assert_same(ref, out)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == 28
+
+    from test_hf_exactness import _all_sliding_model, block_bytes, tight_config
+
+    sliding = _all_sliding_model(10)
+    ids = torch.randint(1, 64, (1, 61), generator=torch.Generator().manual_seed(1))
+    with TieredCache(sliding, tight_config(sliding, tmp_path / "probe", batch=1, device_blocks=64)) as probe:
+        cold = probe.min_device_budget(61, 2, 5)
+    wrapped = tiercache.wrap(sliding, tight_config(sliding, tmp_path / "s", batch=1,
+                                                   device_blocks=cold // block_bytes(sliding, 1)))
+    config_ = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, prefill_chunk_size=5)
+    with torch.no_grad():
+        for _ in range(2):
+            wrapped.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config_)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] > 0
+
+
 @pytest.mark.parametrize("pad,eos,loads", [(0, 0, True), (0, [5, 0], True), (torch.tensor(0), None, False),
                                           (0, None, False)])
 def test_wrap_follows_transformers_rule_for_inferring_a_mask(tmp_path, pad, eos, loads):

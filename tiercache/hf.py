@@ -567,6 +567,8 @@ class TieredCache(Cache):
         slots = self.tier_config.device_budget // block_bytes
         usable = min(matched, slots)
         sliding = any(layer.is_sliding for layer in self.layers)
+        if not all(layer.is_sliding for layer in self.layers) and -(-prompt_tokens // bt) > slots:
+            return 0  # a full layer holds the whole prompt at its last chunk, loaded or not: it cannot fit
         while usable > 0:
             widest = self._widest_blocks(prompt_tokens, 0, prefill_chunk, usable * bt)
             if widest is None or widest <= slots:
@@ -1123,9 +1125,12 @@ def _effective_generation_config(model: Any, kwargs: dict) -> Any:
     return kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
 
-def _call_arguments(generate: Any, args: tuple, kwargs: dict) -> Optional[dict]:
-    """``generate(*args, **kwargs)`` as one dict of keyword arguments (a ``generation_config``
-    or ``assistant_model`` given by position was missed), or None if they do not bind."""
+def _call_arguments(generate: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """``generate(*args, **kwargs)`` as (the positional arguments a ``*args`` parameter takes,
+    a dict of every other argument by name): a ``generation_config`` or ``assistant_model``
+    given by position was missed. A ``generate(*args, **kwargs)`` (PEFT's, remote code) keeps
+    its positional arguments as they are, the first being the inputs. None if they do not
+    bind (``generate`` then says why)."""
     import inspect
 
     try:
@@ -1133,16 +1138,17 @@ def _call_arguments(generate: Any, args: tuple, kwargs: dict) -> Optional[dict]:
         bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return None
+    rest: tuple = ()
     call: dict = {}
     for name, value in bound.arguments.items():
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
             call.update(value)
-        elif signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                return None
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            rest = tuple(value)
         else:
             call[name] = value
-    return call
+    return rest, call
 
 
 def _callers_cache_choice(model: Any, call: dict) -> bool:
@@ -1215,9 +1221,12 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     original = model.generate
 
     def generate(*args, **kwargs):
-        call = _call_arguments(original, args, kwargs)
-        if call is None or call.get("cache") is not None or call.get("past_key_values") is not None:
-            return original(*args, **kwargs)  # a call generate() itself refuses, or a cache of the caller's
+        bound = _call_arguments(original, args, kwargs)
+        if bound is None:
+            return original(*args, **kwargs)  # a call generate() itself refuses
+        rest, call = bound
+        if call.get("cache") is not None or call.get("past_key_values") is not None:
+            return original(*args, **kwargs)  # a cache of the caller's
         config = _effective_generation_config(model, call)
         # The caller asked for no cache, or for another kind: a cache passed anyway was fed
         # the whole sequence again at every step (use_cache=False: wrong tokens), or
@@ -1231,11 +1240,13 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
         cache = TieredCache(model, model._tiercache_config)
         model.tiercache_last = cache
         try:
-            ids = call.get("inputs", call.get("input_ids"))
+            ids = call.get("inputs", call.get("input_ids", rest[0] if rest else None))
             if isinstance(ids, torch.Tensor) and _prefix_loadable(ids, call, config):
-                # a cached prefix is loaded, not recomputed (as much as keeps the prefill within budget)
-                cache.load_prefix(ids, prefill_chunk=call.get("prefill_chunk_size"))
-            return original(**call, cache=cache)
+                # a cached prefix is loaded, not recomputed (as much as keeps the prefill within
+                # budget: the chunk size as generate() will read it, from the merged config)
+                chunk = getattr(config, "prefill_chunk_size", None) or call.get("prefill_chunk_size")
+                cache.load_prefix(ids, prefill_chunk=chunk)
+            return original(*rest, **call, cache=cache)
         finally:
             cache.close()
 
