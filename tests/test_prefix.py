@@ -542,6 +542,28 @@ def test_wrap_tiers_a_generate_that_takes_star_args_and_reads_the_chunk_from_the
             out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
             assert_same(ref, out)
     assert wrapped.tiercache_last.stats()["reused_tokens"] == 28
+    # A config given by position to such a generate was read as none (the model's): beams
+    # after a cached prompt loaded a batch-1 prefix and failed (the review of the fix). The
+    # call's arguments now go on exactly as given; they are only read by name.
+    beams = transformers.GenerationConfig(**GEN, num_beams=2)
+    with torch.no_grad():
+        want = model.generate(ids, beams, attention_mask=torch.ones_like(ids))
+        got = wrapped.generate(ids, beams, attention_mask=torch.ones_like(ids))
+    assert_same(want, got)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == 0
+
+    class NamedFirst(transformers.LlamaForCausalLM):
+        def generate(self, inputs=None, *args, **kwargs):  # rebuilt from names, inputs came twice
+            return super().generate(inputs, *args, **kwargs)
+
+    named = NamedFirst(model.config).eval()
+    named.load_state_dict(model.state_dict())
+    named.generation_config.eos_token_id, named.generation_config.pad_token_id = None, 0
+    named = tiercache.wrap(named, config(tmp_path))
+    with torch.no_grad():
+        out = named.generate(ids, transformers.GenerationConfig(**GEN), attention_mask=torch.ones_like(ids))
+    assert_same(ref, out)
+    assert named.tiercache_last.stats()["decode_tokens"] == NEW - 1  # tiered
 
     from test_hf_exactness import _all_sliding_model, block_bytes, tight_config
 

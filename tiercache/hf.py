@@ -1125,30 +1125,29 @@ def _effective_generation_config(model: Any, kwargs: dict) -> Any:
     return kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
 
-def _call_arguments(generate: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """``generate(*args, **kwargs)`` as (the positional arguments a ``*args`` parameter takes,
-    a dict of every other argument by name): a ``generation_config`` or ``assistant_model``
-    given by position was missed. A ``generate(*args, **kwargs)`` (PEFT's, remote code) keeps
-    its positional arguments as they are, the first being the inputs. None if they do not
-    bind (``generate`` then says why)."""
+def _call_view(args: tuple, kwargs: dict) -> Optional[dict]:
+    """The arguments of a ``generate(*args, **kwargs)`` call by name, as transformers'
+    ``GenerationMixin.generate`` takes them (a ``generation_config`` or ``assistant_model``
+    given by position was missed), to read, not to pass on: the call itself goes on as it
+    was given (rebuilt from names, it broke signatures such as PEFT's ``generate(*args,
+    **kwargs)``, positional-only ones, or ones naming the inputs before ``*args``). None if
+    the arguments do not fit that signature (``wrap`` then leaves the call alone)."""
     import inspect
 
+    from transformers.generation.utils import GenerationMixin
+
+    signature = inspect.signature(GenerationMixin.generate)
     try:
-        signature = inspect.signature(generate)
-        bound = signature.bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
+        bound = signature.bind_partial(None, *args, **kwargs)  # None for self
+    except TypeError:
         return None
-    rest: tuple = ()
-    call: dict = {}
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            call.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            rest = tuple(value)
+    view: dict = {}
+    for name, value in list(bound.arguments.items())[1:]:
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            view.update(value)
         else:
-            call[name] = value
-    return rest, call
+            view[name] = value
+    return view
 
 
 def _callers_cache_choice(model: Any, call: dict) -> bool:
@@ -1221,32 +1220,28 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     original = model.generate
 
     def generate(*args, **kwargs):
-        bound = _call_arguments(original, args, kwargs)
-        if bound is None:
-            return original(*args, **kwargs)  # a call generate() itself refuses
-        rest, call = bound
-        if call.get("cache") is not None or call.get("past_key_values") is not None:
-            return original(*args, **kwargs)  # a cache of the caller's
+        call = _call_view(args, kwargs)
+        if call is None or call.get("cache") is not None or call.get("past_key_values") is not None:
+            return original(*args, **kwargs)  # a call we cannot read, or a cache of the caller's
         config = _effective_generation_config(model, call)
         # The caller asked for no cache, or for another kind: a cache passed anyway was fed
         # the whole sequence again at every step (use_cache=False: wrong tokens), or
         # transformers refused both (cache_implementation given in the call).
         if getattr(config, "use_cache", True) is False or _callers_cache_choice(model, call):
             return original(*args, **kwargs)
-        call.pop("cache", None)
-        call.pop("past_key_values", None)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
         if getattr(config, "cache_implementation", None) is not None:  # the model's default, not the caller's
-            call["cache_implementation"] = None
+            kwargs["cache_implementation"] = None
         cache = TieredCache(model, model._tiercache_config)
         model.tiercache_last = cache
         try:
-            ids = call.get("inputs", call.get("input_ids", rest[0] if rest else None))
+            ids = call.get("inputs", call.get("input_ids"))
             if isinstance(ids, torch.Tensor) and _prefix_loadable(ids, call, config):
                 # a cached prefix is loaded, not recomputed (as much as keeps the prefill within
                 # budget: the chunk size as generate() will read it, from the merged config)
                 chunk = getattr(config, "prefill_chunk_size", None) or call.get("prefill_chunk_size")
                 cache.load_prefix(ids, prefill_chunk=chunk)
-            return original(*rest, **call, cache=cache)
+            return original(*args, cache=cache, **kwargs)
         finally:
             cache.close()
 
