@@ -580,8 +580,8 @@ def test_wrap_tiers_a_generate_that_takes_star_args_and_reads_the_chunk_from_the
     assert wrapped.tiercache_last.stats()["reused_tokens"] > 0
 
 
-@pytest.mark.parametrize("pad,eos,loads", [(0, 0, True), (0, [5, 0], True), (torch.tensor(0), None, False),
-                                          (0, None, False)])
+@pytest.mark.parametrize("pad,eos,loads", [
+    (0, 0, True), (0, [5, 0], True), (torch.tensor(0), None, False), (0, None, False)])
 def test_wrap_follows_transformers_rule_for_inferring_a_mask(tmp_path, pad, eos, loads):
     """With no mask given, transformers infers one from pad tokens in the ids, unless the pad
     token is an eos token (SmolLM2's is: every chat prompt holds it). Refusing to load for
