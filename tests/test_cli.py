@@ -276,7 +276,8 @@ def test_a_metrics_port_that_is_taken_is_refused_before_the_model_loads():
     finally:
         taken.close()
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"tiercache: error: metrics: cannot serve on 127.0.0.1:{port} (Address already in use)"
+    want = f"tiercache: error: metrics: cannot serve on 127.0.0.1:{port} (Address already in use)"
+    assert proc.stderr.strip() == want
     proc = cli("generate", "--prompt", "hi", "--metrics-port", "0", "--metrics-addr", "999.1.1.1")
     assert proc.returncode == 2 and proc.stderr.startswith("tiercache: error: metrics: cannot serve on 999.1.1.1:0 (")
     assert "Loading" not in proc.stderr
