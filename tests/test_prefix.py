@@ -458,7 +458,7 @@ def _draft_model():
 
 
 @pytest.mark.parametrize("case", ["prompt lookup", "assistant model", "beams", "return sequences", "embeddings",
-                                  "hidden states", "padded mask", "inferred mask", "model's beams"])
+                                  "hidden states", "padded mask", "inferred mask", "model's beams", "position ids"])
 def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp_path, case):
     """``wrap`` fills its fresh cache with a cached prefix, which transformers takes for the
     caller's past. A helper found where that went wrong once the prompt was cached (each
@@ -495,6 +495,8 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
         kw["output_logits"] = True
     if case == "model's beams":  # the model's config asks for beams; the call passes a config of its own
         kw = dict(generation_config=transformers.GenerationConfig(**kw, num_return_sequences=1))
+    if case == "position ids":  # the caller's positions: KV the ids alone do not name
+        kw["position_ids"] = torch.arange(20, 20 + ids.shape[1])[None]
     if case == "embeddings":  # embeddings scaled: not what the ids would give
         kw["inputs_embeds"] = model.get_input_embeddings()(ids) * 1.5
     given = {} if mask is None else {"attention_mask": mask}
@@ -519,6 +521,75 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
         with torch.no_grad():
             wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
         assert wrapped.tiercache_last.stats()["reused_tokens"] == 28  # the plain call's own blocks
+
+
+def test_blocks_computed_at_the_callers_positions_are_not_published(tmp_path):
+    """A call with ``position_ids`` of its own published its blocks under the ids alone, and a
+    plain call with the same ids loaded them (wrong tokens, a helper's repro)."""
+    model, ids = tiny_model(), prompt()
+    ref = reference(model, ids)
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    with torch.no_grad():
+        wrapped.generate(ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(20, 50)[None], **GEN)
+        assert wrapped.tiercache_last.stats()["published_blocks"] == 0
+        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == 0
+    assert_same(ref, out)
+
+
+def test_a_model_whose_rotary_positions_depend_on_the_length_has_no_prefix_reuse(tmp_path):
+    """With dynamic NTK scaling (and LongRoPE's two factors) the rotary frequencies depend on
+    the length a forward sees: a short prompt's blocks, loaded into a longer prompt, gave
+    other tokens than computing it (a helper's repro). Reuse is off for such a model, and
+    asking for it is refused by name."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0}, eos_token_id=None,
+                                   pad_token_id=0, initializer_range=0.2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = None
+    short, long = prompt(length=13), torch.cat([prompt(length=13), prompt(seed=3, length=27)], dim=1)
+    ref = reference(model, long)
+    wrapped = tiercache.wrap(model, config(tmp_path))
+    with torch.no_grad():
+        wrapped.generate(short, attention_mask=torch.ones_like(short), **dict(GEN, max_new_tokens=3))
+        out = wrapped.generate(long, attention_mask=torch.ones_like(long), **GEN)
+    assert wrapped.tiercache_last.prefix is None and wrapped.tiercache_last.stats()["reused_tokens"] == 0
+    assert_same(ref, out)
+    with pytest.raises(tiercache.UnsupportedModelError, match="reuse: the prefix cache is not exact for rope_type "
+                                                              "'dynamic'"):
+        TieredCache(model, config(tmp_path, reuse=True))
+
+
+def test_a_subclass_with_its_own_generate_parameters_is_read_by_them(tmp_path):
+    """Its call was read by GenerationMixin.generate's names: a positional ``max_new_tokens``
+    taken for a generation config hid the model's ``use_cache=False`` (wrong tokens), and a
+    positional mask taken for one was a "Boolean value of Tensor" error (a helper's repros)."""
+    class OwnSignature(transformers.LlamaForCausalLM):
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=NEW, **kw):
+            return super().generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kw)
+
+    base, ids = tiny_model(), prompt()
+    ref = reference(base, ids)
+
+    def own(use_cache: bool):
+        model = OwnSignature(base.config).eval()
+        model.load_state_dict(base.state_dict())
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+        model.generation_config.use_cache = use_cache
+        return model
+
+    kw = {k: v for k, v in GEN.items() if k != "max_new_tokens"}
+    with torch.no_grad():
+        unwrapped = own(False).generate(ids, torch.ones_like(ids), NEW, **kw)
+        no_cache = tiercache.wrap(own(False), config(tmp_path))
+        out = no_cache.generate(ids, torch.ones_like(ids), NEW, **kw)
+        assert torch.equal(unwrapped.sequences, out.sequences) and not hasattr(no_cache, "tiercache_last")
+        tiered = tiercache.wrap(own(True), config(tmp_path))
+        out = tiered.generate(ids, torch.ones_like(ids), NEW, **kw)
+    assert_same(ref, out)
+    assert tiered.tiercache_last.stats()["decode_tokens"] == NEW - 1
 
 
 def test_wrap_tiers_a_generate_that_takes_star_args_and_reads_the_chunk_from_the_config(tmp_path):

@@ -252,6 +252,14 @@ class TieredCache(Cache):
         # Lossy retention rewrites blocks, so their tokens no longer name their content: no reuse.
         self._reuse = (self.tier_config.reuse_enabled and self._model is not None
                        and getattr(self.tier_config, "retention", None) is None) and self.retention_state is None
+        rope = _length_dependent_rope(text)
+        if self._reuse and rope is not None:
+            # The rotary frequencies depend on the length each forward sees: a prefix computed
+            # within a short prompt is not what a longer one computes (wrong tokens, a helper found).
+            if self.tier_config.reuse:
+                raise UnsupportedModelError(f"reuse: the prefix cache is not exact for rope_type {rope!r}, whose "
+                                            f"positions depend on the sequence length; set reuse=None or False")
+            self._reuse = False
         self._token_ids: Optional[list] = []  # ids of the sequence so far (None: not batch 1)
         self._chain: list = []  # ChainBlock of each full block of _token_ids
         self._admitted: dict = {}  # chained hash -> admission decision
@@ -318,6 +326,13 @@ class TieredCache(Cache):
             # a call with the same ids and another mask (wrong tokens).
             self._token_ids = None
             return
+        positions = kwargs.get("position_ids")
+        if positions is not None:  # KV named by the ids alone holds only at the usual positions
+            start = len(self._token_ids)
+            usual = torch.arange(start, start + ids.shape[1], device=positions.device)
+            if positions.dim() != 2 or positions.shape[-1] != ids.shape[1] or not bool((positions == usual).all()):
+                self._token_ids = None
+                return
         self._token_ids.extend(ids[0].tolist())
 
     def _geometry_of_model(self) -> tuple:
@@ -1093,6 +1108,22 @@ class TieredCache(Cache):
 
 
 _THREADS = threading.local()
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # their rotary frequencies change with the sequence length
+
+
+def _length_dependent_rope(text: Any) -> Optional[str]:
+    """The rope type of ``text`` (a text config) if its positions depend on the sequence
+    length a forward sees (dynamic NTK scaling, LongRoPE's short and long factors), else None."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(text, name, None)
+        if not isinstance(params, dict):
+            continue
+        candidates = [params] + [v for v in params.values() if isinstance(v, dict)]  # per layer type too
+        for entry in candidates:
+            kind = entry.get("rope_type", entry.get("type"))
+            if kind in _LENGTH_DEPENDENT_ROPE:
+                return kind
+    return None
 # transformers' prompt-reuse recipe deep-copies a cache; this one's blocks live in pools, files
 # and I/O threads (the error was "cannot pickle '_thread.lock' object")
 _NOT_COPYABLE = ("TieredCache cannot be copied or pickled: its blocks live in the tiers' pools and files. To reuse "
@@ -1115,34 +1146,44 @@ def _effective_generation_config(model: Any, kwargs: dict) -> Any:
     merge (the call's keywords, then its ``generation_config``, whose unset fields come from
     the model's, then the defaults). A lookup of our own missed the model's values behind a
     caller's config (``use_cache=False`` on the model: wrong tokens again)."""
+    from transformers import GenerationConfig
+
+    given = kwargs.get("generation_config")
+    if not isinstance(given, GenerationConfig):  # a subclass's own parameter of that name, say
+        given = None
     prepare = getattr(model, "_prepare_generation_config", None)
     if prepare is not None:
         rest = {k: v for k, v in kwargs.items() if k != "generation_config"}
         try:
-            return prepare(kwargs.get("generation_config"), **rest)[0]
+            return prepare(given, **rest)[0]
         except Exception:  # noqa: BLE001 - generate() itself reports what is wrong with the call
             pass
-    return kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return given if given is not None else getattr(model, "generation_config", None)
 
 
-def _call_view(args: tuple, kwargs: dict) -> Optional[dict]:
-    """The arguments of a ``generate(*args, **kwargs)`` call by name, as transformers'
-    ``GenerationMixin.generate`` takes them (a ``generation_config`` or ``assistant_model``
-    given by position was missed), to read, not to pass on: the call itself goes on as it
-    was given (rebuilt from names, it broke signatures such as PEFT's ``generate(*args,
-    **kwargs)``, positional-only ones, or ones naming the inputs before ``*args``). None if
-    the arguments do not fit that signature (``wrap`` then leaves the call alone)."""
+def _call_view(generate: Any, args: tuple, kwargs: dict) -> Optional[dict]:
+    """The arguments of a ``generate(*args, **kwargs)`` call by name, to read, not to pass
+    on: the call itself goes on as it was given (rebuilt from names, it broke signatures such
+    as PEFT's ``generate(*args, **kwargs)``, positional-only ones, or ones naming the inputs
+    before ``*args``). Read by ``generate``'s own signature; one that forwards ``*args`` is
+    read as transformers' ``GenerationMixin.generate`` takes them (a ``generation_config``
+    given by position to PEFT's was missed; a subclass's own parameters read by
+    GenerationMixin's names were misread). None if the arguments do not bind (``wrap`` then
+    leaves the call alone)."""
     import inspect
 
     from transformers.generation.utils import GenerationMixin
 
-    signature = inspect.signature(GenerationMixin.generate)
     try:
-        bound = signature.bind_partial(None, *args, **kwargs)  # None for self
-    except TypeError:
+        signature = inspect.signature(generate)
+        lead: tuple = ()
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+            signature, lead = inspect.signature(GenerationMixin.generate), (None,)  # None for self
+        bound = signature.bind_partial(*lead, *args, **kwargs)
+    except (TypeError, ValueError):
         return None
     view: dict = {}
-    for name, value in list(bound.arguments.items())[1:]:
+    for name, value in list(bound.arguments.items())[len(lead):]:
         if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
             view.update(value)
         else:
@@ -1190,7 +1231,8 @@ def _prefix_loadable(ids: torch.Tensor, kwargs: dict, config: Any) -> bool:
         value = getattr(config, name, None) if config is not None else None
         return default if value is None else value
 
-    if kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None:
+    if (kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None
+            or kwargs.get("position_ids") is not None):  # positions of the caller's: KV the ids do not name
         return False
     mask = kwargs.get("attention_mask")
     if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
@@ -1220,7 +1262,7 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     original = model.generate
 
     def generate(*args, **kwargs):
-        call = _call_view(args, kwargs)
+        call = _call_view(original, args, kwargs)
         if call is None or call.get("cache") is not None or call.get("past_key_values") is not None:
             return original(*args, **kwargs)  # a call we cannot read, or a cache of the caller's
         config = _effective_generation_config(model, call)
