@@ -1124,6 +1124,8 @@ def _length_dependent_rope(text: Any) -> Optional[str]:
             if kind in _LENGTH_DEPENDENT_ROPE:
                 return kind
     return None
+
+
 # transformers' prompt-reuse recipe deep-copies a cache; this one's blocks live in pools, files
 # and I/O threads (the error was "cannot pickle '_thread.lock' object")
 _NOT_COPYABLE = ("TieredCache cannot be copied or pickled: its blocks live in the tiers' pools and files. To reuse "
