@@ -533,7 +533,12 @@ def test_blocks_computed_at_the_callers_positions_are_not_published(tmp_path):
         wrapped.generate(ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(20, 50)[None], **GEN)
         assert wrapped.tiercache_last.stats()["published_blocks"] == 0
         out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
-    assert wrapped.tiercache_last.stats()["reused_tokens"] == 0
+        assert wrapped.tiercache_last.stats()["reused_tokens"] == 0
+        assert_same(ref, out)
+        # the usual positions, given: the blocks the plain call published are loaded (a review:
+        # any position_ids had turned reuse off)
+        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(30)[None], **GEN)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == 28
     assert_same(ref, out)
 
 
@@ -560,6 +565,14 @@ def test_a_model_whose_rotary_positions_depend_on_the_length_has_no_prefix_reuse
     with pytest.raises(tiercache.UnsupportedModelError, match="reuse: the prefix cache is not exact for rope_type "
                                                               "'dynamic'"):
         TieredCache(model, config(tmp_path, reuse=True))
+    # What the rotary module runs decides, not the config: HunYuan's "dynamic" with an alpha
+    # runs as the fixed "ntk_alpha", and reuse was wrongly off for it (a review).
+    from tiercache.hf import _length_dependent_rope
+
+    assert _length_dependent_rope(model, model.config) == "dynamic"
+    model.model.rotary_emb.rope_type = "ntk_alpha"
+    assert _length_dependent_rope(model, model.config) is None
+    TieredCache(model, config(tmp_path, reuse=True)).close()
 
 
 def test_a_subclass_with_its_own_generate_parameters_is_read_by_them(tmp_path):
@@ -570,11 +583,19 @@ def test_a_subclass_with_its_own_generate_parameters_is_read_by_them(tmp_path):
         def generate(self, input_ids, attention_mask=None, max_new_tokens=NEW, **kw):
             return super().generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kw)
 
+    class NoCacheByDefault(transformers.LlamaForCausalLM):  # its own default was not seen (a review)
+        def generate(self, input_ids, attention_mask=None, use_cache=False, **kw):
+            return super().generate(input_ids, attention_mask=attention_mask, use_cache=use_cache, **kw)
+
+    class MaskThenArgs(transformers.LlamaForCausalLM):  # a mask by position was read as a config
+        def generate(self, input_ids, attention_mask=None, *args, **kw):
+            return super().generate(input_ids, None, *args, attention_mask=attention_mask, **kw)
+
     base, ids = tiny_model(), prompt()
     ref = reference(base, ids)
 
-    def own(use_cache: bool):
-        model = OwnSignature(base.config).eval()
+    def own(use_cache: bool, cls=OwnSignature):
+        model = cls(base.config).eval()
         model.load_state_dict(base.state_dict())
         model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
         model.generation_config.use_cache = use_cache
@@ -590,6 +611,20 @@ def test_a_subclass_with_its_own_generate_parameters_is_read_by_them(tmp_path):
         out = tiered.generate(ids, torch.ones_like(ids), NEW, **kw)
     assert_same(ref, out)
     assert tiered.tiercache_last.stats()["decode_tokens"] == NEW - 1
+    with torch.no_grad():
+        unwrapped = own(True, NoCacheByDefault).generate(ids, torch.ones_like(ids), **GEN)
+        no_cache = tiercache.wrap(own(True, NoCacheByDefault), config(tmp_path))
+        out = no_cache.generate(ids, torch.ones_like(ids), **GEN)
+    assert torch.equal(unwrapped.sequences, out.sequences) and not hasattr(no_cache, "tiercache_last")
+    padded, mask = ids.clone(), torch.ones_like(ids)
+    padded[0, :4], mask[0, :4] = 0, 0
+    with torch.no_grad():
+        want = own(True, MaskThenArgs).generate(padded, mask, **GEN)
+        masked = tiercache.wrap(own(True, MaskThenArgs), config(tmp_path))
+        masked.generate(padded, torch.ones_like(ids), **GEN)  # publishes the ids under a full mask
+        out = masked.generate(padded, mask, **GEN)
+    assert masked.tiercache_last.stats()["reused_tokens"] == 0
+    assert_same(want, out)
 
 
 def test_wrap_tiers_a_generate_that_takes_star_args_and_reads_the_chunk_from_the_config(tmp_path):

@@ -252,7 +252,7 @@ class TieredCache(Cache):
         # Lossy retention rewrites blocks, so their tokens no longer name their content: no reuse.
         self._reuse = (self.tier_config.reuse_enabled and self._model is not None
                        and getattr(self.tier_config, "retention", None) is None) and self.retention_state is None
-        rope = _length_dependent_rope(text)
+        rope = _length_dependent_rope(self._model, text)
         if self._reuse and rope is not None:
             # The rotary frequencies depend on the length each forward sees: a prefix computed
             # within a short prompt is not what a longer one computes (wrong tokens, a helper found).
@@ -1111,19 +1111,26 @@ _THREADS = threading.local()
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # their rotary frequencies change with the sequence length
 
 
-def _length_dependent_rope(text: Any) -> Optional[str]:
-    """The rope type of ``text`` (a text config) if its positions depend on the sequence
-    length a forward sees (dynamic NTK scaling, LongRoPE's short and long factors), else None."""
-    for name in ("rope_parameters", "rope_scaling"):
-        params = getattr(text, name, None)
-        if not isinstance(params, dict):
-            continue
-        candidates = [params] + [v for v in params.values() if isinstance(v, dict)]  # per layer type too
-        for entry in candidates:
-            kind = entry.get("rope_type", entry.get("type"))
-            if kind in _LENGTH_DEPENDENT_ROPE:
-                return kind
-    return None
+def _length_dependent_rope(model: Any, text: Any) -> Optional[str]:
+    """The rope type of ``model`` if its rotary positions depend on the sequence length a
+    forward sees (dynamic NTK scaling, LongRoPE's short and long factors), else None. Read
+    from the model's rotary modules, which hold the type transformers runs (a HunYuan
+    checkpoint's "dynamic" with an ``alpha`` runs as the fixed "ntk_alpha"); from the config
+    where no module says."""
+    kinds: list = []
+    for module in model.modules() if isinstance(model, torch.nn.Module) else ():
+        kind = getattr(module, "rope_type", None)
+        if isinstance(kind, str):
+            kinds.append(kind)
+        elif isinstance(kind, dict):  # one per layer type
+            kinds.extend(v for v in kind.values() if isinstance(v, str))
+    if not kinds:
+        for name in ("rope_parameters", "rope_scaling"):
+            params = getattr(text, name, None)
+            if isinstance(params, dict):
+                for entry in [params] + [v for v in params.values() if isinstance(v, dict)]:  # per layer type too
+                    kinds.append(entry.get("rope_type", entry.get("type")))
+    return next((kind for kind in kinds if kind in _LENGTH_DEPENDENT_ROPE), None)
 
 
 # transformers' prompt-reuse recipe deep-copies a cache; this one's blocks live in pools, files
@@ -1164,31 +1171,42 @@ def _effective_generation_config(model: Any, kwargs: dict) -> Any:
 
 
 def _call_view(generate: Any, args: tuple, kwargs: dict) -> Optional[dict]:
-    """The arguments of a ``generate(*args, **kwargs)`` call by name, to read, not to pass
-    on: the call itself goes on as it was given (rebuilt from names, it broke signatures such
-    as PEFT's ``generate(*args, **kwargs)``, positional-only ones, or ones naming the inputs
-    before ``*args``). Read by ``generate``'s own signature; one that forwards ``*args`` is
-    read as transformers' ``GenerationMixin.generate`` takes them (a ``generation_config``
-    given by position to PEFT's was missed; a subclass's own parameters read by
-    GenerationMixin's names were misread). None if the arguments do not bind (``wrap`` then
-    leaves the call alone)."""
+    """The arguments of a ``generate(*args, **kwargs)`` call by name, defaults included, to
+    read, not to pass on: the call itself goes on as it was given (rebuilt from names, it
+    broke signatures such as PEFT's ``generate(*args, **kwargs)``, positional-only ones, or
+    ones naming the inputs before ``*args``). Read by ``generate``'s own signature (a
+    subclass's ``use_cache=False`` default is the call's); one that forwards ``*args`` after
+    GenerationMixin's first parameters, or none (PEFT's), is read as transformers'
+    ``GenerationMixin.generate`` takes them. None where it cannot be read (arguments that do
+    not bind, or positional values past other named parameters into ``*args``, whose meaning
+    only the subclass knows): ``wrap`` then leaves the call alone."""
     import inspect
 
     from transformers.generation.utils import GenerationMixin
 
     try:
         signature = inspect.signature(generate)
+        params = list(signature.parameters.values())
         lead: tuple = ()
-        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
-            signature, lead = inspect.signature(GenerationMixin.generate), (None,)  # None for self
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+            positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            named = [p.name for p in params if p.kind in positional]
+            mixin = inspect.signature(GenerationMixin.generate)
+            theirs = [p.name for p in list(mixin.parameters.values())[1:] if p.kind in positional]
+            if named == theirs[:len(named)]:  # a forwarder (PEFT's), maybe naming the first ones
+                signature, lead = mixin, (None,)  # None for self
+            elif len(args) > len(named):
+                return None
         bound = signature.bind_partial(*lead, *args, **kwargs)
+        bound.apply_defaults()
     except (TypeError, ValueError):
         return None
     view: dict = {}
     for name, value in list(bound.arguments.items())[len(lead):]:
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
             view.update(value)
-        else:
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
             view[name] = value
     return view
 
@@ -1233,8 +1251,12 @@ def _prefix_loadable(ids: torch.Tensor, kwargs: dict, config: Any) -> bool:
         value = getattr(config, name, None) if config is not None else None
         return default if value is None else value
 
-    if (kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None
-            or kwargs.get("position_ids") is not None):  # positions of the caller's: KV the ids do not name
+    if kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None:
+        return False
+    positions = kwargs.get("position_ids")
+    if positions is not None and not (  # positions of the caller's: KV the ids do not name
+            isinstance(positions, torch.Tensor) and positions.shape == ids.shape
+            and bool((positions == torch.arange(ids.shape[1], device=positions.device)).all())):
         return False
     mask = kwargs.get("attention_mask")
     if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
