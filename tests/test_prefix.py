@@ -567,11 +567,12 @@ def test_a_model_whose_rotary_positions_depend_on_the_length_has_no_prefix_reuse
         TieredCache(model, config(tmp_path, reuse=True))
     # What the rotary module runs decides, not the config: HunYuan's "dynamic" with an alpha
     # runs as the fixed "ntk_alpha", and reuse was wrongly off for it (a review).
-    from tiercache.hf import _length_dependent_rope
+    from tiercache.hf import _ROPE_OF, _rope_kind
 
-    assert _length_dependent_rope(model, model.config) == "dynamic"
+    assert _rope_kind(model, model.config) == "dynamic"
     model.model.rotary_emb.rope_type = "ntk_alpha"
-    assert _length_dependent_rope(model, model.config) is None
+    assert _rope_kind(model, model.config) is None
+    _ROPE_OF.pop(model)  # the answer is kept per model (a model's rope type does not change)
     TieredCache(model, config(tmp_path, reuse=True)).close()
 
 
@@ -625,6 +626,47 @@ def test_a_subclass_with_its_own_generate_parameters_is_read_by_them(tmp_path):
         out = masked.generate(padded, mask, **GEN)
     assert masked.tiercache_last.stats()["reused_tokens"] == 0
     assert_same(want, out)
+
+    # A None default means "not given" (it overrode the model's use_cache=False and
+    # num_beams=2 in the merge), a keyword-only default of a forwarder is the call's, and a
+    # sentinel default transformers refuses leaves the call's own settings (a review).
+    class NoneMeansUnset(transformers.LlamaForCausalLM):
+        def generate(self, input_ids, attention_mask=None, use_cache=None, num_beams=None, **kw):
+            given = {k: v for k, v in (("use_cache", use_cache), ("num_beams", num_beams)) if v is not None}
+            return super().generate(input_ids, attention_mask=attention_mask, **given, **kw)
+
+    class KeywordOnlyNoCache(transformers.LlamaForCausalLM):
+        def generate(self, *args, use_cache=False, **kw):
+            return super().generate(*args, use_cache=use_cache, **kw)
+
+    class Sentinel(transformers.LlamaForCausalLM):
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=-1, **kw):
+            return super().generate(input_ids, attention_mask=attention_mask,
+                                    max_new_tokens=NEW if max_new_tokens < 0 else max_new_tokens, **kw)
+
+    cases = [(NoneMeansUnset, dict(use_cache=False)), (NoneMeansUnset, dict(num_beams=2)),
+             (KeywordOnlyNoCache, {}), (Sentinel, dict(use_cache=False))]
+    for i, (cls, settings) in enumerate(cases):
+        def make():
+            model = own(True, cls)
+            for key, value in settings.items():
+                setattr(model.generation_config, key, value)
+            return model
+        kw = dict(GEN) if cls is not Sentinel else {k: v for k, v in GEN.items() if k != "max_new_tokens"}
+        with torch.no_grad():
+            want = make().generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            wrapped = tiercache.wrap(make(), config(tmp_path / f"c{i}"))
+            if settings.get("num_beams"):  # a cached prompt first: beams must not load it
+                wrapped.generation_config.num_beams = 1
+                wrapped.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+                wrapped.generation_config.num_beams = 2
+            out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        assert torch.equal(want.sequences, out.sequences), cls.__name__
+        last = getattr(wrapped, "tiercache_last", None)
+        if settings.get("num_beams"):
+            assert last.stats()["reused_tokens"] == 0
+        else:
+            assert last is None, cls.__name__  # no cache asked for: untiered
 
 
 def test_wrap_tiers_a_generate_that_takes_star_args_and_reads_the_chunk_from_the_config(tmp_path):
