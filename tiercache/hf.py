@@ -41,6 +41,12 @@ _SEQ_IDS = itertools.count(1)
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
+def _visible_start(num_tokens: int, window: Optional[int]) -> int:
+    """First of ``num_tokens`` stored tokens that attention sees in the next update: 0 for a
+    full layer, the window's start for a sliding one (``window``)."""
+    return 0 if window is None else max(num_tokens - window + 1, 0)
+
+
 class TieredLayer(CacheLayerMixin):
     """Bookkeeping of one layer: how many tokens it holds and which blocks are live.
 
@@ -70,9 +76,7 @@ class TieredLayer(CacheLayerMixin):
 
     def visible_start(self) -> int:
         """First token that attention sees before the next update (sliding: the window)."""
-        if not self.is_sliding:
-            return 0
-        return max(self.num_tokens - self.sliding_window + 1, 0)
+        return _visible_start(self.num_tokens, self.sliding_window if self.is_sliding else None)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Same sizes as DynamicLayer / DynamicSlidingWindowLayer, so masks match DynamicCache's.
@@ -567,7 +571,7 @@ class TieredCache(Cache):
                 last = min(total, prompt_tokens + window + 2 * bt)
                 steps = forwards + [(s, s + 1) for s in range(prompt_tokens, last)]
             for stored, after in steps:
-                first = 0 if window is None else max(stored - window + 1, 0) // bt
+                first = _visible_start(stored, window) // bt
                 widest = max(widest, (after + bt - 1) // bt - first)
         return widest
 
