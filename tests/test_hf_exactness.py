@@ -604,18 +604,24 @@ def test_wrap_matches_dynamic_cache(tmp_path):
 @pytest.mark.parametrize("none_kwarg", ["cache", "past_key_values"])
 def test_wrap_accepts_explicit_none_cache(none_kwarg):
     """``generate(ids, cache=None)`` on a wrapped model means "no cache given": it gets a
-    TieredCache like a call without the argument (same for ``past_key_values=None``), and
-    transformers is not handed both a cache and a None alias (no FutureWarning)."""
+    TieredCache like a call without the argument (same for ``past_key_values=None``). The
+    call reaches transformers as given: ``cache=None`` without a warning, and the deprecated
+    ``past_key_values`` with transformers' own deprecation warning, as unwrapped."""
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(make_config("llama")).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
     ids = prompt_ids()
     ref = generate(model, ids, max_new_tokens=4)
     tiercache.wrap(model, TierConfig(device_budget="1MiB", host_budget=0, block_tokens=BT))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
                              **{none_kwarg: None}, **GEN)
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    if none_kwarg == "cache":
+        assert future == []
+    else:
+        assert future and all("`past_key_values` is deprecated" in m for m in future), future
     assert_same(ref, out, f"wrapped generate({none_kwarg}=None)")
     assert model.tiercache_last.stats()["decode_tokens"] == 3
 

@@ -860,3 +860,184 @@ def test_the_prefix_store_evicts_with_lfu_when_the_policy_assumes_the_decode_sca
         assert cache.prefix is not None
         assert {type(p).name for p in cache.prefix.store.policies.values()} == {prefix_policy}
         assert {type(p).name for p in cache.store.policies.values()} == {eviction}
+
+
+def _twin(model, cls=None):
+    """A plain model of ``cls`` (default: the same class) with ``model``'s weights and settings."""
+    twin = (cls or type(model))(model.config).eval()
+    twin.load_state_dict(model.state_dict())
+    twin.generation_config = copy.deepcopy(model.generation_config)
+    return twin
+
+
+def test_wrap_decides_inside_generate_so_a_subclass_body_or_custom_loop_cannot_hide_its_settings(tmp_path):
+    """wrap() used to read generate()'s arguments and guess what transformers would run. A
+    review of that found it blind to settings made inside a subclass's generate() (beams:
+    a traceback; embeddings: wrong tokens), to a custom_generate loop that feeds the whole
+    prompt (wrong tokens), to a subclass whose generate() takes no ``cache`` (a TypeError),
+    and to a sentinel default transformers refuses (it dropped the subclass's
+    ``use_cache=False``). Now the cache is made where transformers makes its own, and the
+    prefix is loaded only in transformers' own prefill step: every case below gives the
+    unwrapped model's tokens, and loads only where that is exact."""
+    class NoKwargs(transformers.LlamaForCausalLM):
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=NEW):
+            return super().generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                    do_sample=False)
+
+    class BeamsInside(transformers.LlamaForCausalLM):
+        def generate(self, *args, **kw):
+            kw.setdefault("num_beams", 3)
+            return super().generate(*args, **kw)
+
+    class EmbedsInside(transformers.LlamaForCausalLM):  # a soft token in front of the prompt's embeddings
+        def generate(self, input_ids, attention_mask=None, **kw):
+            embeds = self.get_input_embeddings()(input_ids)
+            embeds = torch.cat([embeds[:, :1] * 0.5, embeds], dim=1)
+            return super().generate(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2]), **kw)
+
+    class SentinelNoCache(transformers.LlamaForCausalLM):
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=-1, use_cache=False, **kw):
+            return super().generate(input_ids, attention_mask=attention_mask, use_cache=use_cache,
+                                    max_new_tokens=NEW if max_new_tokens < 0 else max_new_tokens, **kw)
+
+    def feed_the_whole_prompt(model, input_ids, logits_processor=None, stopping_criteria=None,
+                              generation_config=None, **model_kwargs):
+        cache, step = model_kwargs["cache"], input_ids  # a custom loop: its first step is the whole prompt
+        for _ in range(generation_config.max_new_tokens):
+            step = model(input_ids=step, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            input_ids = torch.cat([input_ids, step], dim=-1)
+        return input_ids
+
+    base, ids = tiny_model(), prompt()
+    mask = torch.ones_like(ids)
+    plain = dict(do_sample=False, max_new_tokens=NEW)
+    cases = [  # (class, call keywords, reused tokens on the second call)
+        (NoKwargs, {}, 28),
+        (BeamsInside, plain, 0),
+        (EmbedsInside, plain, 0),
+        (SentinelNoCache, {}, None),  # no cache asked for: untiered
+        (transformers.LlamaForCausalLM, dict(custom_generate=feed_the_whole_prompt, **plain), 0),
+    ]
+    for i, (cls, kw, reused) in enumerate(cases):
+        want = _twin(base, cls)
+        cfg = dataclasses.replace(config(tmp_path / f"c{i}"), device_budget="256KiB")  # room for 3 beams
+        wrapped = tiercache.wrap(_twin(base, cls), cfg)
+        with torch.no_grad():
+            expected = want.generate(ids, attention_mask=mask, **kw)
+            # an earlier plain request published the prompt's blocks
+            with TieredCache(wrapped, wrapped._tiercache_config) as cache:
+                transformers.LlamaForCausalLM.generate(wrapped, ids, attention_mask=mask, cache=cache, **plain)
+            got = wrapped.generate(ids, attention_mask=mask, **kw)
+        assert torch.equal(expected, got), cls.__name__
+        last = getattr(wrapped, "tiercache_last", None)
+        assert (None if last is None else last.stats()["reused_tokens"]) == reused, cls.__name__
+
+
+def test_wrap_neither_publishes_nor_loads_a_prompt_with_an_image(tmp_path):
+    """A vision-language model's image KV sits at placeholder ids that every image shares.
+    It was published under the ids alone, and the next request with the same text loaded
+    it; LLaVA then failed inside ("Image features and image tokens do not match"), and
+    another model could have answered about the first image. Inputs other than the ids
+    now stop publishing and loading."""
+    image_token = 120
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=8, patch_size=4, projection_dim=32)
+    text = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                                    max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
+    llava = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token,
+                                     vision_feature_select_strategy="default", vision_feature_layer=-1)
+    base = transformers.LlavaForConditionalGeneration(llava).eval()
+    base.generation_config.eos_token_id, base.generation_config.pad_token_id = None, 0
+    want = _twin(base)
+    ids = prompt()
+    ids[0, 2:6] = image_token  # an 8x8 image in 4x4 patches: 4 placeholders
+    images = [torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    wrapped = tiercache.wrap(base, config(tmp_path))
+    with torch.no_grad():
+        for image in images:  # image A, image A again, image B: same text
+            got = wrapped.generate(ids, pixel_values=image, **kw)
+            assert torch.equal(want.generate(ids, pixel_values=image, **kw), got)
+            stats = wrapped.tiercache_last.stats()
+            assert stats["reused_tokens"] == 0 and stats["prefill_tokens"] == PROMPT
+
+
+def test_tiercache_generate_runs_greedy_on_its_cache_whatever_the_models_generation_config_says(tmp_path):
+    """``tiercache generate`` (generate_text) loaded the prefix and passed its cache whatever
+    the model's generation config said. A checkpoint saved with ``use_cache=False`` (usual
+    after training with gradient checkpointing) fed the whole sequence to the cache at every
+    step, and prompt lookup ran on top of a loaded prefix: wrong tokens; beams after a
+    published run: a traceback. It now runs greedy, one beam, with its cache; a loop that
+    does not prefill through transformers' own step (prompt lookup) loads nothing."""
+    from tiercache.generation import generate_text
+
+    ids = prompt()
+
+    class Tokenizer:  # what generate_text reads of a tokenizer
+        chat_template, pad_token_id, eos_token_id = None, 0, None
+
+        def __call__(self, text, return_tensors="pt"):
+            return {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+        def decode(self, new_ids, skip_special_tokens=True):
+            return " ".join(map(str, new_ids.tolist()))
+
+    with torch.no_grad():
+        want = tiny_model().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                     do_sample=False)[0, PROMPT:].tolist()
+    for i, (setting, reused) in enumerate([(dict(use_cache=False), 28), (dict(num_beams=2), 28),
+                                           (dict(prompt_lookup_num_tokens=3), 0)]):
+        model, cfg = tiny_model(), config(tmp_path / f"c{i}")
+        for key, value in setting.items():
+            setattr(model.generation_config, key, value)
+        for run_no in range(2):  # cold, then warm from the prefix cache
+            result = generate_text("x", cfg, model=model, tokenizer=Tokenizer(), max_new_tokens=NEW,
+                                   progress=False, prefill_chunk=None)
+            assert result["new_token_ids"] == want, (setting, run_no)
+            assert result["stats"]["reused_tokens"] == (reused if run_no else 0), (setting, run_no)
+    # a wrapped model: the run is on this command's cache, not on one wrap() makes
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path / "w"))
+    result = generate_text("x", config(tmp_path / "c0"), model=wrapped, tokenizer=Tokenizer(), max_new_tokens=NEW,
+                           progress=False, prefill_chunk=None)
+    assert result["new_token_ids"] == want and result["stats"]["reused_tokens"] == 28
+    assert not hasattr(wrapped, "tiercache_last")
+
+
+def test_a_copy_of_a_wrapped_model_generates_with_its_own_weights(tmp_path):
+    """wrap() put a closure over the model on it: ``copy.deepcopy`` kept the closure, so the
+    copy's generate() ran the original's weights (a fine-tuned copy answered as the
+    original), and once a call had left ``tiercache_last`` the copy failed. The hooks are
+    now methods bound to the model, which deepcopy binds to the copy; a closed cache (the
+    record of a finished call) is shared by the copy, an open one still cannot be copied."""
+    base, ids = tiny_model(), prompt()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    wrapped = tiercache.wrap(base, config(tmp_path))
+    with torch.no_grad():
+        wrapped.generate(ids, **kw)
+        clone = copy.deepcopy(wrapped)  # after a call: tiercache_last is closed
+        assert clone.tiercache_last is wrapped.tiercache_last
+        for param in clone.parameters():
+            param.mul_(-1.0)
+        want = _twin(clone).generate(ids, **kw)
+        assert torch.equal(clone.generate(ids, **kw), want)
+        assert not torch.equal(wrapped.generate(ids, **kw), want)
+    assert clone.tiercache_last is not wrapped.tiercache_last
+
+
+def test_a_wrapped_draft_model_keeps_transformers_cache_inside_assisted_generation(tmp_path):
+    """Assisted generation calls the draft model's generate() once per round and hands it
+    back its cache of the round before. A wrapped draft got a TieredCache that closed as its
+    first call returned: "TieredCache is closed" at the second round. The draft's calls
+    within assisted generation now keep transformers' own cache; the target stays tiered."""
+    target, draft, ids = tiny_model(), tiny_model(seed=5), prompt()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    with torch.no_grad():
+        want = _twin(target).generate(ids, assistant_model=_twin(draft), **kw)
+        wrapped_target = tiercache.wrap(target, config(tmp_path / "t"))
+        wrapped_draft = tiercache.wrap(draft, config(tmp_path / "d"))
+        got = wrapped_target.generate(ids, assistant_model=wrapped_draft, **kw)
+    assert torch.equal(want, got)
+    assert wrapped_target.tiercache_last.stats()["decode_tokens"] > 0
+    assert not hasattr(wrapped_draft, "tiercache_last")

@@ -28,8 +28,9 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> dict:
 def check_length(model: Any, num_prompt_tokens: int, max_new_tokens: int) -> None:
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and num_prompt_tokens + max_new_tokens > limit:
-        raise PromptTooLongError(f"the prompt has {num_prompt_tokens} tokens and {max_new_tokens} new tokens were asked "
-                                 f"for, but the model has {limit} positions; shorten the prompt or --max-new-tokens")
+        raise PromptTooLongError(f"the prompt has {num_prompt_tokens} tokens and {max_new_tokens} new tokens were "
+                                 f"asked for, but the model has {limit} positions; shorten the prompt or "
+                                 f"--max-new-tokens")
 
 
 class _Progress:
@@ -88,7 +89,7 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
     ``tiercache.lab.trace``)."""
     from transformers import TextStreamer
 
-    from tiercache.hf import TieredCache
+    from tiercache.hf import TieredCache, _inner_generate, _tiering
     from tiercache.models import load_model
 
     if model is None:
@@ -114,14 +115,34 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         if on_open is not None:
             on_open(cache)
         chunked = bool(prefill_chunk) and num_prompt > prefill_chunk
-        loaded = cache.load_prefix(inputs["input_ids"], prefill_chunk=prefill_chunk if chunked else None)
-        _check_device_budget(cache, config, num_prompt, max_new_tokens, prefill_chunk if chunked else None, loaded)
-        meter.prefill_total = num_prompt - loaded  # the bar counts what is computed, to its end
+
+        def before_prefill(cache: Any, ids: torch.Tensor, generation_config: Any, loaded: int) -> None:
+            # the prefix is loaded (where that is exact: wrap()'s rule) before the device
+            # budget is checked: a loaded prefix moves where the chunks fall
+            _check_device_budget(cache, config, num_prompt, max_new_tokens, prefill_chunk if chunked else None,
+                                 loaded)
+            meter.prefill_total = num_prompt - loaded  # the bar counts what is computed, to its end
+
+        handed: list = []
+
+        def make() -> Any:
+            if handed:  # one cache per run; a second cache asked for is a loop this command does not run
+                raise RuntimeError("tiercache generate: generate() asked for a second cache")
+            handed.append(cache)
+            return cache
+
         kwargs = {"prefill_chunk_size": prefill_chunk} if chunked else {}
-        with torch.inference_mode():
-            out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                                 streamer=streamer, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                                 **kwargs)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # Greedy, one beam, with a cache, whatever the model's generation config says (its
+        # use_cache=False, kept from training, fed the whole sequence to the cache at every
+        # step). The generate() of before wrap(): a wrapped one would make a cache of its own.
+        generate = _inner_generate(model)
+        with _tiering(model, make, before_prefill), torch.inference_mode():
+            out = generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                           num_return_sequences=1, use_cache=True, streamer=streamer, pad_token_id=pad, **kwargs)
+        if not handed:
+            raise RuntimeError(f"tiercache generate: {type(model).__name__}.generate() made no cache of its own, "
+                               f"so nothing ran on the tiers")
         t_end = time.perf_counter()
         stats = cache.stats()
         attention = cache.attention_stats()

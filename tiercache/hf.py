@@ -9,13 +9,15 @@ can be evicted under it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import threading
+import types
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -268,6 +270,8 @@ class TieredCache(Cache):
         self._chain: list = []  # ChainBlock of each full block of _token_ids
         self._admitted: dict = {}  # chained hash -> admission decision
         self._injecting = False
+        self._generation_mode: Optional[str] = None  # set by wrap()'s hooks (_prepare_cache_hook)
+        self._prefill_seen = False  # wrap()'s hooks: the first prefill came (_prefill_hook)
         self._hook = None
         if self._reuse:  # the hook holds the cache weakly: an unclosed cache can still be collected
             ref = weakref.ref(self)
@@ -322,6 +326,11 @@ class TieredCache(Cache):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None or ids.dim() != 2 or ids.shape[0] != 1:
             self._token_ids = None  # batches, beams and embeddings are not published
+            return
+        if _other_inputs(kwargs):
+            # images, embeddings, token types: KV that the ids alone do not name (a VLM's
+            # image placeholders were published, then loaded without the image: a traceback)
+            self._token_ids = None
             return
         mask = kwargs.get("attention_mask")
         if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
@@ -1086,10 +1095,16 @@ class TieredCache(Cache):
             return 0
         return prefix.clear(None if tier is None else tiers[tier])
 
+    # A closed cache is the record of a finished run (stats() only): a copy of a model that
+    # holds one (wrap()'s ``tiercache_last``) shares it. An open one holds pools and files.
     def __copy__(self) -> "TieredCache":
+        if self.closed:
+            return self
         raise TypeError(_NOT_COPYABLE)
 
     def __deepcopy__(self, memo: dict) -> "TieredCache":
+        if self.closed:
+            return self
         raise TypeError(_NOT_COPYABLE)
 
     def __reduce_ex__(self, protocol: int):
@@ -1167,136 +1182,189 @@ def _thread_token() -> object:
     return token
 
 
-def _effective_generation_config(model: Any, kwargs: dict, fallback: Optional[dict] = None) -> Any:
-    """The ``GenerationConfig`` that ``generate(**kwargs)`` will run with: transformers' own
-    merge (the call's keywords, then its ``generation_config``, whose unset fields come from
-    the model's, then the defaults). A lookup of our own missed the model's values behind a
-    caller's config (``use_cache=False`` on the model: wrong tokens again)."""
-    from transformers import GenerationConfig
+# ---- generate(): where transformers makes its cache, and where it prefills --------------------
+# wrap() and ``tiercache generate`` do not read generate()'s arguments. Reading them, the way
+# transformers would merge them, kept missing settings (a subclass's defaults, a setting its
+# generate() makes in its body, a sentinel default transformers refuses, a custom_generate
+# loop, images): each a case of wrong tokens. Instead, two of the model's own generation
+# steps are hooked, on the instance, and act only inside a ``_tiering`` scope of this thread:
+# - ``_prepare_cache_for_generation``, which transformers calls with its settled config and
+#   inputs: where it would make its own cache, the scope makes a TieredCache;
+# - ``_prefill``, the one step that slices the prompt by what the cache already holds: there,
+#   and only for a plain loop, the cached prefix is loaded. A loop that never calls it
+#   (assisted generation, a custom one) computes the whole prompt: nothing is loaded.
 
-    given = kwargs.get("generation_config")
-    if not isinstance(given, GenerationConfig):  # a subclass's own parameter of that name, say
-        given = None
-    prepare = getattr(model, "_prepare_generation_config", None)
-    if prepare is not None:
-        for attempt in (kwargs, fallback):
-            if attempt is None:
-                continue
-            rest = {k: v for k, v in attempt.items() if k != "generation_config"}
-            try:
-                return prepare(given, **rest)[0]
-            except Exception:  # noqa: BLE001 - generate() itself reports what is wrong with the call
-                pass
-    return given if given is not None else getattr(model, "generation_config", None)
+_SCOPES = threading.local()  # .stack: this thread's open _Scopes, innermost last
+_PREFIX_MODES = ("greedy_search", "sample")  # GenerationMode values whose loop prefills through _prefill
+# model inputs of a plain text prefill: any other one (pixel_values, inputs_embeds, token_type_ids,
+# ...) makes KV that the prompt's ids alone do not name
+_PLAIN_INPUTS = frozenset({"input_ids", "cache", "past_key_values", "attention_mask", "position_ids", "use_cache",
+                           "logits_to_keep", "return_dict", "cache_position", "output_attentions",
+                           "output_hidden_states"})
 
 
-def _call_view(generate: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """The arguments of a ``generate(*args, **kwargs)`` call by name, to read, not to pass on:
-    the call itself goes on as it was given (rebuilt from names, it broke signatures such as
-    PEFT's ``generate(*args, **kwargs)``, positional-only ones, or ones naming the inputs
-    before ``*args``). Returns (the arguments given, by name; the defaults of ``generate``'s
-    own parameters that were not given and are not None: a subclass's ``use_cache=False``
-    is the call's). Read by ``generate``'s own signature; one that forwards ``*args`` after
-    GenerationMixin's first parameters, or none (PEFT's), is read as transformers'
-    ``GenerationMixin.generate`` takes them. None where it cannot be read (arguments that do
-    not bind, or positional values past other named parameters into ``*args``, whose
-    meaning only the subclass knows): ``wrap`` then leaves the call alone."""
-    import inspect
+def _other_inputs(kwargs: dict) -> bool:
+    """Inputs of a forward or prefill other than the ids and their positions (flags aside)."""
+    return any(name not in _PLAIN_INPUTS and value is not None and not isinstance(value, (bool, int, float, str))
+               for name, value in kwargs.items())
 
-    from transformers.generation.utils import GenerationMixin
 
+class _Scope:
+    """One tiered ``generate()`` of ``model`` on this thread: ``make()`` gives the cache,
+    ``made`` keeps what it gave, ``on_prefill(cache, input_ids, generation_config, loaded)``
+    runs once the prefix is loaded, before the prefill."""
+
+    __slots__ = ("model", "make", "made", "on_prefill")
+
+    def __init__(self, model: Any, make: Callable[[], "TieredCache"],
+                 on_prefill: Optional[Callable[..., None]] = None) -> None:
+        self.model, self.make, self.made, self.on_prefill = model, make, [], on_prefill
+
+
+def _scope_of(model: Any) -> Optional[_Scope]:
+    for scope in reversed(getattr(_SCOPES, "stack", ())):
+        if scope.model is model:
+            return scope
+    return None
+
+
+@contextlib.contextmanager
+def _tiering(model: Any, make: Callable[[], "TieredCache"], on_prefill: Optional[Callable[..., None]] = None):
+    """While open, ``model.generate()`` on this thread runs on ``make()``'s cache wherever it
+    would make a cache of its own, and loads the cached prefix where that is exact."""
+    _install_hooks(model)
+    stack = _SCOPES.__dict__.setdefault("stack", [])
+    scope = _Scope(model, make, on_prefill)
+    stack.append(scope)
     try:
-        own = inspect.signature(generate)
-        params = list(own.parameters.values())
-        signature, lead = own, ()
-        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-            positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            named = [p.name for p in params if p.kind in positional]
-            mixin = inspect.signature(GenerationMixin.generate)
-            theirs = [p.name for p in list(mixin.parameters.values())[1:] if p.kind in positional]
-            if named == theirs[:len(named)]:  # a forwarder (PEFT's), maybe naming the first ones
-                signature, lead = mixin, (None,)  # None for self
-            elif len(args) > len(named):
-                return None
-        bound = signature.bind_partial(*lead, *args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    view: dict = {}
-    for name, value in list(bound.arguments.items())[len(lead):]:
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            view.update(value)
-        elif kind is not inspect.Parameter.VAR_POSITIONAL:
-            view[name] = value
-    # Not bound above: a None default means "not given" (it would override the model's
-    # settings in the merge: use_cache=None hid the model's False), and so do parameters the
-    # call set (keyword-only ones of a forwarder too).
-    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty
-                and p.default is not None and p.name not in view}
-    return view, defaults
+        yield scope
+    finally:
+        stack.remove(scope)
 
 
-def _callers_cache_choice(model: Any, call: dict) -> bool:
-    """A cache other than ours asked for by the call: ``cache_implementation`` as a keyword,
-    or in the call's own ``generation_config`` where it differs from the model's (a copy of
-    the model's config, or the model's own object, carries the model's default, not a choice
-    of the caller's; "hybrid", which transformers drops, is none either)."""
-    if call.get("cache_implementation") is not None:
-        return True
-    chosen = getattr(call.get("generation_config"), "cache_implementation", None)
-    models = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
-    return chosen not in (None, "hybrid", models)
+def _install_hooks(model: Any) -> None:
+    """Put the two hooks on ``model`` (once). Bound methods, not closures: ``copy.deepcopy``
+    of the model binds them to the copy."""
+    if "_tiercache_hooked" not in vars(model):
+        model._prepare_cache_for_generation = types.MethodType(_prepare_cache_hook, model)
+        model._prefill = types.MethodType(_prefill_hook, model)
+        model._tiercache_hooked = True
 
 
-def _infers_a_mask(ids: torch.Tensor, pad: Any, eos: Any) -> bool:
-    """Whether transformers infers an attention mask with zeros for ``ids`` given no mask:
-    its rule (``_prepare_attention_mask_for_generation``): a pad token among the ids, and
-    the pad token not an eos token (SmolLM2's pad is its eos: no mask is inferred there)."""
-    if pad is None:
+def _tiers_the_call(model: Any, generation_config: Any, model_kwargs: dict) -> bool:
+    """Whether transformers is about to make a cache of its default kind: not where the caller
+    passed one, asked for none (``use_cache=False``, from wherever it came), or chose another
+    kind, nor for a draft model's calls within assisted generation. A ``cache_implementation``
+    equal to the model's default (or "hybrid", which transformers drops) is no choice of the
+    caller's."""
+    if model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None:
         return False
-    try:
-        pad_t = torch.as_tensor(pad, device=ids.device).flatten()
-        if not bool(torch.isin(ids, pad_t).any()):
+    if getattr(generation_config, "use_cache", True) is False:
+        return False
+    if getattr(generation_config, "is_assistant", False):
+        # a wrapped draft model inside assisted generation: transformers keeps the draft's
+        # cache across its generate() calls, and the cache of a call is closed as it returns
+        return False
+    chosen = getattr(generation_config, "cache_implementation", None)
+    default = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    if chosen not in (None, "hybrid", default):
+        return False
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    return supports is None or bool(supports())
+
+
+def _prepare_cache_hook(self: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+    scope = _scope_of(self)
+    if scope is None or not _tiers_the_call(self, generation_config, model_kwargs):
+        return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
+                                                        *args, **kwargs)
+    cache = scope.make()
+    scope.made.append(cache)
+    cache._generation_mode = getattr(generation_mode, "value", generation_mode)
+    model_kwargs["cache"] = cache
+    return None
+
+
+def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict,
+                  *args: Any, **kwargs: Any) -> Any:
+    scope = _scope_of(self)
+    cache = model_kwargs.get("cache")
+    first = kwargs.get("is_first_iteration", args[0] if args else True)
+    if (scope is not None and first and any(cache is made for made in scope.made)
+            and not cache._prefill_seen):
+        cache._prefill_seen = True
+        loaded = 0
+        if _prefix_loadable(self, cache, input_ids, generation_config, model_kwargs):
+            loaded = cache.load_prefix(input_ids, prefill_chunk=getattr(generation_config, "prefill_chunk_size", None))
+        if scope.on_prefill is not None:
+            scope.on_prefill(cache, input_ids, generation_config, loaded)
+    return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+
+def _usual_positions(positions: Any, ids: torch.Tensor) -> bool:
+    return (isinstance(positions, torch.Tensor) and positions.shape[-1] == ids.shape[1]
+            and bool((positions == torch.arange(ids.shape[1], device=positions.device)).all()))
+
+
+def _prefix_loadable(model: Any, cache: "TieredCache", input_ids: torch.Tensor, generation_config: Any,
+                     model_kwargs: dict) -> bool:
+    """Whether this first prefill may start from a cached prefix: transformers then computes
+    only the prompt's tail (it slices the ids by the cache's length). Only where the KV of
+    the prompt's ids alone, at the usual positions, is what the model would compute: one
+    row, the plain loops, a mask (given or inferred) that hides nothing and covers the ids
+    (transformers slices only then), no inputs but the ids (images, embeddings), and no
+    outputs asked for the prompt (hidden states, attentions: they would cover its tail)."""
+    if getattr(cache, "_generation_mode", None) not in _PREFIX_MODES:
+        return False
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        return False
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        if not (mask.dim() == 2 and mask.shape[1] == input_ids.shape[1] and bool(mask.all())):
             return False
-        return eos is None or not bool(torch.isin(torch.as_tensor(eos, device=ids.device).flatten(), pad_t).any())
-    except (TypeError, ValueError, RuntimeError):
-        return True  # a pad token we cannot read: do not load
+    elif getattr(generation_config, "_mask_length", -1) != input_ids.shape[1]:
+        return False
+    positions = model_kwargs.get("position_ids")
+    if positions is not None and not _usual_positions(positions, input_ids):
+        return False
+    if _other_inputs(model_kwargs):
+        return False
+    return not (getattr(generation_config, "output_hidden_states", False)
+                or getattr(generation_config, "output_attentions", False))
 
 
-def _prefix_loadable(ids: torch.Tensor, kwargs: dict, config: Any) -> bool:
-    """Whether ``wrap``'s ``generate`` may fill its fresh cache with a cached prefix first.
-    transformers treats a cache that holds tokens as the caller's past. Only the plain
-    decoding loops slice the prompt by it: assisted generation and prompt lookup fed the
-    whole prompt again on top of it (wrong tokens); beam search and several return sequences
-    expand the batch, which a batch-1 prefix cannot follow; prompt embeddings, or a mask
-    that hides some prompt tokens (given, or inferred by transformers from pad tokens in
-    the ids), make KV that the prompt's ids do not name (wrong tokens); and outputs asked
-    for the prompt (hidden states, attentions) would cover only its tail."""
-    def setting(name: str, default: Any) -> Any:
-        value = getattr(config, name, None) if config is not None else None
-        return default if value is None else value
+def _inner_generate(model: Any) -> Callable[..., Any]:
+    """``model.generate`` as it was before ``wrap()``: an instance's own (custom_generate's),
+    else its class's."""
+    if not vars(model).get("_tiercache_wrapped", False):
+        return model.generate
+    inner = vars(model).get("_tiercache_inner_generate")
+    return inner if inner is not None else types.MethodType(type(model).generate, model)
 
-    if kwargs.get("inputs_embeds") is not None or kwargs.get("assistant_model") is not None:
-        return False
-    positions = kwargs.get("position_ids")
-    if positions is not None and not (  # positions of the caller's: KV the ids do not name
-            isinstance(positions, torch.Tensor) and positions.shape == ids.shape
-            and bool((positions == torch.arange(ids.shape[1], device=positions.device)).all())):
-        return False
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
-        return False
-    if mask is None and _infers_a_mask(ids, setting("pad_token_id", None), setting("eos_token_id", None)):
-        return False
-    if setting("prompt_lookup_num_tokens", None) or setting("assistant_early_exit", None):
-        return False
-    if setting("num_beams", 1) > 1 or setting("num_return_sequences", 1) > 1:
-        return False
-    return not (setting("output_hidden_states", False) or setting("output_attentions", False))
+
+def _tiered_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``generate()`` of a wrapped model: the model's own, on a TieredCache wherever it would
+    make a cache of its own (see ``_tiering``). The caches are closed when it returns."""
+    call = _inner_generate(self)
+
+    def make() -> "TieredCache":
+        cache = TieredCache(self, self._tiercache_config)
+        self.tiercache_last = cache
+        return cache
+
+    with _tiering(self, make) as scope:
+        try:
+            return call(*args, **kwargs)
+        finally:
+            for cache in scope.made:
+                cache.close()
 
 
 def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
-    """Make ``model.generate()`` use a TieredCache (one per call) unless a cache is passed.
+    """Make ``model.generate()`` use a TieredCache (one per call) wherever it would make a
+    cache of its own: not where the call passes a cache, asks for none or for another kind.
+    A cached prompt prefix is loaded only where generate() prefills through its plain loop.
 
     The cache of the latest call stays readable as ``model.tiercache_last``; its I/O workers
     stop when the call returns.
@@ -1305,43 +1373,15 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
         raise TypeError(f"wrap: expected a transformers model (with generate()), got {type(model).__name__}")
     check_supported(model.config)
     cfg = as_tier_config(config)
-    if getattr(model, "_tiercache_wrapped", False):
-        model._tiercache_config = cfg
-        return model
-    original = model.generate
-
-    def generate(*args, **kwargs):
-        read = _call_view(original, args, kwargs)
-        if read is None:
-            return original(*args, **kwargs)  # a call we cannot read
-        call, defaults = read
-        if call.get("cache") is not None or call.get("past_key_values") is not None:
-            return original(*args, **kwargs)  # a cache of the caller's
-        # the subclass's own defaults with the call's, if transformers takes them (a sentinel
-        # such as max_new_tokens=-1 it refuses: then the call's alone, not the model's alone)
-        config = _effective_generation_config(model, {**defaults, **call}, fallback=call)
-        # The caller asked for no cache, or for another kind: a cache passed anyway was fed
-        # the whole sequence again at every step (use_cache=False: wrong tokens), or
-        # transformers refused both (cache_implementation given in the call).
-        if getattr(config, "use_cache", True) is False or _callers_cache_choice(model, call):
-            return original(*args, **kwargs)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
-        if getattr(config, "cache_implementation", None) is not None:  # the model's default, not the caller's
-            kwargs["cache_implementation"] = None
-        cache = TieredCache(model, model._tiercache_config)
-        model.tiercache_last = cache
-        try:
-            ids = call.get("inputs", call.get("input_ids"))
-            if isinstance(ids, torch.Tensor) and _prefix_loadable(ids, call, config):
-                # a cached prefix is loaded, not recomputed (as much as keeps the prefill within
-                # budget: the chunk size as generate() will read it, from the merged config)
-                chunk = getattr(config, "prefill_chunk_size", None) or call.get("prefill_chunk_size")
-                cache.load_prefix(ids, prefill_chunk=chunk)
-            return original(*args, cache=cache, **kwargs)
-        finally:
-            cache.close()
-
+    for name in ("_prepare_cache_for_generation", "_prefill"):
+        if not callable(getattr(type(model), name, None)):
+            raise TypeError(f"wrap: {type(model).__name__} has no transformers {name}(); wrap() needs a model "
+                            f"whose generate() is transformers' GenerationMixin.generate")
     model._tiercache_config = cfg
+    if vars(model).get("_tiercache_wrapped", False):
+        return model
+    _install_hooks(model)
+    model._tiercache_inner_generate = vars(model).get("generate")
+    model.generate = types.MethodType(_tiered_generate, model)
     model._tiercache_wrapped = True
-    model.generate = generate
     return model
