@@ -607,7 +607,7 @@ def test_a_subclass_with_its_own_generate_parameters_is_read_by_them(tmp_path):
         unwrapped = own(False).generate(ids, torch.ones_like(ids), NEW, **kw)
         no_cache = tiercache.wrap(own(False), config(tmp_path))
         out = no_cache.generate(ids, torch.ones_like(ids), NEW, **kw)
-        assert torch.equal(unwrapped.sequences, out.sequences) and not hasattr(no_cache, "tiercache_last")
+        assert torch.equal(unwrapped.sequences, out.sequences) and no_cache.tiercache_last is None
         tiered = tiercache.wrap(own(True), config(tmp_path))
         out = tiered.generate(ids, torch.ones_like(ids), NEW, **kw)
     assert_same(ref, out)
@@ -616,7 +616,7 @@ def test_a_subclass_with_its_own_generate_parameters_is_read_by_them(tmp_path):
         unwrapped = own(True, NoCacheByDefault).generate(ids, torch.ones_like(ids), **GEN)
         no_cache = tiercache.wrap(own(True, NoCacheByDefault), config(tmp_path))
         out = no_cache.generate(ids, torch.ones_like(ids), **GEN)
-    assert torch.equal(unwrapped.sequences, out.sequences) and not hasattr(no_cache, "tiercache_last")
+    assert torch.equal(unwrapped.sequences, out.sequences) and no_cache.tiercache_last is None
     padded, mask = ids.clone(), torch.ones_like(ids)
     padded[0, :4], mask[0, :4] = 0, 0
     with torch.no_grad():
@@ -1002,7 +1002,7 @@ def test_tiercache_generate_runs_greedy_on_its_cache_whatever_the_models_generat
     result = generate_text("x", config(tmp_path / "c0"), model=wrapped, tokenizer=Tokenizer(), max_new_tokens=NEW,
                            progress=False, prefill_chunk=None)
     assert result["new_token_ids"] == want and result["stats"]["reused_tokens"] == 28
-    assert not hasattr(wrapped, "tiercache_last")
+    assert getattr(wrapped, "tiercache_last", None) is None
 
 
 def test_a_copy_of_a_wrapped_model_generates_with_its_own_weights(tmp_path):
@@ -1040,4 +1040,147 @@ def test_a_wrapped_draft_model_keeps_transformers_cache_inside_assisted_generati
         got = wrapped_target.generate(ids, assistant_model=wrapped_draft, **kw)
     assert torch.equal(want, got)
     assert wrapped_target.tiercache_last.stats()["decode_tokens"] > 0
-    assert not hasattr(wrapped_draft, "tiercache_last")
+    assert getattr(wrapped_draft, "tiercache_last", None) is None
+
+
+def test_a_wrapped_model_round_trips_through_torch_save_and_keeps_its_record(tmp_path):
+    """The hooks were bound methods: pickle restores those by looking their names up on the
+    model, which had not got them back yet, so ``torch.load`` of a saved wrapped model
+    failed (a review). After a call the closed ``tiercache_last`` refused pickling. Now the
+    hooks pickle as themselves, and a finished call's record as None; the loaded model is
+    still wrapped and gives the same tokens."""
+    import io
+
+    base, ids = tiny_model(), prompt()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    with torch.no_grad():
+        want = _twin(base).generate(ids, **kw)
+    wrapped = tiercache.wrap(base, config(tmp_path))
+    for called in (False, True):
+        if called:
+            with torch.no_grad():
+                wrapped.generate(ids, **kw)
+        buf = io.BytesIO()
+        torch.save(wrapped, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert getattr(loaded, "tiercache_last", None) is None
+        with torch.no_grad():
+            assert torch.equal(loaded.generate(ids, **kw), want)
+        assert loaded.tiercache_last.stats()["decode_tokens"] == NEW - 1  # tiered, on its own weights
+        assert loaded.tiercache_last is not getattr(wrapped, "tiercache_last", None)
+
+
+def test_a_closed_cache_passed_back_is_refused_before_the_prompt_is_touched(tmp_path):
+    """``return_dict_in_generate`` hands back the call's cache, closed as the call returns.
+    Passed back for a second turn, it failed deep in the model ("TieredCache is closed", 31
+    frames down, the prompt already sliced by its length). It is now refused as generate()
+    prepares its cache, with what to do instead."""
+    wrapped, ids = tiercache.wrap(tiny_model(), config(tmp_path)), prompt()
+    with torch.no_grad():
+        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+        assert out.cache is wrapped.tiercache_last and out.cache.closed
+        turn = torch.cat([out.sequences, prompt(seed=2, length=4)], dim=1)
+        with pytest.raises(RuntimeError, match="TieredCache is closed.*call generate\\(\\) with the whole "
+                                               "conversation.*pass a TieredCache of your own"):
+            wrapped.generate(turn, attention_mask=torch.ones_like(turn), cache=out.cache, **GEN)
+        again = wrapped.generate(turn, attention_mask=torch.ones_like(turn), **GEN)  # the way it names
+    assert_same(reference(tiny_model(), turn), again)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == (PROMPT + NEW - 1) // BT * BT
+
+
+def test_tiercache_last_is_this_calls_cache_or_none(tmp_path, caplog):
+    """``tiercache_last`` stayed the previous call's after a call that ran untiered, and was
+    the inner call's after a generate() run from a logits processor (a review). It is now the
+    call's own cache, or None. A model whose own generation config says ``use_cache=False``
+    (kept from training) runs untiered, and wrap() says so; so does a mode a TieredCache
+    does not run (contrastive search's loop expands the cache per candidate)."""
+    wrapped, ids = tiercache.wrap(tiny_model(), config(tmp_path)), prompt()
+    mask = torch.ones_like(ids)
+
+    class Nested(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            wrapped.generate(input_ids[:, :8], attention_mask=torch.ones_like(input_ids[:, :8]), max_new_tokens=1)
+            return scores
+
+    with torch.no_grad():
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=2)
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=2, use_cache=False)
+        assert wrapped.tiercache_last is None
+        wrapped.generate(prompt(seed=3), attention_mask=mask, max_new_tokens=NEW,
+                         logits_processor=transformers.LogitsProcessorList([Nested()]))
+    stats = wrapped.tiercache_last.stats()
+    assert (stats["prefill_tokens"], stats["decode_tokens"]) == (PROMPT, NEW - 1)
+
+    def contrastive_like(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                         **model_kwargs):
+        out = model._prefill(input_ids, generation_config, model_kwargs)
+        out.cache.batch_repeat_interleave(generation_config.top_k)  # as contrastive search's recipe does
+        return input_ids
+
+    no_cache = tiny_model()
+    no_cache.generation_config.use_cache = False
+    with caplog.at_level("WARNING", logger="tiercache"):
+        tiercache.wrap(no_cache, config(tmp_path / "n"))
+        with torch.no_grad():
+            wrapped.generate(ids, attention_mask=mask, penalty_alpha=0.6, top_k=4, max_new_tokens=3,
+                             custom_generate=contrastive_like)
+    assert wrapped.tiercache_last is None
+    assert "generation_config has use_cache=False" in caplog.text
+    assert "'contrastive_search' runs on transformers' own cache" in caplog.text
+
+
+def test_a_closed_cache_lets_go_of_its_device_pool(tmp_path):
+    """A closed store released its host pool but not its device pool, so the record of a
+    finished call (``tiercache_last``, or a cache handed back) held the whole device budget:
+    on a GPU, that much memory until the next call (a review: 512 MiB held)."""
+    wrapped, ids = tiercache.wrap(tiny_model(), dataclasses.replace(config(tmp_path), device_budget="8MiB")), prompt()
+    with torch.no_grad():
+        wrapped.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2)
+    store = wrapped.tiercache_last.store
+    assert store.closed and store.device_pool.nbytes == 0
+    assert wrapped.tiercache_last.stats()["tiers"]["device"]["budget_bytes"] == 8 << 20
+
+
+def test_tiercache_generate_checks_the_budget_with_the_chunks_generate_runs(tmp_path):
+    """Where the model's generation config sets ``prefill_chunk_size`` and the command sets
+    none, generate() prefills in the model's chunks, but the budget was checked for one
+    unchunked prefill: runs that fit were refused with a wrong minimum (a review). And a
+    model config asking for ``return_dict_in_generate`` ended the run with a TypeError."""
+    from tiercache.generation import generate_text
+
+    ids = prompt()
+
+    class Tokenizer:
+        chat_template, pad_token_id, eos_token_id = None, 0, None
+
+        def __call__(self, text, return_tensors="pt"):
+            return {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+        def decode(self, new_ids, skip_special_tokens=True):
+            return ""
+
+    with torch.no_grad():
+        want = tiny_model(family="mistral").generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                                     do_sample=False)[0, PROMPT:].tolist()
+    for budget in ("3KiB", "4KiB", "6KiB"):  # a sliding window of 6 in chunks of 4: fits in all three
+        model = tiny_model(family="mistral")
+        model.generation_config.prefill_chunk_size = 4
+        model.generation_config.return_dict_in_generate = True
+        cfg = dataclasses.replace(config(tmp_path / budget), device_budget=budget, reuse=False)
+        result = generate_text("x", cfg, model=model, tokenizer=Tokenizer(), max_new_tokens=NEW, progress=False,
+                               prefill_chunk=None)
+        assert result["new_token_ids"] == want, budget
+
+
+def test_a_second_config_on_an_open_prefix_cache_is_named_in_a_warning(tmp_path, caplog):
+    """The prefix cache is one per directory, model and geometry in a process, opened with
+    the first config's settings; a later config's (re-wrapping with
+    ``reuse_admission="reused"``) were ignored without a word (a review)."""
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, stats = run(model, ids, config(tmp_path, reuse_admission="reused", remote_url="redis://u:secret@h:1"))
+    assert "reuse_admission='reused' (open with 'always')" in caplog.text and "another remote_url" in caplog.text
+    assert "secret" not in caplog.text
+    assert stats["reused_tokens"] == 28  # the open cache's settings: as the warning says

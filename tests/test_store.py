@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import os
 import stat
@@ -813,10 +814,16 @@ def test_ctrl_c_while_a_move_waits_for_room_in_the_queue_rolls_it_back(make_stor
         pass
 
     store = make_store(device_blocks=3, host_blocks=3, disk_blocks=20, io_workers=1, queue_depth=1)
+    # No write-behind: a copy it had already made below let demote() drop the device copy
+    # without a move, so nothing waited for room (under load: "DID NOT RAISE Interrupted").
+    store.write_behind_enabled = False
     data = blocks(geometry, 3, seed=22)
     for key, block in data.items():
         store.put(key, block)
     keys = list(data)
+    store.wait_idle()
+    if via == "demote":
+        assert store.tiers_of(keys[0]) == [Tier.DEVICE]  # so demote() must move it
     if via == "ensure_device":  # one block on disk only, two on the host only
         assert [f.exception(timeout=30) for f in store.demote_many(keys)] == [None] * 3
         assert store.demote(keys[0]).exception(timeout=30) is None
@@ -832,7 +839,16 @@ def test_ctrl_c_while_a_move_waits_for_room_in_the_queue_rolls_it_back(make_stor
     def interrupt_when_blocked():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            frame = sys_module._current_frames().get(main.ident)
+            # GC off around it: on CPython before 3.12, sys._current_frames() can run the GC while
+            # it holds the thread list's lock, and a threading.local that GC clears takes that
+            # lock again, for good (gh-106883; this test hung in Thread.start that way)
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                frame = sys_module._current_frames().get(main.ident)
+            finally:
+                if enabled:
+                    gc.enable()
             while frame is not None and not (frame.f_code.co_name == "submit"
                                              and frame.f_code.co_filename.endswith("transfer.py")):
                 frame = frame.f_back

@@ -118,9 +118,10 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
 
         def before_prefill(cache: Any, ids: torch.Tensor, generation_config: Any, loaded: int) -> None:
             # the prefix is loaded (where that is exact: wrap()'s rule) before the device
-            # budget is checked: a loaded prefix moves where the chunks fall
-            _check_device_budget(cache, config, num_prompt, max_new_tokens, prefill_chunk if chunked else None,
-                                 loaded)
+            # budget is checked: a loaded prefix moves where the chunks fall. The chunk size is
+            # the one generate() settled on (the model's own where this run sets none).
+            chunk = getattr(generation_config, "prefill_chunk_size", None)
+            _check_device_budget(cache, config, num_prompt, max_new_tokens, chunk, loaded)
             meter.prefill_total = num_prompt - loaded  # the bar counts what is computed, to its end
 
         handed: list = []
@@ -139,7 +140,8 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         generate = _inner_generate(model)
         with _tiering(model, make, before_prefill), torch.inference_mode():
             out = generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                           num_return_sequences=1, use_cache=True, streamer=streamer, pad_token_id=pad, **kwargs)
+                           num_return_sequences=1, use_cache=True, return_dict_in_generate=False, streamer=streamer,
+                           pad_token_id=pad, **kwargs)
         if not handed:
             raise RuntimeError(f"tiercache generate: {type(model).__name__}.generate() made no cache of its own, "
                                f"so nothing ran on the tiers")

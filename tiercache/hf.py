@@ -641,7 +641,7 @@ class TieredCache(Cache):
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [B, H_kv, q, D]
         if self.closed:
-            raise RuntimeError("TieredCache is closed")
+            raise RuntimeError(_CLOSED)
         me = _thread_token()
         if layer_idx and self._forward[0] is me:  # on with this thread's forward pass
             self._forward = (me, layer_idx)
@@ -1108,6 +1108,8 @@ class TieredCache(Cache):
         raise TypeError(_NOT_COPYABLE)
 
     def __reduce_ex__(self, protocol: int):
+        if self.closed:  # a finished call's record: a pickled model (torch.save) carries None
+            return (type(None), ())
         raise TypeError(_NOT_COPYABLE)
 
     def __enter__(self) -> "TieredCache":
@@ -1127,6 +1129,10 @@ class TieredCache(Cache):
 
 
 _THREADS = threading.local()
+_CLOSED = ("TieredCache is closed: it cannot take more tokens. wrap() closes the cache of each generate() call "
+           "as the call returns (also the one return_dict_in_generate hands back). To continue a conversation, "
+           "call generate() with the whole conversation (the prefix cache loads what was computed) or pass a "
+           "TieredCache of your own, closed when you are done")
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # their rotary frequencies change with the sequence length
 
 
@@ -1196,6 +1202,10 @@ def _thread_token() -> object:
 
 _SCOPES = threading.local()  # .stack: this thread's open _Scopes, innermost last
 _PREFIX_MODES = ("greedy_search", "sample")  # GenerationMode values whose loop prefills through _prefill
+# the modes a TieredCache runs (their cache calls: update, reorder_cache, crop); others (contrastive
+# search's batch_repeat_interleave, say) keep transformers' cache
+_TIERED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+_UNTIERED_SEEN: set = set()  # modes warned about once
 # model inputs of a plain text prefill: any other one (pixel_values, inputs_embeds, token_type_ids,
 # ...) makes KV that the prompt's ids alone do not name
 _PLAIN_INPUTS = frozenset({"input_ids", "cache", "past_key_values", "attention_mask", "position_ids", "use_cache",
@@ -1242,12 +1252,32 @@ def _tiering(model: Any, make: Callable[[], "TieredCache"], on_prefill: Optional
         stack.remove(scope)
 
 
+class _Hook:
+    """A hook on one model: ``function(model, ...)``. Not a closure, nor a bound method:
+    ``copy.deepcopy`` of the model gives the copy a hook on the copy (a closure ran the
+    original's weights), and pickle (``torch.save``) restores it by name, where a bound
+    method's name was looked up on a model that had not got it back yet."""
+
+    __slots__ = ("name", "model")
+
+    def __init__(self, name: str, model: Any) -> None:
+        self.name, self.model = name, model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _HOOKS[self.name](self.model, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (_Hook, (self.name, self.model))
+
+    def __repr__(self) -> str:
+        return f"<tiercache hook {self.name} of {type(self.model).__name__}>"
+
+
 def _install_hooks(model: Any) -> None:
-    """Put the two hooks on ``model`` (once). Bound methods, not closures: ``copy.deepcopy``
-    of the model binds them to the copy."""
+    """Put the two hooks on ``model`` (once)."""
     if "_tiercache_hooked" not in vars(model):
-        model._prepare_cache_for_generation = types.MethodType(_prepare_cache_hook, model)
-        model._prefill = types.MethodType(_prefill_hook, model)
+        model._prepare_cache_for_generation = _Hook("prepare_cache", model)
+        model._prefill = _Hook("prefill", model)
         model._tiercache_hooked = True
 
 
@@ -1275,15 +1305,29 @@ def _tiers_the_call(model: Any, generation_config: Any, model_kwargs: dict) -> b
 
 def _prepare_cache_hook(self: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
                         *args: Any, **kwargs: Any) -> Any:
+    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if isinstance(given, TieredCache) and given.closed:  # before the prompt is sliced by its length
+        raise RuntimeError(_CLOSED)
     scope = _scope_of(self)
-    if scope is None or not _tiers_the_call(self, generation_config, model_kwargs):
+    mode = getattr(generation_mode, "value", generation_mode)
+    tiered = scope is not None and _tiers_the_call(self, generation_config, model_kwargs)
+    if tiered and mode not in _TIERED_MODES:
+        if mode not in _UNTIERED_SEEN:
+            _UNTIERED_SEEN.add(mode)
+            log.warning("tiercache: generate() in mode %r runs on transformers' own cache, not tiered (TieredCache "
+                        "runs %s)", mode, ", ".join(_TIERED_MODES))
+        tiered = False
+    if not tiered:
         return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
                                                         *args, **kwargs)
     cache = scope.make()
     scope.made.append(cache)
-    cache._generation_mode = getattr(generation_mode, "value", generation_mode)
+    cache._generation_mode = mode
     model_kwargs["cache"] = cache
     return None
+
+
+_HOOKS = {"prepare_cache": _prepare_cache_hook}
 
 
 def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict,
@@ -1300,6 +1344,9 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
         if scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+
+_HOOKS["prefill"] = _prefill_hook
 
 
 def _usual_positions(positions: Any, ids: torch.Tensor) -> bool:
@@ -1357,8 +1404,14 @@ def _tiered_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return call(*args, **kwargs)
         finally:
+            # this call's cache, not one of a generate() run inside it (from a logits
+            # processor, say); None where it ran untiered (use_cache=False, a cache of its own)
+            self.tiercache_last = scope.made[0] if scope.made else None
             for cache in scope.made:
                 cache.close()
+
+
+_HOOKS["generate"] = _tiered_generate
 
 
 def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
@@ -1366,8 +1419,8 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     cache of its own: not where the call passes a cache, asks for none or for another kind.
     A cached prompt prefix is loaded only where generate() prefills through its plain loop.
 
-    The cache of the latest call stays readable as ``model.tiercache_last``; its I/O workers
-    stop when the call returns.
+    The cache of the latest call stays readable as ``model.tiercache_last`` (None after a
+    call that ran untiered); it is closed when the call returns.
     """
     if not callable(getattr(model, "generate", None)):
         raise TypeError(f"wrap: expected a transformers model (with generate()), got {type(model).__name__}")
@@ -1380,8 +1433,12 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     model._tiercache_config = cfg
     if vars(model).get("_tiercache_wrapped", False):
         return model
+    if getattr(getattr(model, "generation_config", None), "use_cache", None) is False:
+        log.warning("tiercache: wrap: %s's generation_config has use_cache=False, so its generate() calls run "
+                    "without a cache, untiered; set model.generation_config.use_cache = True to tier them",
+                    type(model).__name__)
     _install_hooks(model)
     model._tiercache_inner_generate = vars(model).get("generate")
-    model.generate = types.MethodType(_tiered_generate, model)
+    model.generate = _Hook("generate", model)
     model._tiercache_wrapped = True
     return model

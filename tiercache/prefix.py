@@ -608,7 +608,26 @@ def open_prefix_cache(root: str, config: TierConfig, geometry: BlockGeometry, di
             if not _OPEN:
                 atexit.register(close_all)
             cache = _OPEN[key] = PrefixCache(root, config, geometry, digest, num_layers)
+            cache.settings = _prefix_settings(config)
+        elif _prefix_settings(config) != cache.settings:
+            # Other caches of this process may be using it: the settings it opened with stay (a
+            # re-wrap with reuse_admission="reused" went on publishing on first sight, unsaid).
+            theirs, mine = cache.settings, _prefix_settings(config)
+            changed = ", ".join(f"{name}={mine[name]!r} (open with {theirs[name]!r})" if name != "remote_url"
+                                else "another remote_url" for name in mine if mine[name] != theirs[name])
+            log.warning("tiercache: the prefix cache of %s is open in this process with other settings; %s do not "
+                        "apply until tiercache.prefix.close_all() closes it", cache.directory, changed)
         return cache
+
+
+# the TierConfig fields the prefix cache reads as it opens (PrefixCache.__init__)
+_PREFIX_FIELDS = ("disk_budget", "reuse_host_budget", "reuse_admission", "eviction", "io_workers", "queue_depth",
+                  "direct_io", "disk_io", "shared_dir", "remote_url", "remote_budget", "remote_namespace",
+                  "remote_cluster", "remote_timeout", "remote_max_inflight")
+
+
+def _prefix_settings(config: TierConfig) -> dict:
+    return {name: getattr(config, name) for name in _PREFIX_FIELDS}
 
 
 def close_all() -> None:

@@ -1576,6 +1576,11 @@ class BlockStore:
                 self.disk.close()
             if self.host_pool is not None:
                 self.host_pool.close()
+            # a closed store kept as a record (wrap()'s tiercache_last) held its device budget
+            self._np_pools = self._gather_buf = None
+            if self._device_staging is not None:
+                self._device_staging.close()
+            self.device_pool.release()
         if self._policy_failures:  # a plug-in's failure in the last calls: no later call raised it
             self._raise_policy_failure()
 

@@ -128,6 +128,14 @@ class DevicePool:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def release(self) -> None:
+        """Let go of the slots (the store is closed): a closed cache kept as the record of a
+        call (``wrap()``'s ``tiercache_last``) held its whole device budget. Views handed
+        out earlier keep their own storage alive."""
+        self._np_rows = None
+        self.k = torch.empty(0, dtype=self.k.dtype, device=self.device)
+        self.v = torch.empty_like(self.k)
+
     def prefault(self, num_slots: int) -> None:
         """CPU: touch the pages of slots ``0 .. num_slots-1`` (the first a fresh pool hands
         out), so that a bulk fill such as a prefix load does not stop on a page fault per
