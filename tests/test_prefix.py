@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -997,12 +998,14 @@ def test_tiercache_generate_runs_greedy_on_its_cache_whatever_the_models_generat
                                    progress=False, prefill_chunk=None)
             assert result["new_token_ids"] == want, (setting, run_no)
             assert result["stats"]["reused_tokens"] == (reused if run_no else 0), (setting, run_no)
+    assert "_prefill" not in vars(model)  # its hooks went with the run (a saved model needed tiercache)
     # a wrapped model: the run is on this command's cache, not on one wrap() makes
     wrapped = tiercache.wrap(tiny_model(), config(tmp_path / "w"))
+    assert wrapped.tiercache_last is None
     result = generate_text("x", config(tmp_path / "c0"), model=wrapped, tokenizer=Tokenizer(), max_new_tokens=NEW,
                            progress=False, prefill_chunk=None)
     assert result["new_token_ids"] == want and result["stats"]["reused_tokens"] == 28
-    assert getattr(wrapped, "tiercache_last", None) is None
+    assert wrapped.tiercache_last is None and isinstance(vars(wrapped)["_prefill"], tiercache.hf._Hook)
 
 
 def test_a_copy_of_a_wrapped_model_generates_with_its_own_weights(tmp_path):
@@ -1087,6 +1090,83 @@ def test_a_closed_cache_passed_back_is_refused_before_the_prompt_is_touched(tmp_
         again = wrapped.generate(turn, attention_mask=torch.ones_like(turn), **GEN)  # the way it names
     assert_same(reference(tiny_model(), turn), again)
     assert wrapped.tiercache_last.stats()["reused_tokens"] == (PROMPT + NEW - 1) // BT * BT
+
+
+def test_a_closed_cache_is_refused_by_a_plain_model_too(tmp_path):
+    """The refusal lived in wrap()'s hook: a model that was not wrapped, given a closed
+    cache, sliced the prompt by its stale length and failed in a reshape inside the model
+    (a review). transformers marks a caller's cache before it reads it; that mark now
+    refuses a closed one. A cache closed by another thread under an update says so too,
+    not "too many indices for tensor" from its released pool."""
+    model, ids = tiny_model(), prompt()
+    with TieredCache(model, config(tmp_path)) as cache, torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, do_sample=False)
+    with pytest.raises(RuntimeError, match="TieredCache is closed"), torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, do_sample=False)
+
+    cache = TieredCache(model, config(tmp_path))
+    with torch.no_grad():
+        model(ids[:, :8], cache=cache, use_cache=True)
+        pool = cache.store.device_pool
+        write = pool.write_tokens
+
+        def closed_under_it(*args, **kwargs):  # another thread closes the cache mid-update
+            cache.close()
+            return write(*args, **kwargs)
+
+        pool.write_tokens = closed_under_it
+        with pytest.raises(RuntimeError, match="TieredCache is closed") as caught:
+            model(ids[:, 8:9], cache=cache, use_cache=True)
+    assert caught.value.__cause__ is not None  # what the released pool raised, kept as the cause
+
+
+def test_wrap_from_two_threads_at_once_keeps_the_models_own_generate(tmp_path):
+    """Two threads wrapping one model at once: the second took the first's hook for the
+    model's own generate(), and every call then recursed until a RecursionError (a review,
+    with the first thread held just before it marks the model wrapped). wrap() now runs
+    under a lock, and never takes a hook for the generate() it wraps."""
+    import sys as sys_module
+    import threading
+
+    import tiercache.hf as hf
+
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path)
+    mark = next(i for i, line in enumerate(open(hf.__file__).read().splitlines(), 1)
+                if "model._tiercache_wrapped = True" in line)
+    second_started = threading.Event()
+
+    def hold_before_the_mark(frame, event, arg):
+        if frame.f_code is not hf.wrap.__code__:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == mark:
+                second_started.wait(10)
+                time.sleep(0.3)  # the second wrap() runs now, if nothing keeps it out
+            return local
+        return local
+
+    def first():
+        sys_module.settrace(hold_before_the_mark)
+        try:
+            tiercache.wrap(model, cfg)
+        finally:
+            sys_module.settrace(None)
+
+    def second():
+        second_started.set()
+        tiercache.wrap(model, cfg)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not isinstance(vars(model).get("_tiercache_inner_generate"), hf._Hook)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+    assert_same(reference(tiny_model(), ids), out)
 
 
 def test_tiercache_last_is_this_calls_cache_or_none(tmp_path, caplog):
@@ -1184,3 +1264,12 @@ def test_a_second_config_on_an_open_prefix_cache_is_named_in_a_warning(tmp_path,
     assert "reuse_admission='reused' (open with 'always')" in caplog.text and "another remote_url" in caplog.text
     assert "secret" not in caplog.text
     assert stats["reused_tokens"] == 28  # the open cache's settings: as the warning says
+    # once per settings, not at every call (it was); and settings as applied: the prefix
+    # store runs lfu for layer-cycle, so lfu is no other setting (a false warning was)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tiercache"):
+        for _ in range(3):
+            run(model, ids, dataclasses.replace(config(tmp_path), disk_budget="32MiB"))
+        run(model, ids, config(tmp_path, eviction="lfu"))
+    assert caplog.text.count("is open in this process with other settings") == 1, caplog.text
+    assert "disk_budget=33554432 (open with 16777216)" in caplog.text

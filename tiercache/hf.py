@@ -639,6 +639,15 @@ class TieredCache(Cache):
     # ---- transformers.Cache API -------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return self._update(key_states, value_states, layer_idx)
+        except Exception as exc:
+            if self.closed:  # closed by another thread under this update: its pools are gone
+                raise RuntimeError(_CLOSED) from exc
+            raise
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [B, H_kv, q, D]
         if self.closed:
             raise RuntimeError(_CLOSED)
@@ -1095,6 +1104,18 @@ class TieredCache(Cache):
             return 0
         return prefix.clear(None if tier is None else tiers[tier])
 
+    # transformers marks a cache the caller passed (``_prepare_cache_for_generation``) before
+    # anything reads it: a closed one is refused there, not by a reshape inside the model.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if self.closed:
+            raise RuntimeError(_CLOSED)
+        self.__dict__["_user_defined"] = value
+
     # A closed cache is the record of a finished run (stats() only): a copy of a model that
     # holds one (wrap()'s ``tiercache_last``) shares it. An open one holds pools and files.
     def __copy__(self) -> "TieredCache":
@@ -1241,8 +1262,12 @@ def _scope_of(model: Any) -> Optional[_Scope]:
 @contextlib.contextmanager
 def _tiering(model: Any, make: Callable[[], "TieredCache"], on_prefill: Optional[Callable[..., None]] = None):
     """While open, ``model.generate()`` on this thread runs on ``make()``'s cache wherever it
-    would make a cache of its own, and loads the cached prefix where that is exact."""
-    _install_hooks(model)
+    would make a cache of its own, and loads the cached prefix where that is exact. On a
+    model that is not wrapped, the hooks go again when its last scope closes (a model that
+    ``tiercache generate`` ran kept them, and then needed tiercache to be unpickled)."""
+    with _HOOK_LOCK:
+        _install_hooks(model)
+        _OPEN_SCOPES[model] = _OPEN_SCOPES.get(model, 0) + 1
     stack = _SCOPES.__dict__.setdefault("stack", [])
     scope = _Scope(model, make, on_prefill)
     stack.append(scope)
@@ -1250,6 +1275,12 @@ def _tiering(model: Any, make: Callable[[], "TieredCache"], on_prefill: Optional
         yield scope
     finally:
         stack.remove(scope)
+        with _HOOK_LOCK:
+            _OPEN_SCOPES[model] -= 1
+            if not _OPEN_SCOPES[model]:
+                del _OPEN_SCOPES[model]
+                if not vars(model).get("_tiercache_wrapped", False):
+                    _remove_hooks(model)
 
 
 class _Hook:
@@ -1273,12 +1304,21 @@ class _Hook:
         return f"<tiercache hook {self.name} of {type(self.model).__name__}>"
 
 
+_HOOK_LOCK = threading.RLock()  # installing and removing hooks, wrap()
+_OPEN_SCOPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _tiering scopes open
+
+
 def _install_hooks(model: Any) -> None:
-    """Put the two hooks on ``model`` (once)."""
+    """Put the two hooks on ``model`` (once; under ``_HOOK_LOCK``)."""
     if "_tiercache_hooked" not in vars(model):
         model._prepare_cache_for_generation = _Hook("prepare_cache", model)
         model._prefill = _Hook("prefill", model)
         model._tiercache_hooked = True
+
+
+def _remove_hooks(model: Any) -> None:
+    for name in ("_prepare_cache_for_generation", "_prefill", "_tiercache_hooked"):
+        vars(model).pop(name, None)
 
 
 def _tiers_the_call(model: Any, generation_config: Any, model_kwargs: dict) -> bool:
@@ -1437,8 +1477,13 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
         log.warning("tiercache: wrap: %s's generation_config has use_cache=False, so its generate() calls run "
                     "without a cache, untiered; set model.generation_config.use_cache = True to tier them",
                     type(model).__name__)
-    _install_hooks(model)
-    model._tiercache_inner_generate = vars(model).get("generate")
-    model.generate = _Hook("generate", model)
-    model._tiercache_wrapped = True
+    with _HOOK_LOCK:  # two threads wrapping at once: the second took the first's hook for the model's own
+        if vars(model).get("_tiercache_wrapped", False):
+            return model
+        _install_hooks(model)
+        inner = vars(model).get("generate")
+        model._tiercache_inner_generate = None if isinstance(inner, _Hook) else inner
+        model.generate = _Hook("generate", model)
+        model.tiercache_last = None
+        model._tiercache_wrapped = True
     return model

@@ -609,15 +609,23 @@ def open_prefix_cache(root: str, config: TierConfig, geometry: BlockGeometry, di
                 atexit.register(close_all)
             cache = _OPEN[key] = PrefixCache(root, config, geometry, digest, num_layers)
             cache.settings = _prefix_settings(config)
+            _WARNED.difference_update([said for said in _WARNED if said[0] == key])
         elif _prefix_settings(config) != cache.settings:
             # Other caches of this process may be using it: the settings it opened with stay (a
             # re-wrap with reuse_admission="reused" went on publishing on first sight, unsaid).
+            # Said once per directory and settings, not at every generate() call.
             theirs, mine = cache.settings, _prefix_settings(config)
-            changed = ", ".join(f"{name}={mine[name]!r} (open with {theirs[name]!r})" if name != "remote_url"
-                                else "another remote_url" for name in mine if mine[name] != theirs[name])
-            log.warning("tiercache: the prefix cache of %s is open in this process with other settings; %s do not "
-                        "apply until tiercache.prefix.close_all() closes it", cache.directory, changed)
+            said = (key, tuple(mine.items()))
+            if said not in _WARNED:
+                _WARNED.add(said)
+                changed = ", ".join(f"{name}={mine[name]!r} (open with {theirs[name]!r})" if name != "remote_url"
+                                    else "another remote_url" for name in mine if mine[name] != theirs[name])
+                log.warning("tiercache: the prefix cache of %s is open in this process with other settings; %s do "
+                            "not apply until tiercache.prefix.close_all() closes it", cache.directory, changed)
         return cache
+
+
+_WARNED: set = set()  # (prefix cache key, settings) said to differ from the open cache's
 
 
 # the TierConfig fields the prefix cache reads as it opens (PrefixCache.__init__)
@@ -627,7 +635,11 @@ _PREFIX_FIELDS = ("disk_budget", "reuse_host_budget", "reuse_admission", "evicti
 
 
 def _prefix_settings(config: TierConfig) -> dict:
-    return {name: getattr(config, name) for name in _PREFIX_FIELDS}
+    """The prefix cache's settings from ``config``, as it applies them (eviction: the prefix
+    store's own, ``prefix_eviction``)."""
+    settings = {name: getattr(config, name) for name in _PREFIX_FIELDS}
+    settings["eviction"] = prefix_eviction(config.eviction)
+    return settings
 
 
 def close_all() -> None:
@@ -635,6 +647,7 @@ def close_all() -> None:
     with _OPEN_LOCK:
         caches = list(_OPEN.values())
         _OPEN.clear()
+        _WARNED.clear()
     for cache in caches:
         try:
             cache.close()
