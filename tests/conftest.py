@@ -60,3 +60,14 @@ def make_store(tmp_path, geometry):
         if closer.is_alive():
             hung.append(s)
     assert not hung, f"close() hung on {len(hung)} store(s): a move stayed in flight"
+
+
+@pytest.fixture(autouse=True)
+def _close_prefix_caches():
+    """The prefix cache is one per directory, model and geometry in a process, kept open (with
+    its I/O threads) until ``close_all``: over a whole run, every test's temporary directory
+    left one open, hundreds of idle threads in all. Each test closes what it opened."""
+    yield
+    from tiercache.prefix import close_all
+
+    close_all()

@@ -313,6 +313,8 @@ def test_a_metrics_textfile_holds_the_runs_histograms(tmp_path):
                if not s.labels}
     layers = 30  # SmolLM2-135M: one stall observation per layer update
     assert samples["tiercache_stall_seconds_count"] == 2 * layers  # the prefill and one decode step
+    # --quiet: "no progress bar": transformers' "Loading weights" bar was still there (a review)
+    assert "Loading weights" not in proc.stderr and "it/s" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("name", ["decode", "faults", "overhead", "policies", "prefix"])

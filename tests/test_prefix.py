@@ -1273,3 +1273,22 @@ def test_a_second_config_on_an_open_prefix_cache_is_named_in_a_warning(tmp_path,
         run(model, ids, config(tmp_path, eviction="lfu"))
     assert caplog.text.count("is open in this process with other settings") == 1, caplog.text
     assert "disk_budget=33554432 (open with 16777216)" in caplog.text
+
+
+def test_the_prompt_counts_as_prefill_however_it_is_fed(tmp_path):
+    """A forward of one query token counted as a decode step: the token left to compute
+    after a loaded prefix, and every prompt token under ``prefill_chunk_size=1``, went to
+    ``decode_tokens`` (``tiercache generate`` then showed "prefill: 0 tokens" and folded the
+    prompt into its decode rate; a review). Under wrap() the prompt now counts as prefill."""
+    ids = prompt(length=4 * BT + 1)  # whole blocks and one token: a warm call computes one
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    with torch.no_grad():
+        for expected_prefill in (4 * BT + 1, 1):  # cold, then warm
+            wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+            stats = wrapped.tiercache_last.stats()
+            assert (stats["prefill_tokens"], stats["decode_tokens"]) == (expected_prefill, NEW - 1), stats
+            assert stats["reused_tokens"] + stats["prefill_tokens"] == 4 * BT + 1
+        other = prompt(seed=9)
+        wrapped.generate(other, attention_mask=torch.ones_like(other), prefill_chunk_size=1, **GEN)
+    stats = wrapped.tiercache_last.stats()
+    assert (stats["prefill_tokens"], stats["decode_tokens"]) == (PROMPT, NEW - 1), stats

@@ -22,6 +22,13 @@ class CLIError(ValueError):
     the benchmarks' own checks are, for a caller of their ``run()``."""
 
 
+def _quiet_transformers() -> None:
+    """--quiet: no progress bars of transformers' either (its "Loading weights" bar)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str = "4GiB",
                   disk: str = "16GiB") -> None:
     g = p.add_argument_group("tiers")
@@ -176,6 +183,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from tiercache.metrics import check_endpoint
 
         check_endpoint(args.metrics_port, args.metrics_addr)
+    if args.quiet:  # transformers' own "Loading weights" bar too
+        _quiet_transformers()
     result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
                            chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
                            stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done,
@@ -385,6 +394,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 raise CLIError(f"--text-file: cannot read {args.text_file!r} ({exc.strerror})") from None
     from tiercache.models import load_model
 
+    if args.quiet:
+        _quiet_transformers()
     model, tokenizer = load_model(args.model)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr))
     if args.task == "passkey":

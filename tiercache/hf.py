@@ -272,6 +272,7 @@ class TieredCache(Cache):
         self._injecting = False
         self._generation_mode: Optional[str] = None  # set by wrap()'s hooks (_prepare_cache_hook)
         self._prefill_seen = False  # wrap()'s hooks: the first prefill came (_prefill_hook)
+        self._prompt_pending = 0  # prompt tokens generate() is about to compute (_prefill_hook)
         self._hook = None
         if self._reuse:  # the hook holds the cache weakly: an unclosed cache can still be collected
             ref = weakref.ref(self)
@@ -677,7 +678,13 @@ class TieredCache(Cache):
                 self._forward = (None, -1)
                 raise
             if not self._injecting:  # tokens loaded from the prefix cache are not computed
-                self.events.tokens(prefill=q if q > 1 else 0, decode=1 if q == 1 else 0)
+                # A one-token forward is a decode step, unless generate() said prompt tokens
+                # are still to come (_prefill_hook): the last one after a loaded prefix, or
+                # prompt chunks of one token, counted as decode (a review).
+                prompt = min(q, self._prompt_pending)
+                self._prompt_pending -= prompt
+                prefill = q if q > 1 else prompt
+                self.events.tokens(prefill=prefill, decode=0 if prefill else 1)
             self._step += 1
             self._step_tokens = q
         store.note_compute()
@@ -1050,6 +1057,7 @@ class TieredCache(Cache):
         self._forward = (None, -1)
         self._token_ids = [] if self._token_ids is not None else None
         self._chain = []
+        self._prompt_pending = 0
 
     # ---- tiercache API ------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -1381,6 +1389,8 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
         loaded = 0
         if _prefix_loadable(self, cache, input_ids, generation_config, model_kwargs):
             loaded = cache.load_prefix(input_ids, prefill_chunk=getattr(generation_config, "prefill_chunk_size", None))
+        if input_ids.dim() == 2:
+            cache._prompt_pending = max(0, input_ids.shape[1] - cache.get_seq_length())
         if scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
