@@ -1292,3 +1292,36 @@ def test_the_prompt_counts_as_prefill_however_it_is_fed(tmp_path):
         wrapped.generate(other, attention_mask=torch.ones_like(other), prefill_chunk_size=1, **GEN)
     stats = wrapped.tiercache_last.stats()
     assert (stats["prefill_tokens"], stats["decode_tokens"]) == (PROMPT, NEW - 1), stats
+
+
+def test_prompt_counting_covers_embeddings_and_a_callers_cache(tmp_path):
+    """The prompt-as-prefill rule missed a one-token prompt given as ``inputs_embeds``
+    (transformers passes empty ids then) and a TieredCache the caller passed to a wrapped
+    model (a review): both counted the prompt as decode."""
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    embeds = wrapped.get_input_embeddings()(prompt(length=1)).detach()
+    with torch.no_grad():
+        wrapped.generate(inputs_embeds=embeds, attention_mask=torch.ones(1, 1, dtype=torch.long), **GEN)
+        stats = wrapped.tiercache_last.stats()
+        assert (stats["prefill_tokens"], stats["decode_tokens"]) == (1, NEW - 1), stats
+        ids = prompt(seed=4)
+        with TieredCache(wrapped, config(tmp_path / "own")) as cache:
+            wrapped.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, prefill_chunk_size=1, **GEN)
+            stats = cache.stats()
+    assert (stats["prefill_tokens"], stats["decode_tokens"]) == (PROMPT, NEW - 1), stats
+
+
+def test_close_all_under_an_open_cache_reopens_the_prefix_cache(tmp_path):
+    """README says new prefix settings apply after ``tiercache.prefix.close_all()``; a cache
+    still open then failed its next publish with "BlockStore.put: the store is closed", half
+    way through a forward (a review). It now opens the process's prefix cache again."""
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path)
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        first = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN).sequences
+        close_all()
+        longer = torch.cat([first, prompt(seed=6, length=8)], dim=1)  # the conversation goes on
+        model.generate(longer, attention_mask=torch.ones_like(longer), cache=cache, **GEN)
+    out, stats = run(model, longer, cfg)  # what the second call published is there to load
+    assert stats["reused_tokens"] == (longer.shape[1] - 1) // BT * BT
+    assert_same(reference(model, longer), out)

@@ -375,6 +375,8 @@ class TieredCache(Cache):
             return None
 
     def _ensure_prefix(self) -> Optional["PrefixCache"]:
+        if self.prefix is not None and self.prefix.closed:  # tiercache.prefix.close_all() under this cache:
+            self.prefix = None  # the process's prefix cache now, opened again (with this cache's settings)
         if self.prefix is None and self._reuse:
             kv_heads, head_dim, dtype, _ = self._geometry_of_model()
             self.prefix = self._open_prefix(BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype))
@@ -464,6 +466,10 @@ class TieredCache(Cache):
         ids, bt = self._token_ids, self.tier_config.block_tokens
         if self.prefix is None or ids is None or len(ids) < (key.index + 1) * bt:
             return
+        if self.prefix.closed:  # close_all() under this cache (it failed here: "the store is closed")
+            self._ensure_prefix()
+            if self.prefix is None:
+                return
         from tiercache.prefix import extend
 
         while len(self._chain) <= key.index:
@@ -477,11 +483,15 @@ class TieredCache(Cache):
         if admitted:
             kv = torch.empty(self.store.geometry.shape, dtype=self.store.geometry.dtype)
             self.store.device_pool.read_block(slot, kv)
+            prefix = self.prefix
             try:
-                if self.prefix.publish(block, key.layer, kv):
+                if prefix.publish(block, key.layer, kv):
                     self.events.reused(published=1)
             except (TierIOError, CapacityError) as exc:
                 self._prefix_failed(exc)
+            except RuntimeError:
+                if not prefix.closed:
+                    raise  # closed under this publish by close_all(): this block goes unpublished
 
     def _prefix_failed(self, exc: Exception) -> None:
         """The prefix cache's storage failed (a full disk, its index made read-only): with
@@ -1383,15 +1393,20 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
     scope = _scope_of(self)
     cache = model_kwargs.get("cache")
     first = kwargs.get("is_first_iteration", args[0] if args else True)
-    if (scope is not None and first and any(cache is made for made in scope.made)
-            and not cache._prefill_seen):
-        cache._prefill_seen = True
+    if first and isinstance(cache, TieredCache):
+        ours = scope is not None and any(cache is made for made in scope.made) and not cache._prefill_seen
         loaded = 0
-        if _prefix_loadable(self, cache, input_ids, generation_config, model_kwargs):
-            loaded = cache.load_prefix(input_ids, prefill_chunk=getattr(generation_config, "prefill_chunk_size", None))
-        if input_ids.dim() == 2:
-            cache._prompt_pending = max(0, input_ids.shape[1] - cache.get_seq_length())
-        if scope.on_prefill is not None:
+        if ours:
+            cache._prefill_seen = True
+            if _prefix_loadable(self, cache, input_ids, generation_config, model_kwargs):
+                loaded = cache.load_prefix(input_ids,
+                                           prefill_chunk=getattr(generation_config, "prefill_chunk_size", None))
+        # the prompt tokens this prefill computes count as prefill however they are fed
+        embeds = model_kwargs.get("inputs_embeds")
+        fed = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else (
+            input_ids.shape[1] if input_ids.dim() == 2 else 0)
+        cache._prompt_pending = max(0, fed - cache.get_seq_length())
+        if ours and scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
 
