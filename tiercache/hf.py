@@ -341,12 +341,9 @@ class TieredCache(Cache):
             self._token_ids = None
             return
         positions = kwargs.get("position_ids")
-        if positions is not None:  # KV named by the ids alone holds only at the usual positions
-            start = len(self._token_ids)
-            usual = torch.arange(start, start + ids.shape[1], device=positions.device)
-            if positions.dim() != 2 or positions.shape[-1] != ids.shape[1] or not bool((positions == usual).all()):
-                self._token_ids = None
-                return
+        if positions is not None and not _usual_positions(positions, ids.shape[1], len(self._token_ids)):
+            self._token_ids = None  # KV named by the ids alone holds only at the usual positions
+            return
         self._token_ids.extend(ids[0].tolist())
 
     def _geometry_of_model(self) -> tuple:
@@ -1363,10 +1360,7 @@ def _tiers_the_call(model: Any, generation_config: Any, model_kwargs: dict) -> b
 
 def _prepare_cache_hook(self: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
                         *args: Any, **kwargs: Any) -> Any:
-    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if isinstance(given, TieredCache) and given.closed:  # before the prompt is sliced by its length
-        raise RuntimeError(_CLOSED)
-    scope = _scope_of(self)
+    scope = _scope_of(self)  # a closed cache the caller passed: refused as transformers marks it
     mode = getattr(generation_mode, "value", generation_mode)
     tiered = scope is not None and _tiers_the_call(self, generation_config, model_kwargs)
     if tiered and mode not in _TIERED_MODES:
@@ -1414,9 +1408,10 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
 _HOOKS["prefill"] = _prefill_hook
 
 
-def _usual_positions(positions: Any, ids: torch.Tensor) -> bool:
-    return (isinstance(positions, torch.Tensor) and positions.shape[-1] == ids.shape[1]
-            and bool((positions == torch.arange(ids.shape[1], device=positions.device)).all()))
+def _usual_positions(positions: Any, length: int, start: int = 0) -> bool:
+    """Whether ``positions`` are ``start, start + 1, ...`` for ``length`` tokens (every row)."""
+    return (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == length
+            and bool((positions == torch.arange(start, start + length, device=positions.device)).all()))
 
 
 def _prefix_loadable(model: Any, cache: "TieredCache", input_ids: torch.Tensor, generation_config: Any,
@@ -1438,7 +1433,7 @@ def _prefix_loadable(model: Any, cache: "TieredCache", input_ids: torch.Tensor, 
     elif getattr(generation_config, "_mask_length", -1) != input_ids.shape[1]:
         return False
     positions = model_kwargs.get("position_ids")
-    if positions is not None and not _usual_positions(positions, input_ids):
+    if positions is not None and not _usual_positions(positions, input_ids.shape[1]):
         return False
     if _other_inputs(model_kwargs):
         return False
