@@ -3,6 +3,7 @@ a real generation with every tier in use streams an answer and writes stats and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -68,8 +69,25 @@ def test_unsupported_model_family_is_named(tmp_path):
 
 
 def test_no_prompt_says_how_to_give_one():
+    """No prompt, with stdin a terminal or an empty pipe: one line saying how to give one,
+    before the model loads. The empty pipe had gone on with the chat template alone (a
+    30-token prompt), and this test had accepted either outcome."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "generate"], stdin=follower,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("tiercache: error: no prompt: pass --prompt TEXT, --prompt-file FILE, "
+                                   "or pipe it on stdin")
     proc = cli("generate", input_text="")
-    assert proc.returncode in (0, 2)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("tiercache: error: no prompt: stdin is empty; pass --prompt TEXT, "
+                                   "--prompt-file FILE, or pipe it on stdin")
 
 
 @pytest.mark.model
@@ -283,6 +301,7 @@ def test_a_metrics_port_that_is_taken_is_refused_before_the_model_loads():
     assert "Loading" not in proc.stderr
 
 
+@pytest.mark.model
 def test_a_metrics_textfile_that_fails_at_the_end_is_one_line_and_the_stats_are_still_written(tmp_path):
     """The check before the run probes the folder, but prometheus_client writes a temporary
     file of another name (``<path>.<pid>.<tid>.tmp``) after the run: a name near the limit
@@ -300,6 +319,7 @@ def test_a_metrics_textfile_that_fails_at_the_end_is_one_line_and_the_stats_are_
 
 
 
+@pytest.mark.model
 def test_a_metrics_textfile_holds_the_runs_histograms(tmp_path):
     """The exporter was made after the run, for the file alone: its histograms (move and
     stall seconds) had counted nothing (``tiercache_stall_seconds_count 0``)."""

@@ -94,6 +94,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     # and the tokenizer then failed with a TypeError traceback
     stdin = sys.stdin
     data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode("utf-8", "surrogateescape")
+    if not data:  # an empty pipe or file is a mistake (the chat template alone made a prompt of it)
+        raise CLIError("no prompt: stdin is empty; pass --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
     return _utf8(data, "stdin")
 
 
