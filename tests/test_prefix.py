@@ -813,6 +813,34 @@ def test_prefix_eviction_keeps_shared_prefixes_longest(tmp_path):
             assert stats["reused_tokens"] >= 8, seed
 
 
+@pytest.mark.parametrize("reuse", [None, True])
+def test_a_full_prefix_cache_with_a_host_tier_evicts_and_keeps_publishing(tmp_path, reuse, caplog):
+    """A long-running service fills its prefix cache. With a host tier (the default
+    ``reuse_host_budget`` is 1 GiB), room was counted with the prefix store's two device
+    slots, which a publish never reaches: once host and disk were full it evicted nothing,
+    and the put failed with CapacityError. With reuse=None the cache turned itself off for
+    good (every later run and process too, at its first new block); with reuse=True every
+    generate() raised from then on. Now the oldest blocks go, every new prompt is published
+    and the newest one loads, exact."""
+    model = tiny_model()
+    cfg = dataclasses.replace(config(tmp_path), disk_budget="160KiB", reuse_host_budget="8KiB",
+                              reuse=reuse)  # 20 records, 2 on the host
+    for seed in range(100, 112):  # 12 new 30-token prompts: 8 full blocks x 3 layers each with the answer
+        ids = prompt(seed=seed)
+        with caplog.at_level("WARNING", logger="tiercache"):
+            out, stats = run(model, ids, cfg)
+        assert stats["published_blocks"] == 8 * 3, (seed, stats["published_blocks"])
+        assert_same(reference(model, ids), out)
+    assert "prefix cache off" not in caplog.text
+    # the newest prompt was kept: loaded, exact
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        assert cache.load_prefix(ids) >= 4 * BT
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        prefix = cache.prefix.stats()
+    assert_same(reference(model, ids), out)
+    assert 0 < prefix["records"] <= 20 + 2 and prefix["tiers"]["disk"]["blocks"] <= 20
+
+
 def test_every_file_of_the_prefix_cache_is_private(tmp_path):
     """The directory is 0700 and every file in it 0600, SQLite's -wal and -shm included
     (they take the database file's mode, so it is created 0600 before SQLite opens it)."""

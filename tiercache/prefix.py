@@ -538,10 +538,15 @@ class PrefixCache:
         return True
 
     def _room(self) -> None:
-        """Before a put: when every tier is full, forget whole blocks (all layers), chosen by
-        the eviction policy of the lowest tier; extensions go before their prefixes."""
+        """Before a put: when the host and disk tiers are full, forget whole blocks (all
+        layers), chosen by the eviction policy of the lowest tier; extensions go before their
+        prefixes. (The store's two device slots do not count: a put goes to the host and
+        its demotion to disk, so with those two counted a full cache evicted nothing, and
+        the put failed with CapacityError: reuse=None turned the cache off for good, and
+        reuse=True failed every generate() from then on.)"""
         store = self.store
-        while len(store) + 1 > store.capacity_blocks():
+        capacity = sum(store.num_slots(tier) for tier in store.tiers if tier is not Tier.DEVICE)
+        while len(store) + 1 > capacity:
             victims = store.evict_candidates(store.tiers[-1], 1)
             if not victims:
                 break
