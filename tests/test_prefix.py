@@ -439,6 +439,114 @@ def test_a_second_process_on_the_directory_is_refused_clearly(tmp_path):
         holder.communicate("", timeout=30)
 
 
+def _in_a_forked_child(child, timeout: float = 90.0) -> str:
+    """Run ``child()`` in a child made by ``os.fork()`` (as multiprocessing's default start
+    method and gunicorn's --preload do); returns what it returned (a str), or raises with
+    what it raised. A child still running after ``timeout`` (a hang) is killed and fails
+    the test."""
+    import signal
+    import traceback
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 0
+        try:
+            os.close(read_end)
+            torch.set_num_threads(1)  # libgomp's threads do not survive fork (DataLoader's workers do this too)
+            try:
+                message = "ok " + child()
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                message, code = "error " + traceback.format_exc(), 1
+            os.write(write_end, message.encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read_end)
+            pytest.fail(f"the forked child hung for {timeout:.0f} s")
+        time.sleep(0.05)
+    with os.fdopen(read_end, "rb") as f:
+        said = f.read().decode()
+    assert said.startswith("ok "), said
+    return said[3:]
+
+
+@pytest.mark.parametrize("reuse", [None, True])
+def test_a_forked_child_never_hangs_on_its_parents_prefix_cache(tmp_path, reuse):
+    """A process that used the prefix cache forks. The child had the parent's open prefix
+    cache, whose I/O threads stay in the parent: its first load or publish waited for good.
+    Now the child opens its own, which the parent's lock refuses as it refuses any second
+    process: reuse=None goes on without it (exact tokens), reuse=True says who holds the
+    directory. The child's exit (close_all, as atexit runs it) leaves the parent's cache
+    working: its next request loads the prefix, exact."""
+    model, ids = tiny_model(), prompt()
+    ref = reference(model, ids)
+    run(model, ids, config(tmp_path))  # the parent publishes the prompt
+
+    def child() -> str:
+        if reuse:
+            with pytest.raises(CacheDirError, match=f"in use by another tiercache process \\(pid {os.getppid()}\\)"):
+                run(model, ids, config(tmp_path, reuse=True))
+        else:
+            out, stats = run(model, ids, config(tmp_path))
+            assert stats["reused_tokens"] == 0
+            assert_same(ref, out)
+        close_all()  # what the child's atexit would do: the parent's files are left alone
+        return "done"
+
+    assert _in_a_forked_child(child) == "done"
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 28
+    assert_same(ref, out)
+
+
+def test_a_cache_made_before_fork_is_refused_in_the_child_and_left_to_the_parent(tmp_path):
+    """A TieredCache opened before fork(), used in the child: its moves would wait for I/O
+    threads that stayed in the parent. It says so instead, and closing it in the child
+    neither waits nor touches the parent's session files: the parent goes on with it."""
+    model, ids = tiny_model(), prompt()
+    ref = reference(model, ids)
+    cache = TieredCache(model, config(tmp_path))
+    try:
+        with torch.no_grad():
+            cache.load_prefix(ids)
+            first = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        assert_same(ref, first)
+        session = cache.store.disk.directory
+        assert os.path.isdir(session)
+
+        def child() -> str:
+            with pytest.raises(RuntimeError, match="is a fork\\(\\) of it"):
+                with torch.no_grad():
+                    model(ids[:, -1:], cache=cache, use_cache=True)
+            cache.close()
+            close_all()
+            return "done"
+
+        assert _in_a_forked_child(child) == "done"
+        assert os.path.isdir(session)
+        more = ids.new_tensor([[5, 6, 7]])
+        with torch.no_grad():  # the parent's cache still holds its tokens and goes on
+            held = cache.get_seq_length()
+            logits = model(more, cache=cache, use_cache=True).logits
+        with torch.no_grad():
+            dyn = transformers.DynamicCache()
+            model(first.sequences[:, :held], cache=dyn, use_cache=True)
+            want = model(more, cache=dyn, use_cache=True).logits
+        assert (logits - want).abs().max().item() <= 1e-5
+    finally:
+        cache.close()
+    assert not os.path.exists(session)
+
+
 def test_wrap_reuses_prefixes_automatically(tmp_path):
     model, ids = tiny_model(), prompt()
     ref = reference(model, ids)

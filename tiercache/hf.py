@@ -1090,12 +1090,16 @@ class TieredCache(Cache):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        # In a child made by fork() after this cache opened, the store, its locks (another
+        # thread may have held one at the fork) and the prefix cache are the parent's: the
+        # cache is only marked closed there.
+        forked = self.store is not None and self.store.forked
         if self.trace is not None:
-            if self.store is not None:
+            if self.store is not None and not forked:
                 self._flush_trace()
             self.trace.close()
         try:
-            if self.prefix is not None and not self.prefix.closed:
+            if self.prefix is not None and not self.prefix.closed and not forked:
                 try:
                     self.prefix.flush()  # what this run published survives the process
                 except (TierIOError, CapacityError) as exc:
@@ -1103,7 +1107,8 @@ class TieredCache(Cache):
         finally:
             self._layer_views = [None] * self.num_layers
             if self.store is not None:
-                self._last_tiers = self.store.tier_stats()
+                if not forked:
+                    self._last_tiers = self.store.tier_stats()
                 self.store.close()  # last: it may raise a plug-in policy's failure (tiercache.guard)
 
     def clear(self, tier: Optional[str] = None) -> int:

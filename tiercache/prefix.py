@@ -316,6 +316,7 @@ class PrefixCache:
     def __init__(self, root: str, config: TierConfig, geometry: BlockGeometry, digest: bytes,
                  num_layers: int) -> None:
         self.geometry, self.num_layers, self.digest = geometry, num_layers, digest
+        self._pid = os.getpid()  # see ``forked``
         g = geometry
         tag = f"{digest.hex()}-t{g.block_tokens}-h{g.kv_heads}-d{g.head_dim}-{str(g.dtype).split('.')[-1]}"
         self.directory = os.path.join(root, "prefix", tag)
@@ -569,9 +570,17 @@ class PrefixCache:
                 return len(rows)
             return self.store.drop_copies(tier)
 
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a child made by ``fork()`` after the cache opened (its
+        store, index connection and remote writer are the parent's)."""
+        return os.getpid() != self._pid
+
     def flush(self) -> None:
         """Give every block a disk copy (blocks survive the process) and send the remote
-        tier's queued writes (bounded wait)."""
+        tier's queued writes (bounded wait). Nothing in a forked child (see ``forked``)."""
+        if self.forked:
+            return
         self.store.flush()
         if self.remote is not None:
             self.remote.flush()
@@ -590,6 +599,8 @@ class PrefixCache:
         if self.closed:
             return
         self.closed = True
+        if self.forked:  # the parent's: its SQLite connection, files and threads are left alone
+            return
         try:
             if self.remote is not None:
                 self.remote.close()
@@ -612,6 +623,7 @@ def open_prefix_cache(root: str, config: TierConfig, geometry: BlockGeometry, di
         if cache is None or cache.closed:
             if not _OPEN:
                 atexit.register(close_all)
+                _forget_in_forked_children()
             cache = _OPEN[key] = PrefixCache(root, config, geometry, digest, num_layers)
             cache.settings = _prefix_settings(config)
             _WARNED.difference_update([said for said in _WARNED if said[0] == key])
@@ -645,6 +657,28 @@ def _prefix_settings(config: TierConfig) -> dict:
     settings = {name: getattr(config, name) for name in _PREFIX_FIELDS}
     settings["eviction"] = prefix_eviction(config.eviction)
     return settings
+
+
+_AT_FORK = False
+
+
+def _forget_in_forked_children() -> None:
+    """Once per process: a child made by ``fork()`` (multiprocessing's default on Linux,
+    gunicorn's ``--preload``) starts with no open prefix cache. It had the parent's,
+    whose I/O threads did not come along: its first read or write waited for good. The
+    child opens its own, which the parent's lock on the directory refuses as it refuses
+    any second process (``reuse=None``: off with a warning; ``reuse=True``: CacheDirError)."""
+    global _AT_FORK
+    if not _AT_FORK and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork)
+        _AT_FORK = True
+
+
+def _after_fork() -> None:
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()  # another thread may have held it at the fork
+    _OPEN.clear()  # not closed: they are the parent's (``PrefixCache.close`` leaves them alone)
+    _WARNED.clear()
 
 
 def close_all() -> None:

@@ -120,6 +120,7 @@ class BlockStore:
                  persistent: bool = True, model_digest: bytes = b"",
                  events: Optional[Events] = None) -> None:
         self.closed = False
+        self._pid = os.getpid()  # a child made by fork() cannot use the store: see ``_enter``
         self._active = 0  # public calls running (``_store_call``); close waits for them
         self._active_cv = threading.Condition()
         self._calls = threading.local()
@@ -214,7 +215,18 @@ class BlockStore:
             raise
 
     # ---- construction helpers --------------------------------------------------------
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a child made by ``fork()`` after the store opened: the
+        I/O threads stayed in the parent (a move would wait for good), and the files and
+        locks are the parent's."""
+        return os.getpid() != self._pid
+
     def _enter(self, name: str) -> None:
+        if self.forked:
+            raise RuntimeError(f"BlockStore.{name}: this store was opened in process {self._pid}, and this process "
+                               f"is a fork() of it: its I/O threads and files stay with that process. Make a new "
+                               f"TieredCache (or store) in this process")
         with self._active_cv:
             if self.closed:
                 raise RuntimeError(f"BlockStore.{name}: the store is closed")
@@ -1556,7 +1568,12 @@ class BlockStore:
 
     def close(self) -> None:
         """Wait for moves, write persistent blocks down to disk, stop workers, close files.
-        Then raise a plug-in policy's failure that no call has raised yet (``tiercache.guard``)."""
+        Then raise a plug-in policy's failure that no call has raised yet (``tiercache.guard``).
+        In a child made by ``fork()`` it only marks the store closed: the threads, files and
+        session directory are the parent's (and a lock held at the fork would never open)."""
+        if self.forked:
+            self.closed = True
+            return
         with self._active_cv:
             if self.closed:
                 return
