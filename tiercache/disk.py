@@ -17,6 +17,7 @@ import os
 import stat
 import struct
 import threading
+import weakref
 from typing import Iterator
 
 import crc32c
@@ -47,6 +48,31 @@ _KVIKIO_LOCK = threading.Lock()  # kvikio's settings are process-wide (and _LOCK
 # lock (a child made by fork inherits this dict, not the lock: it must not call the parent's
 # lock its own)
 _LOCKED_HERE: dict = {}
+# this process's open disk tiers, for a child made by fork() (``_after_fork``)
+_OPEN_TIERS: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
+_AT_FORK = False
+
+
+def _after_fork() -> None:
+    """In a child made by ``fork()``: let go of the parent's disk tiers. The child's copies
+    of their descriptors share the parent's open files, so its copy of a lock descriptor
+    kept the parent's flock held for as long as the child lived: the parent could not
+    open its prefix directory again (``close_all()``, then a run) while a worker lived,
+    and was told that its own pid held it. Closing the copies here leaves the parent's
+    lock and files as they are; the tiers are marked closed in the child."""
+    global _KVIKIO_LOCK
+    _KVIKIO_LOCK = threading.Lock()  # another thread may have held it at the fork
+    for tier in list(_OPEN_TIERS):
+        tier.closed = True
+        for name in ("_lock_fd", "_fd_direct", "_fd"):
+            fd = getattr(tier, name, None)
+            setattr(tier, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+    _OPEN_TIERS.clear()
 
 
 def kvikio_status() -> tuple:
@@ -394,7 +420,9 @@ class DiskTier(RecordCodec):
 
     # ---- locking -------------------------------------------------------------------
     def _release_lock(self) -> None:
-        os.close(self._lock_fd)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         with _KVIKIO_LOCK:
             _LOCKED_HERE.pop(os.path.realpath(self.directory), None)
 
@@ -426,8 +454,13 @@ class DiskTier(RecordCodec):
         except OSError as exc:
             os.close(fd)
             raise CacheDirError(f"disk_dir: cannot write in {self.directory!r} ({exc.strerror})") from None
+        global _AT_FORK
         with _KVIKIO_LOCK:
             _LOCKED_HERE[os.path.realpath(self.directory)] = os.getpid()
+            _OPEN_TIERS.add(self)
+            if not _AT_FORK and hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_after_fork)
+                _AT_FORK = True
         return fd
 
     # ---- record codec ----------------------------------------------------------------

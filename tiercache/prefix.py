@@ -526,7 +526,7 @@ class PrefixCache:
         with self._lock:
             if key in self.store:
                 return False
-            self._room()
+            self._room(block)
             self.store.put(key, kv, self.geometry.block_tokens, token_ids=block.token_ids, tier=Tier.HOST)
             if block.parent is not None:
                 parent = BlockKey(block.parent, layer, block.index - 1)
@@ -538,17 +538,23 @@ class PrefixCache:
             self.remote.put(block, layer, kv)
         return True
 
-    def _room(self) -> None:
-        """Before a put: when the host and disk tiers are full, forget whole blocks (all
-        layers), chosen by the eviction policy of the lowest tier; extensions go before their
-        prefixes. (The store's two device slots do not count: a put goes to the host and
-        its demotion to disk, so with those two counted a full cache evicted nothing, and
-        the put failed with CapacityError: reuse=None turned the cache off for good, and
-        reuse=True failed every generate() from then on.)"""
+    def _room(self, publishing: Optional[ChainBlock] = None) -> None:
+        """Before a put: when the disk tier is full, forget whole blocks (all layers), chosen
+        by the eviction policy of the lowest tier; extensions go before their prefixes.
+        Every block must fit the disk, where ``flush`` gives it its copy to outlive the
+        process. (Counted over every tier, a full cache evicted nothing, since its two
+        device slots are never reached: the put failed with CapacityError, turning
+        reuse=None off for good and failing every reuse=True generate(). Counted over the
+        host and disk, a host tier larger than the disk kept blocks that the flush at
+        close could not write down: the next process found them missing.) Never
+        ``publishing``, the block whose layers are being stored: the least used block is
+        the newest, and its layers stored so far went, leaving a block that can never be
+        served (dropped as incomplete at the next open)."""
         store = self.store
-        capacity = sum(store.num_slots(tier) for tier in store.tiers if tier is not Tier.DEVICE)
+        capacity = store.num_slots(Tier.DISK) if Tier.DISK in store.tiers else store.capacity_blocks()
         while len(store) + 1 > capacity:
-            victims = store.evict_candidates(store.tiers[-1], 1)
+            victims = store.evict_candidates(store.tiers[-1], 1 + self.num_layers)
+            victims = [k for k in victims if publishing is None or (k.seq_id, k.index) != (publishing.h, publishing.index)]
             if not victims:
                 break
             key = victims[0]
