@@ -948,8 +948,9 @@ def test_prefix_eviction_keeps_shared_prefixes_longest(tmp_path):
             assert stats["reused_tokens"] >= 8, seed
 
 
+@pytest.mark.parametrize("host", ["8KiB", "1GiB"])
 @pytest.mark.parametrize("reuse", [None, True])
-def test_a_full_prefix_cache_with_a_host_tier_evicts_and_keeps_publishing(tmp_path, reuse, caplog):
+def test_a_full_prefix_cache_with_a_host_tier_evicts_and_keeps_publishing(tmp_path, reuse, host, caplog):
     """A long-running service fills its prefix cache. With a host tier (the default
     ``reuse_host_budget`` is 1 GiB), room was counted with the prefix store's two device
     slots, which a publish never reaches: once host and disk were full it evicted nothing,
@@ -958,8 +959,8 @@ def test_a_full_prefix_cache_with_a_host_tier_evicts_and_keeps_publishing(tmp_pa
     generate() raised from then on. Now the oldest blocks go, every new prompt is published
     and the newest one loads, exact."""
     model = tiny_model()
-    cfg = dataclasses.replace(config(tmp_path), disk_budget="160KiB", reuse_host_budget="8KiB",
-                              reuse=reuse)  # 20 records, 2 on the host
+    cfg = dataclasses.replace(config(tmp_path), disk_budget="160KiB", reuse_host_budget=host,
+                              reuse=reuse)  # 20 records; 2 on the host, or all of them (the default's room)
     for seed in range(100, 112):  # 12 new 30-token prompts: 8 full blocks x 3 layers each with the answer
         ids = prompt(seed=seed)
         with caplog.at_level("WARNING", logger="tiercache"):

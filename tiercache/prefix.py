@@ -552,9 +552,13 @@ class PrefixCache:
         served (dropped as incomplete at the next open)."""
         store = self.store
         capacity = store.num_slots(Tier.DISK) if Tier.DISK in store.tiers else store.capacity_blocks()
+        mine = None if publishing is None else (publishing.h, publishing.index)
         while len(store) + 1 > capacity:
-            victims = store.evict_candidates(store.tiers[-1], 1 + self.num_layers)
-            victims = [k for k in victims if publishing is None or (k.seq_id, k.index) != (publishing.h, publishing.index)]
+            victims: list = []
+            for tier in reversed(store.tiers):  # the disk's choice; with none there, the host's
+                victims = [k for k in store.evict_candidates(tier, 1 + self.num_layers) if (k.seq_id, k.index) != mine]
+                if victims:
+                    break
             if not victims:
                 break
             key = victims[0]
