@@ -535,6 +535,33 @@ def test_a_live_forked_child_does_not_hold_its_parents_prefix_directory(tmp_path
         os.waitpid(pid, 0)
 
 
+def test_an_empty_cache_made_before_fork_works_in_the_child_without_the_parents_prefix(tmp_path):
+    """A TieredCache made (and its prefix cache opened) before fork(), with no tokens yet,
+    used in the child: load_prefix read the parent's SQLite connection, then failed in the
+    parent's store. It now opens the prefix cache again, which the parent's lock refuses
+    (reuse=None: the run goes on without it), and generates on a store of its own, exact."""
+    model, ids = tiny_model(), prompt()
+    ref = reference(model, ids)
+    run(model, ids, config(tmp_path))  # the parent publishes the prompt
+    fresh = TieredCache(model, config(tmp_path))
+    fresh.clear("device")  # opens its prefix cache (the process's), holds no token
+
+    def child() -> str:
+        with fresh, torch.no_grad():
+            assert fresh.load_prefix(ids) == 0
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=fresh, **GEN)
+        assert_same(ref, out)
+        return "done"
+
+    try:
+        assert _in_a_forked_child(child) == "done"
+    finally:
+        fresh.close()
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 28
+    assert_same(ref, out)
+
+
 def test_a_cache_made_before_fork_is_refused_in_the_child_and_left_to_the_parent(tmp_path):
     """A TieredCache opened before fork(), used in the child: its moves would wait for I/O
     threads that stayed in the parent. It says so instead, and closing it in the child

@@ -372,8 +372,11 @@ class TieredCache(Cache):
             return None
 
     def _ensure_prefix(self) -> Optional["PrefixCache"]:
-        if self.prefix is not None and self.prefix.closed:  # tiercache.prefix.close_all() under this cache:
-            self.prefix = None  # the process's prefix cache now, opened again (with this cache's settings)
+        # tiercache.prefix.close_all() under this cache, or a child made by fork() since: the
+        # process's prefix cache now, opened again (with this cache's settings; in a child,
+        # refused while the parent holds the directory, as for any second process)
+        if self.prefix is not None and (self.prefix.closed or self.prefix.forked):
+            self.prefix = None
         if self.prefix is None and self._reuse:
             kv_heads, head_dim, dtype, _ = self._geometry_of_model()
             self.prefix = self._open_prefix(BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype))
@@ -463,7 +466,8 @@ class TieredCache(Cache):
         ids, bt = self._token_ids, self.tier_config.block_tokens
         if self.prefix is None or ids is None or len(ids) < (key.index + 1) * bt:
             return
-        if self.prefix.closed:  # close_all() under this cache (it failed here: "the store is closed")
+        if self.prefix.closed or self.prefix.forked:  # close_all() under this cache (it failed here: "the
+            # store is closed"), or a child made by fork() since
             self._ensure_prefix()
             if self.prefix is None:
                 return
@@ -1328,8 +1332,22 @@ _HOOK_LOCK = threading.RLock()  # installing and removing hooks, wrap()
 _OPEN_SCOPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _tiering scopes open
 
 
+_AT_FORK = False
+
+
+def _new_hook_lock_after_fork() -> None:
+    """In a child made by ``fork()``: another thread of the parent may have held the lock
+    at the fork (opening or closing a generate() scope), and would never let go of it."""
+    global _HOOK_LOCK
+    _HOOK_LOCK = threading.RLock()
+
+
 def _install_hooks(model: Any) -> None:
     """Put the two hooks on ``model`` (once; under ``_HOOK_LOCK``)."""
+    global _AT_FORK
+    if not _AT_FORK and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_new_hook_lock_after_fork)
+        _AT_FORK = True
     if "_tiercache_hooked" not in vars(model):
         model._prepare_cache_for_generation = _Hook("prepare_cache", model)
         model._prefill = _Hook("prefill", model)
