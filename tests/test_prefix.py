@@ -338,6 +338,28 @@ def test_a_prefix_cache_on_a_full_disk_is_off_for_the_run_or_one_error(small_fil
     assert stats["reused_tokens"] == 0
 
 
+def test_a_session_store_that_cannot_open_leaves_no_folder(small_filesystem, tmp_path):
+    """A full filesystem under ``disk_dir/sessions`` (a real tmpfs, filled up): the cache's
+    store cannot write its lock file and the run stops with a CacheDirError naming ENOSPC.
+    Its session folder, made a moment before, stayed behind (empty) until a later process
+    swept it: one more with every failed request. Now it goes with the error."""
+    os.mkdir(tmp_path / "kv", 0o700)
+    sessions = small_filesystem(tmp_path / "kv" / "sessions", "64k")
+    fd = os.open(sessions / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    model, ids = tiny_model(), prompt()
+    for _ in range(2):
+        with pytest.raises(CacheDirError, match="No space left on device"):
+            run(model, ids, config(tmp_path, reuse=False))
+    assert os.listdir(sessions) == ["filler"]
+
+
 def test_a_file_in_the_prefix_directorys_place_turns_it_off_for_the_run(tmp_path, caplog):
     """A file where the model's prefix directory goes was a ValueError from inside (the
     store's config check), not the warning reuse=None gives for a directory it cannot use."""

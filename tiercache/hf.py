@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import os
+import shutil
 import threading
 import types
 import uuid
@@ -311,7 +312,12 @@ class TieredCache(Cache):
         if cfg.device is not None and not _same_device(torch.device(cfg.device), device):
             raise ValueError(f"device: the TierConfig says {cfg.device!r} but the model computes on {device}; the "
                              f"device tier is where attention reads, so leave device=None (the model's) or name that")
-        store = BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
+        try:
+            store = BlockStore(cfg, geometry, device=device, disk_dir=disk_dir, persistent=False, events=self.events)
+        except BaseException:  # its session folder (its own, by name) goes with it, not at a later sweep
+            if disk_dir is not None:
+                shutil.rmtree(disk_dir, ignore_errors=True)
+            raise
         store.defer_stall = True
         self._layer_views = [None] * self.num_layers  # views of an older store's pool would keep it alive
         if self._reuse and self.prefix is None:
