@@ -1010,25 +1010,88 @@ def test_a_full_prefix_cache_with_a_host_tier_evicts_and_keeps_publishing(tmp_pa
     model = tiny_model()
     cfg = dataclasses.replace(config(tmp_path), disk_budget="160KiB", reuse_host_budget=host,
                               reuse=reuse)  # 20 records; 2 on the host, or all of them (the default's room)
-    for seed in range(100, 112):  # 12 new 30-token prompts: 8 full blocks x 3 layers each with the answer
-        ids = prompt(seed=seed)
+    for seed in range(100, 112):  # 12 new 20-token prompts: 6 full blocks x 3 layers with the answer, 18 records
+        ids = prompt(seed=seed, length=20)
         with caplog.at_level("WARNING", logger="tiercache"):
             out, stats = run(model, ids, cfg)
-        assert stats["published_blocks"] == 8 * 3, (seed, stats["published_blocks"])
+        assert stats["published_blocks"] == 6 * 3, (seed, stats["published_blocks"])
         assert_same(reference(model, ids), out)
     assert "prefix cache off" not in caplog.text
-    # Every block fits the disk, where it outlives the process, and a block is never evicted
-    # while its own layers are being stored: a new process finds no incomplete record, and
-    # loads what was kept of the newest prompt (24 records of it do not fit 20), exact.
+    # Every block fits the disk, where it outlives the process, and no block is kept with
+    # some of its layers: a new process finds no incomplete record, and loads the newest
+    # prompt (every full block before its last token), exact.
     close_all()
     with caplog.at_level("WARNING", logger="tiercache"):
         with TieredCache(model, cfg) as cache, torch.no_grad():
-            assert cache.load_prefix(ids) >= 2 * BT
+            assert cache.load_prefix(ids) == 4 * BT
             out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
             prefix = cache.prefix.stats()
     assert_same(reference(model, ids), out)
     assert "damaged or incomplete" not in caplog.text
     assert 0 < prefix["records"] <= 20 and prefix["dropped_on_open"] == 0
+
+
+@pytest.mark.parametrize("host", ["8KiB", "1GiB"])
+def test_a_prompt_longer_than_the_prefix_cache_keeps_its_longest_whole_prefix(tmp_path, host, caplog):
+    """A 60-token prompt (15 blocks of 3 layers: 45 records) into a cache of 10 records.
+    A forward publishes every block's layer 0, then every block's layer 1, and so on: the
+    prompt's own blocks, waiting for their later layers, were evicted whole and their later
+    layers stored alone, so nothing whole was kept and the next open dropped the pieces as
+    "damaged or incomplete". Now no block is stored without its parent or its earlier
+    layers, and one that cannot be finished goes: the longest prefix that fits (3 blocks)
+    is kept whole, and a new process loads it, exact."""
+    model, ids = tiny_model(), prompt(seed=5, length=60)
+    cfg = dataclasses.replace(config(tmp_path), host_budget="512KiB", disk_budget="80KiB", reuse_host_budget=host)
+    ref = reference(model, ids)
+    out, _ = run(model, ids, cfg)
+    assert_same(ref, out)
+    close_all()
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, stats = run(model, ids, cfg)
+    assert_same(ref, out)
+    assert stats["reused_tokens"] == 3 * BT
+    assert "damaged or incomplete" not in caplog.text
+
+
+def test_an_extension_on_the_host_keeps_its_prefix_on_the_disk(tmp_path):
+    """Prompt X, then a new process (its blocks on the disk only), then prompt Y that shares
+    X's first 2 blocks: Y's new blocks sit on the host (the default 1 GiB host tier). The
+    choice of victims on the disk alone took Y's prefix there, as nothing on the disk
+    extended it: Y's 4 new blocks became unreachable, and Y reused 4 tokens next time.
+    Extensions now go before their prefixes across tiers."""
+    model = tiny_model()
+    cfg = dataclasses.replace(config(tmp_path), disk_budget="160KiB", reuse_host_budget="1GiB")  # 20 records
+    x = prompt(seed=3, length=12)
+    y = torch.cat([x[:, :8], prompt(seed=4, length=16)], dim=1)
+    run(model, x, cfg)
+    close_all()
+    ref = reference(model, y)
+    out, stats = run(model, y, cfg)
+    assert stats["reused_tokens"] == 8
+    assert_same(ref, out)
+    close_all()
+    out, stats = run(model, y, cfg)
+    assert stats["reused_tokens"] == 5 * BT  # every full block before the last prompt token
+    assert_same(ref, out)
+
+
+@pytest.mark.parametrize("reuse", [None, True])
+def test_a_prefix_disk_budget_below_one_block_is_said_at_open(tmp_path, reuse, caplog):
+    """A disk budget of 2 records, for a model of 3 layers: no block could ever be kept
+    whole (the store grew past the disk, and the next open dropped what it had). It is said
+    when the prefix cache opens: reuse=True raises naming disk_budget and what one block
+    needs; reuse=None runs without it, exact."""
+    model, ids = tiny_model(), prompt()
+    cfg = dataclasses.replace(config(tmp_path), disk_budget="16KiB", reuse_host_budget="8KiB", reuse=reuse)
+    if reuse:
+        with pytest.raises(CacheDirError, match=r"disk_budget: the prefix cache .* holds 2 records and one block of "
+                                                r"this model needs 3 \(one per layer\)"):
+            run(model, ids, cfg)
+        return
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, stats = run(model, ids, cfg)
+    assert "prefix cache off" in caplog.text and "needs 3" in caplog.text
+    assert_same(reference(model, ids), out)
 
 
 def test_every_file_of_the_prefix_cache_is_private(tmp_path):

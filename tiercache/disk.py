@@ -420,9 +420,9 @@ class DiskTier(RecordCodec):
 
     # ---- locking -------------------------------------------------------------------
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        fd, self._lock_fd = self._lock_fd, None  # first: a fork between the two must not close the number again
+        if fd is not None:
+            os.close(fd)
         with _KVIKIO_LOCK:
             _LOCKED_HERE.pop(os.path.realpath(self.directory), None)
 
@@ -696,12 +696,13 @@ class DiskTier(RecordCodec):
                 self._cufile.close()
             except Exception as exc:  # noqa: BLE001 - the descriptors and files still go
                 log.warning("tiercache: closing kvikio's handle on %s failed: %s", self.path, exc)
-        for fd in (self._fd_direct, self._fd):
+        # not left holding the numbers, and let go of before they are closed: the OS hands
+        # them to the next file opened, and a late write through them (or a fork's
+        # ``_after_fork`` closing them again in the child) would land on that file
+        fds, self._fd_direct, self._fd = (self._fd_direct, self._fd), None, None
+        for fd in fds:
             if fd is not None:
                 os.close(fd)
-        # not left holding the numbers: the OS hands them to the next file opened, and a late
-        # write through them would land in that file
-        self._fd_direct = self._fd = None
         if not self.persistent:
             for name in (DATA_NAME, LOCK_NAME):
                 try:

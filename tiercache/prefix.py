@@ -333,8 +333,15 @@ class PrefixCache:
         self.events = Events(eviction)
         self.store = BlockStore(store_cfg, geometry, disk_dir=self.directory, persistent=True,
                                 model_digest=digest, events=self.events)
+        if self.store.num_slots(Tier.DISK) < num_layers:  # no block could ever be kept whole
+            slots = self.store.num_slots(Tier.DISK)
+            self.store.close()
+            raise CacheDirError(f"disk_budget: the prefix cache under {root!r} holds {slots} records and one block "
+                                f"of this model needs {num_layers} (one per layer); raise disk_budget to at least "
+                                f"{num_layers * self.store.disk.record_bytes} bytes, or pass reuse=False")
         self.admission = config.reuse_admission
         self._lock = threading.RLock()
+        self._filling: set = set()  # (h, index) of blocks stored with some of their layers (``_room``)
         self.remote: Optional["RemoteTier"] = None
         try:
             if config.remote_enabled:
@@ -519,54 +526,83 @@ class PrefixCache:
             return True
 
     def publish(self, block: ChainBlock, layer: int, kv: torch.Tensor, remote: bool = True) -> bool:
-        """Store one layer's record of ``block`` (False when it is already stored); with a
-        remote tier (and ``remote``) also queue it for the server. ``kv`` must not change
-        afterwards (the remote writer sends it later)."""
+        """Store one layer's record of ``block`` (False when it is already stored, or not
+        stored: see below); with a remote tier (and ``remote``) also queue it for the
+        server. ``kv`` must not change afterwards (the remote writer sends it later).
+
+        Layers come in order (a forward publishes a block's layers one after another), and
+        only what can be served is kept: a block whose parent is not stored (a lookup walks
+        from the first block, so it could never be reached) or whose earlier layers are not
+        is not stored, and when no room can be made (``_room``) the block's layers stored
+        so far go too. A block is never left with some of its layers."""
         key = BlockKey(block.h, layer, block.index)
         with self._lock:
             if key in self.store:
                 return False
-            self._room(block)
+            keys = self._keys(block.h, block.index)
+            parent = None if block.parent is None else BlockKey(block.parent, layer, block.index - 1)
+            if ((parent is not None and parent not in self.store) or not all(k in self.store for k in keys[:layer])
+                    or not self._room(block)):
+                if layer:  # what is stored of it could never be served
+                    self.forget([block])
+                return False
             self.store.put(key, kv, self.geometry.block_tokens, token_ids=block.token_ids, tier=Tier.HOST)
-            if block.parent is not None:
-                parent = BlockKey(block.parent, layer, block.index - 1)
-                if parent in self.store:
-                    self.store.link(key, parent)
-            layers = sum(1 for k in self._keys(block.h, block.index) if k in self.store)
-            self.index.upsert(block, layers, seen=2)
+            if parent is not None:
+                self.store.link(key, parent)
+            self.index.upsert(block, layer + 1, seen=2)
+            if layer + 1 < self.num_layers:
+                self._filling.add((block.h, block.index))
+            else:
+                self._filling.discard((block.h, block.index))
         if remote and self.remote is not None:
             self.remote.put(block, layer, kv)
         return True
 
-    def _room(self, publishing: Optional[ChainBlock] = None) -> None:
-        """Before a put: when the disk tier is full, forget whole blocks (all layers), chosen
-        by the eviction policy of the lowest tier; extensions go before their prefixes.
-        Every block must fit the disk, where ``flush`` gives it its copy to outlive the
-        process. (Counted over every tier, a full cache evicted nothing, since its two
-        device slots are never reached: the put failed with CapacityError, turning
-        reuse=None off for good and failing every reuse=True generate(). Counted over the
-        host and disk, a host tier larger than the disk kept blocks that the flush at
-        close could not write down: the next process found them missing.) Never
-        ``publishing``, the block whose layers are being stored: the least used block is
-        the newest, and its layers stored so far went, leaving a block that can never be
-        served (dropped as incomplete at the next open)."""
+    def _room(self, publishing: ChainBlock) -> bool:
+        """Before a put of ``publishing``: make room for one record, or say there is none.
+
+        Every block must fit the disk tier, where ``flush`` gives it the copy that outlives
+        the process: while the store holds as many records as the disk has slots, a whole
+        block (every layer) is forgotten, chosen by the eviction policy of the disk tier,
+        else of the host. Only a leaf goes (a block that no stored block extends, on any
+        tier: an extension goes before its prefix, which it needs to be found), and never
+        ``publishing`` or the block it extends. Returns False when nothing may go.
+
+        (Counted over every tier, a full cache evicted nothing, its two device slots never
+        reached: the put raised CapacityError, turning reuse=None off for good and failing
+        every reuse=True generate(). Counted over host and disk, a host tier larger than
+        the disk kept blocks that the flush at close could not write down. Choosing on one
+        tier at a time, a prefix on disk went while its extensions sat on the host, and a
+        prompt's own blocks went while their later layers were still to come: blocks that
+        could never be served, dropped as incomplete at the next open.)"""
         store = self.store
         capacity = store.num_slots(Tier.DISK) if Tier.DISK in store.tiers else store.capacity_blocks()
-        mine = None if publishing is None else (publishing.h, publishing.index)
+        spare = {(publishing.h, publishing.index)}
+        if publishing.parent is not None:
+            spare.add((publishing.parent, publishing.index - 1))
         while len(store) + 1 > capacity:
-            victims: list = []
-            for tier in reversed(store.tiers):  # the disk's choice; with none there, the host's
-                victims = [k for k in store.evict_candidates(tier, 1 + self.num_layers) if (k.seq_id, k.index) != mine]
-                if victims:
+            victim = None
+            # whole blocks first; blocks still being filled (a forward stores every block's
+            # first layer, then every block's second...) only when no whole one may go
+            for avoid in (spare | self._filling, spare):
+                for tier in reversed(store.tiers):  # the disk's choice; with none there, the host's
+                    for k in store.evict_candidates(tier, len(avoid) * self.num_layers + 1, leaves_only=True):
+                        if (k.seq_id, k.index) not in avoid and not store.extended(self._keys(k.seq_id, k.index)):
+                            victim = k  # a leaf in every layer (an extension may have its first layers only)
+                            break
+                    if victim is not None:
+                        break
+                if victim is not None:
                     break
-            if not victims:
-                break
-            key = victims[0]
-            self.forget([ChainBlock(key.seq_id, key.index, None, b"")])
+            if victim is None:
+                return False
+            self.forget([ChainBlock(victim.seq_id, victim.index, None, b"")])
+        return True
 
     def forget(self, blocks: list) -> None:
         with self._lock:
             for b in blocks:
+                self._filling.discard((b.h, b.index))
                 for key in self._keys(b.h, b.index):
                     self.store.delete(key)
             self.index.delete([b.h for b in blocks])

@@ -646,20 +646,26 @@ class BlockStore:
                 if not kids:
                     del self._children[parent]
 
+    def extended(self, keys: Iterable[Hashable]) -> bool:
+        """Whether a stored block extends any of ``keys`` (``link``), on any tier."""
+        with self._lock:
+            return any(key in self._children for key in keys)
+
     def _extended_on(self, key: Hashable, tier: Tier) -> bool:
         return any(self.table.copy(child, tier) is not None for child in self._children.get(key, ()))
 
     @_starts_work
-    def evict_candidates(self, tier: Tier, n: int) -> list:
+    def evict_candidates(self, tier: Tier, n: int, leaves_only: bool = False) -> list:
         """Up to ``n`` blocks the eviction policy of ``tier`` would remove whole: idle
-        copies, and never a prefix block while an extension of it is on that tier."""
+        copies, and never a prefix block while an extension of it is on that tier (with
+        ``leaves_only``, on any tier: for a caller that deletes the blocks everywhere)."""
         tier = as_tier(tier, "evict_candidates")
         if tier not in self.tiers:
             return []
         with self._lock:
             def idle(key) -> bool:
                 return self.table.is_movable(key, tier) and not self._extended_on(key, tier) \
-                    and not self._moving(key)
+                    and not (leaves_only and key in self._children) and not self._moving(key)
             victims = self.policies[tier].evict(n, idle)
             if victims is None:
                 victims = [k for k in self.table.keys_on(tier) if idle(k)][:n]
