@@ -1094,6 +1094,50 @@ def test_a_prefix_disk_budget_below_one_block_is_said_at_open(tmp_path, reuse, c
     assert_same(reference(model, ids), out)
 
 
+def test_forwards_that_stop_half_way_leave_no_unfinished_block(tmp_path):
+    """Four requests whose forward raises in layer 1 (an error, Ctrl-C) after layer 0 of a
+    new block was stored. Those blocks, with one layer of three, were kept and evicted last:
+    with them, candidates that could not go filled every search, so the full cache refused
+    every new prompt for the rest of the process. A cache now forgets the unfinished blocks
+    it started when it closes, and the search asks for more candidates until one may go:
+    new prompts are stored and reused, exact, also after a reopen."""
+    model = tiny_model()
+    cfg = dataclasses.replace(config(tmp_path), disk_budget="240KiB", reuse_host_budget="8KiB",
+                              eviction="lru")  # 30 records
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    firsts = [prompt(seed=50 + i, length=8) for i in range(4)]
+    for ids in firsts:
+        run(model, ids, cfg)  # blocks 0 and 1 whole
+    layer1 = model.model.layers[1]
+    for ids in firsts:
+        layer1.forward = stop
+        try:
+            with pytest.raises(Stop), TieredCache(model, cfg) as cache, torch.no_grad():
+                longer = torch.cat([ids, prompt(seed=90, length=4)], dim=1)
+                model(longer, attention_mask=torch.ones_like(longer), cache=cache, use_cache=True)
+        finally:
+            del layer1.forward
+    for seed in (200, 201, 202):
+        ids = prompt(seed=seed, length=12)
+        ref = reference(model, ids)
+        out, stats = run(model, ids, cfg)
+        assert stats["published_blocks"] == 4 * 3
+        assert_same(ref, out)
+        out, stats = run(model, ids, cfg)
+        assert stats["reused_tokens"] == 2 * BT
+        assert_same(ref, out)
+    close_all()
+    out, stats = run(model, ids, cfg)
+    assert stats["reused_tokens"] == 2 * BT
+    assert_same(ref, out)
+
+
 def test_every_file_of_the_prefix_cache_is_private(tmp_path):
     """The directory is 0700 and every file in it 0600, SQLite's -wal and -shm included
     (they take the database file's mode, so it is created 0600 before SQLite opens it)."""

@@ -1111,6 +1111,7 @@ class TieredCache(Cache):
         try:
             if self.prefix is not None and not self.prefix.closed and not forked:
                 try:
+                    self.prefix.drop_unfinished(self._chain)  # a forward that stopped half way
                     self.prefix.flush()  # what this run published survives the process
                 except (TierIOError, CapacityError) as exc:
                     self._prefix_failed(exc)

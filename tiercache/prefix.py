@@ -586,10 +586,7 @@ class PrefixCache:
             # first layer, then every block's second...) only when no whole one may go
             for avoid in (spare | self._filling, spare):
                 for tier in reversed(store.tiers):  # the disk's choice; with none there, the host's
-                    for k in store.evict_candidates(tier, len(avoid) * self.num_layers + 1, leaves_only=True):
-                        if (k.seq_id, k.index) not in avoid and not store.extended(self._keys(k.seq_id, k.index)):
-                            victim = k  # a leaf in every layer (an extension may have its first layers only)
-                            break
+                    victim = self._leaf(tier, avoid)
                     if victim is not None:
                         break
                 if victim is not None:
@@ -598,6 +595,31 @@ class PrefixCache:
                 return False
             self.forget([ChainBlock(victim.seq_id, victim.index, None, b"")])
         return True
+
+    def _leaf(self, tier: Tier, avoid: set) -> Optional[BlockKey]:
+        """The eviction policy's first choice on ``tier`` of a block that is a leaf in every
+        layer (an extension may have its first layers only, so a key can be a leaf while
+        its block is not) and not in ``avoid``; None when there is none. Asks for more
+        candidates until one fits or the tier has no more."""
+        store, n = self.store, (len(avoid) + 1) * self.num_layers + 1
+        while True:
+            found = store.evict_candidates(tier, n, leaves_only=True)
+            for k in found:
+                if (k.seq_id, k.index) not in avoid and not store.extended(self._keys(k.seq_id, k.index)):
+                    return k
+            if len(found) < n:
+                return None
+            n *= 4
+
+    def drop_unfinished(self, blocks: Sequence[ChainBlock]) -> int:
+        """Forget those of ``blocks`` that are stored with some of their layers only (the
+        forward that stored them stopped half way: an exception, Ctrl-C): they could never
+        be served, and would be evicted last. Returns how many went."""
+        with self._lock:
+            gone = [b for b in blocks if (b.h, b.index) in self._filling]
+            if gone:
+                self.forget(gone)
+        return len(gone)
 
     def forget(self, blocks: list) -> None:
         with self._lock:
