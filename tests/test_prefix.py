@@ -1138,6 +1138,51 @@ def test_forwards_that_stop_half_way_leave_no_unfinished_block(tmp_path):
     assert_same(ref, out)
 
 
+def test_a_cache_closing_leaves_another_requests_unfinished_blocks_alone(tmp_path):
+    """Cache A ran prompt X; X's blocks were evicted since; request B computes X again on
+    another thread and is paused after storing layer 0 of its blocks; A closes. A's close
+    forgot the unfinished blocks of its chain, B's among them: B then stored nothing of X
+    (counting 3 published) and the next run reused nothing. A drops only what it left
+    unfinished itself now: B stores X whole, and the next run reuses it, exact."""
+    import threading
+
+    model, model_b = tiny_model(), tiny_model()
+    cfg = config(tmp_path, reuse=True)
+    x = prompt(seed=5, length=12)
+    ref = reference(model, x)
+    a = TieredCache(model, cfg)
+    try:
+        with torch.no_grad():
+            a.load_prefix(x)
+            model.generate(x, attention_mask=torch.ones_like(x), cache=a, **GEN)
+        a.prefix.forget(list(a._chain))  # evicted by other requests meanwhile
+        go, paused = threading.Event(), threading.Event()
+
+        def pause_once(module, args):
+            if not paused.is_set():
+                paused.set()
+                go.wait(30)
+
+        hook = model_b.model.layers[1].register_forward_pre_hook(pause_once)
+        done: dict = {}
+
+        def request_b():
+            done["out"], done["stats"] = run(model_b, x, cfg)
+
+        b = threading.Thread(target=request_b)
+        b.start()
+        assert paused.wait(30)
+    finally:
+        a.close()
+    go.set()
+    b.join(60)
+    hook.remove()
+    assert_same(ref, done["out"])
+    out, stats = run(model, x, cfg)
+    assert stats["reused_tokens"] == 2 * BT
+    assert_same(ref, out)
+
+
 def test_every_file_of_the_prefix_cache_is_private(tmp_path):
     """The directory is 0700 and every file in it 0600, SQLite's -wal and -shm included
     (they take the database file's mode, so it is created 0600 before SQLite opens it)."""

@@ -795,6 +795,37 @@ def test_a_key_deleted_and_put_again_while_its_old_block_moves_names_only_the_ne
     assert torch.equal(store.get(d), data[d])
 
 
+@pytest.mark.parametrize("at", [2, 3])
+def test_ctrl_c_as_a_call_is_uncounted_does_not_leave_close_waiting(make_store, geometry, at):
+    """Ctrl-C landing as a store call is uncounted (``_leave``; a helper's 102 real SIGINTs
+    into generate() hit it once) left the call counted for good: close(), which waits for
+    the calls running, then waited for ever, and so did the atexit handler: the process
+    never exited. The interrupt is now held until the call is uncounted, then raised: the
+    caller sees its Ctrl-C, the block is stored, and close() returns. (Injected at the
+    ``at``-th use of the store's call lock: 2 is this put's ``_leave``, 3 the retry's.)"""
+    store = make_store()
+
+    class Interrupting(threading.Condition):
+        uses = 0
+
+        def __enter__(self):
+            self.uses += 1
+            if self.uses in (2, at):
+                raise KeyboardInterrupt
+            return super().__enter__()
+
+    store._active_cv = Interrupting()
+    key, block = next(iter(blocks(geometry, 1, seed=31).items()))
+    with pytest.raises(KeyboardInterrupt):
+        store.put(key, block)
+    store._active_cv = threading.Condition()
+    assert torch.equal(store.get(key), block)
+    closer = threading.Thread(target=store.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "close() waits for a call that ended"
+
+
 @pytest.mark.timeout(120)  # a regression hangs on a move left in flight
 @pytest.mark.parametrize("via", ["demote", "ensure_device"])
 def test_ctrl_c_while_a_move_waits_for_room_in_the_queue_rolls_it_back(make_store, geometry, via):

@@ -492,7 +492,7 @@ class TieredCache(Cache):
             self.store.device_pool.read_block(slot, kv)
             prefix = self.prefix
             try:
-                if prefix.publish(block, key.layer, kv):
+                if prefix.publish(block, key.layer, kv, owner=self):
                     self.events.reused(published=1)
             except (TierIOError, CapacityError) as exc:
                 self._prefix_failed(exc)
@@ -1111,7 +1111,7 @@ class TieredCache(Cache):
         try:
             if self.prefix is not None and not self.prefix.closed and not forked:
                 try:
-                    self.prefix.drop_unfinished(self._chain)  # a forward that stopped half way
+                    self.prefix.drop_unfinished(self._chain, owner=self)  # a forward that stopped half way
                     self.prefix.flush()  # what this run published survives the process
                 except (TierIOError, CapacityError) as exc:
                     self._prefix_failed(exc)

@@ -341,7 +341,7 @@ class PrefixCache:
                                 f"{num_layers * self.store.disk.record_bytes} bytes, or pass reuse=False")
         self.admission = config.reuse_admission
         self._lock = threading.RLock()
-        self._filling: set = set()  # (h, index) of blocks stored with some of their layers (``_room``)
+        self._filling: dict = {}  # (h, index) of blocks stored with some of their layers -> who stores them
         self.remote: Optional["RemoteTier"] = None
         try:
             if config.remote_enabled:
@@ -525,7 +525,8 @@ class PrefixCache:
                 return False
             return True
 
-    def publish(self, block: ChainBlock, layer: int, kv: torch.Tensor, remote: bool = True) -> bool:
+    def publish(self, block: ChainBlock, layer: int, kv: torch.Tensor, remote: bool = True,
+                owner: object = None) -> bool:
         """Store one layer's record of ``block`` (False when it is already stored, or not
         stored: see below); with a remote tier (and ``remote``) also queue it for the
         server. ``kv`` must not change afterwards (the remote writer sends it later).
@@ -546,14 +547,14 @@ class PrefixCache:
                 if layer:  # what is stored of it could never be served
                     self.forget([block])
                 return False
+            if layer + 1 < self.num_layers:  # before the put: an interrupt after it leaves it marked
+                self._filling[(block.h, block.index)] = owner
             self.store.put(key, kv, self.geometry.block_tokens, token_ids=block.token_ids, tier=Tier.HOST)
             if parent is not None:
                 self.store.link(key, parent)
             self.index.upsert(block, layer + 1, seen=2)
-            if layer + 1 < self.num_layers:
-                self._filling.add((block.h, block.index))
-            else:
-                self._filling.discard((block.h, block.index))
+            if layer + 1 == self.num_layers:
+                self._filling.pop((block.h, block.index), None)
         if remote and self.remote is not None:
             self.remote.put(block, layer, kv)
         return True
@@ -584,7 +585,7 @@ class PrefixCache:
             victim = None
             # whole blocks first; blocks still being filled (a forward stores every block's
             # first layer, then every block's second...) only when no whole one may go
-            for avoid in (spare | self._filling, spare):
+            for avoid in (spare | self._filling.keys(), spare):
                 for tier in reversed(store.tiers):  # the disk's choice; with none there, the host's
                     victim = self._leaf(tier, avoid)
                     if victim is not None:
@@ -611,12 +612,13 @@ class PrefixCache:
                 return None
             n *= 4
 
-    def drop_unfinished(self, blocks: Sequence[ChainBlock]) -> int:
-        """Forget those of ``blocks`` that are stored with some of their layers only (the
-        forward that stored them stopped half way: an exception, Ctrl-C): they could never
-        be served, and would be evicted last. Returns how many went."""
+    def drop_unfinished(self, blocks: Sequence[ChainBlock], owner: object = None) -> int:
+        """Forget those of ``blocks`` that ``owner`` stored with some of their layers only
+        (the forward that stored them stopped half way: an exception, Ctrl-C): they could
+        never be served, and would be evicted last. Another owner's (a request on another
+        thread still storing them) stay. Returns how many went."""
         with self._lock:
-            gone = [b for b in blocks if (b.h, b.index) in self._filling]
+            gone = [b for b in blocks if self._filling.get((b.h, b.index), _NOBODY) is owner]
             if gone:
                 self.forget(gone)
         return len(gone)
@@ -624,7 +626,7 @@ class PrefixCache:
     def forget(self, blocks: list) -> None:
         with self._lock:
             for b in blocks:
-                self._filling.discard((b.h, b.index))
+                self._filling.pop((b.h, b.index), None)
                 for key in self._keys(b.h, b.index):
                     self.store.delete(key)
             self.index.delete([b.h for b in blocks])
@@ -677,6 +679,7 @@ class PrefixCache:
             self.index.close()
 
 
+_NOBODY = object()  # drop_unfinished: no block's owner
 _OPEN: dict = {}
 _OPEN_LOCK = threading.Lock()
 

@@ -79,9 +79,9 @@ def _store_call(method, raises_policy_failures: bool):
     def call(self, *args, **kwargs):
         calls = self._calls
         depth = getattr(calls, "depth", 0)
-        if not depth:
-            self._enter(method.__name__)
-        try:
+        try:  # _enter inside: an interrupt as it returns still reaches _leave, which knows
+            if not depth:  # whether the call was counted
+                self._enter(method.__name__)
             if raises_policy_failures and self._policy_failures and not depth:
                 self._raise_policy_failure()
             calls.depth = depth + 1
@@ -89,8 +89,25 @@ def _store_call(method, raises_policy_failures: bool):
         finally:
             calls.depth = depth
             if not depth:
-                self._leave()
+                _uninterrupted(self._leave)
     return call
+
+
+def _uninterrupted(step) -> None:
+    """Run ``step`` (idempotent) to its end even if Ctrl-C lands in it: a KeyboardInterrupt
+    (or any exception raised by a signal handler) that cuts it short is held, ``step`` runs
+    again, and the interrupt is raised after. A call left counted by an interrupt in
+    ``_leave`` made ``close()`` wait for good, and with it the atexit handler: the process
+    never exited (a helper's run of 102 SIGINTs hit tiercache's internals, ``_leave`` once)."""
+    held: Optional[BaseException] = None
+    for _ in range(16):  # a few Ctrl-Cs in a row; not a loop for good on a real error
+        try:
+            step()
+            break
+        except BaseException as exc:  # noqa: BLE001 - an interrupt; raised below
+            held = exc
+    if held is not None:
+        raise held
 
 
 def _key_list(keys: Iterable[Hashable], name: str) -> list:
@@ -231,10 +248,16 @@ class BlockStore:
             if self.closed:
                 raise RuntimeError(f"BlockStore.{name}: the store is closed")
             self._active += 1
+            self._calls.counted = True
 
     def _leave(self) -> None:
+        """Uncount this thread's outermost call, once: run again after an interrupt (see
+        ``_uninterrupted``), it finds the call already uncounted."""
+        calls = self._calls
         with self._active_cv:
-            self._active -= 1
+            if getattr(calls, "counted", False):
+                calls.counted = False
+                self._active -= 1
             if not self._active:
                 self._active_cv.notify_all()
 
