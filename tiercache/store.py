@@ -254,6 +254,8 @@ class BlockStore:
         """Uncount this thread's outermost call, once: run again after an interrupt (see
         ``_uninterrupted``), it finds the call already uncounted."""
         calls = self._calls
+        if not getattr(calls, "counted", False) and (self._active or self.forked):
+            return  # not counted (refused, or done before an interrupt) and nobody to wake
         with self._active_cv:
             if getattr(calls, "counted", False):
                 calls.counted = False
