@@ -50,7 +50,16 @@ _KVIKIO_LOCK = threading.Lock()  # kvikio's settings are process-wide (and _LOCK
 _LOCKED_HERE: dict = {}
 # this process's open disk tiers, for a child made by fork() (``_after_fork``)
 _OPEN_TIERS: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
-_AT_FORK = False
+_IN_FORKED_CHILDREN: list = []  # handlers given to os.register_at_fork (``in_forked_children``)
+
+
+def in_forked_children(handler) -> None:
+    """Run ``handler`` in every child that ``fork()`` makes from now on; once per handler,
+    registered when the first thing that needs it opens (not at import). Handlers are
+    idempotent, so two threads registering one at once do no harm."""
+    if handler not in _IN_FORKED_CHILDREN and hasattr(os, "register_at_fork"):
+        _IN_FORKED_CHILDREN.append(handler)
+        os.register_at_fork(after_in_child=handler)
 
 
 def _after_fork() -> None:
@@ -454,13 +463,10 @@ class DiskTier(RecordCodec):
         except OSError as exc:
             os.close(fd)
             raise CacheDirError(f"disk_dir: cannot write in {self.directory!r} ({exc.strerror})") from None
-        global _AT_FORK
         with _KVIKIO_LOCK:
             _LOCKED_HERE[os.path.realpath(self.directory)] = os.getpid()
             _OPEN_TIERS.add(self)
-            if not _AT_FORK and hasattr(os, "register_at_fork"):
-                os.register_at_fork(after_in_child=_after_fork)
-                _AT_FORK = True
+        in_forked_children(_after_fork)
         return fd
 
     # ---- record codec ----------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from tiercache.config import TierConfig, as_tier_config, format_bytes
-from tiercache.disk import ensure_private_dir, remove_stale_sessions
+from tiercache.disk import ensure_private_dir, in_forked_children, remove_stale_sessions
 from tiercache.errors import CapacityError, TierCacheError, TierIOError, UnsupportedModelError
 from tiercache.events import Events
 from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
@@ -1339,9 +1339,6 @@ _HOOK_LOCK = threading.RLock()  # installing and removing hooks, wrap()
 _OPEN_SCOPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _tiering scopes open
 
 
-_AT_FORK = False
-
-
 def _new_hook_lock_after_fork() -> None:
     """In a child made by ``fork()``: another thread of the parent may have held the lock
     at the fork (opening or closing a generate() scope), and would never let go of it."""
@@ -1351,10 +1348,7 @@ def _new_hook_lock_after_fork() -> None:
 
 def _install_hooks(model: Any) -> None:
     """Put the two hooks on ``model`` (once; under ``_HOOK_LOCK``)."""
-    global _AT_FORK
-    if not _AT_FORK and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_new_hook_lock_after_fork)
-        _AT_FORK = True
+    in_forked_children(_new_hook_lock_after_fork)
     if "_tiercache_hooked" not in vars(model):
         model._prepare_cache_for_generation = _Hook("prepare_cache", model)
         model._prefill = _Hook("prefill", model)

@@ -36,7 +36,7 @@ from tiercache.config import TierConfig
 
 if TYPE_CHECKING:
     from tiercache.remote import RemoteTier
-from tiercache.disk import DiskTier
+from tiercache.disk import DiskTier, in_forked_children
 from tiercache.errors import BlockCorruptedError, CacheDirError, TierIOError
 from tiercache.events import Events
 from tiercache.store import BlockStore
@@ -694,7 +694,7 @@ def open_prefix_cache(root: str, config: TierConfig, geometry: BlockGeometry, di
         if cache is None or cache.closed:
             if not _OPEN:
                 atexit.register(close_all)
-                _forget_in_forked_children()
+                in_forked_children(_after_fork)
             cache = _OPEN[key] = PrefixCache(root, config, geometry, digest, num_layers)
             cache.settings = _prefix_settings(config)
             _WARNED.difference_update([said for said in _WARNED if said[0] == key])
@@ -730,22 +730,12 @@ def _prefix_settings(config: TierConfig) -> dict:
     return settings
 
 
-_AT_FORK = False
-
-
-def _forget_in_forked_children() -> None:
-    """Once per process: a child made by ``fork()`` (multiprocessing's default on Linux,
-    gunicorn's ``--preload``) starts with no open prefix cache. It had the parent's,
-    whose I/O threads did not come along: its first read or write waited for good. The
-    child opens its own, which the parent's lock on the directory refuses as it refuses
-    any second process (``reuse=None``: off with a warning; ``reuse=True``: CacheDirError)."""
-    global _AT_FORK
-    if not _AT_FORK and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_after_fork)
-        _AT_FORK = True
-
-
 def _after_fork() -> None:
+    """In a child made by ``fork()`` (multiprocessing's default on Linux, gunicorn's
+    ``--preload``): no open prefix cache. It had the parent's, whose I/O threads did not
+    come along: its first read or write waited for good. The child opens its own, which
+    the parent's lock on the directory refuses as it refuses any second process
+    (``reuse=None``: off with a warning; ``reuse=True``: CacheDirError)."""
     global _OPEN_LOCK
     _OPEN_LOCK = threading.Lock()  # another thread may have held it at the fork
     _OPEN.clear()  # not closed: they are the parent's (``PrefixCache.close`` leaves them alone)
