@@ -583,6 +583,50 @@ def test_reset_then_reuse_with_another_batch(tmp_path):
     assert_all_tiers_used(stats)
 
 
+def test_offload_and_prefetch_move_a_layer_between_tiers_and_stay_exact(tmp_path):
+    """transformers' ``Cache.offload(layer)`` / ``Cache.prefetch(layer)`` on a TieredCache (they
+    crashed inside transformers, a layer holding no tensors): a manual decode loop offloads
+    the layers after each step, so the next step reads them back from the host; a prefetch
+    brings one up before it is needed; blocks pinned for the forward stay. Logits equal DynamicCache's at every step; sliding
+    layers stay put unless ``only_non_sliding=False``, as in transformers."""
+    model = tiny_model("gemma2")
+    sliding = [layer.is_sliding for layer in tiercache.TieredCache(model).layers]
+    assert sliding == [True, False, True]
+    cfg = TierConfig(device_budget="1MiB", host_budget="1MiB", block_tokens=BT)
+    ids = prompt_ids()
+
+    def on_device(cache, layer_idx: int) -> int:
+        return sum(Tier.DEVICE in cache.store.tiers_of(k) for k in cache._blocks_of(layer_idx))
+
+    ref, out = transformers.DynamicCache(config=model.config), tiercache.TieredCache(model, cfg)
+    with out, torch.no_grad():
+        x_ref = x_out = ids
+        for step in range(NEW):
+            a = model(x_ref, cache=ref, use_cache=True).logits[:, -1]
+            b = model(x_out, cache=out, use_cache=True).logits[:, -1]
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+            assert (a - b).abs().max().item() <= ATOL, step
+            x_ref = x_out = a.argmax(-1, keepdim=True)
+            out.store.wait_idle()
+            before = [on_device(out, i) for i in range(3)]
+            assert all(before), before
+            out.offload(0)  # sliding: skipped by default, as in transformers
+            out.offload(1)
+            out.offload(2, only_non_sliding=False)  # pinned until the next forward: stays
+            out.store.wait_idle()
+            assert [on_device(out, i) for i in range(3)] == [before[0], 0, before[2]]
+            out.offload(0, only_non_sliding=False)
+            out.store.wait_idle()
+            assert [on_device(out, i) for i in range(3)] == [0, 0, before[2]]
+            if step % 2:
+                out.prefetch(0)  # sliding: skipped
+                out.prefetch(1)
+                out.store.wait_idle()
+                assert [on_device(out, i) for i in range(3)] == [0, len(out._blocks_of(1)), before[2]]
+        stats = out.stats()
+    assert stats["moves"]["device->host"]["blocks"] > 0 and stats["moves"]["host->device"]["blocks"] > 0
+
+
 def test_wrap_matches_dynamic_cache(tmp_path):
     """tiercache.wrap(model, cfg): plain model.generate() calls (no cache argument) run on a
     fresh TieredCache each and match DynamicCache; the last cache's stats show every tier."""

@@ -111,6 +111,12 @@ class TieredLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # done cache-wide
         pass
 
+    def offload(self) -> None:  # transformers' per-layer offload, in tiers (TieredCache.offload)
+        self._cache._offload_layer(self.layer_idx)
+
+    def prefetch(self) -> None:
+        self._cache._prefetch_layer(self.layer_idx)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("TieredCache does not support batch_repeat_interleave "
                                   "(contrastive search); use greedy, sampling, beam or assisted generation")
@@ -1067,6 +1073,37 @@ class TieredCache(Cache):
             self.selection_state.bounds.reorder(beam_idx)
         if self.retention_state is not None:
             self.retention_state.reorder(beam_idx)
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """transformers' ``Cache.offload``, in tiers: the blocks of ``layer_idx`` that are on
+        the device move one tier down, asynchronously (a block with a clean copy below just
+        drops its device copy), freeing their device slots. Blocks pinned for a forward in
+        progress stay. A sliding layer is skipped when ``only_non_sliding``, as in
+        transformers. The layer's tokens stay in the cache: the next forward (or
+        ``prefetch``) brings them back."""
+        super().offload(layer_idx, only_non_sliding)
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """transformers' ``Cache.prefetch``, in tiers: start bringing the blocks of
+        ``layer_idx`` up to the device without waiting (as far as the device budget allows;
+        the next forward waits for what is still on its way). A sliding layer is skipped
+        when ``only_non_sliding``."""
+        if not (only_non_sliding and self.layers[layer_idx].is_sliding):
+            self.layers[layer_idx].prefetch()
+
+    def _offload_layer(self, layer_idx: int) -> None:
+        store = self.store
+        if store is None or store.closed or self.closed:
+            return
+        on_device = [k for k in self._blocks_of(layer_idx) if Tier.DEVICE in store.tiers_of(k)]
+        if on_device:
+            store.demote_many(on_device)
+
+    def _prefetch_layer(self, layer_idx: int) -> None:
+        store = self.store
+        if store is None or store.closed or self.closed:
+            return
+        store.prefetch(self._blocks_of(layer_idx))
 
     def reset(self) -> None:
         for i in range(self.num_layers):
