@@ -98,6 +98,41 @@ def test_a_warm_request_loads_the_prefix_and_computes_only_the_rest(tmp_path, fa
     assert s2["published_blocks"] == 0  # nothing new: the answer's blocks were stored by run 1
 
 
+def test_a_model_whose_kv_are_not_one_per_input_id_publishes_nothing(tmp_path, caplog):
+    """CPM-Ant prepends 32 prompt positions to the K/V of its input ids, and names its head
+    size ``dim_head`` (its config's usual fields say 16 dims where its K/V have 32).
+    - One cache over two requests (``reset()``, then ``load_prefix``): the first published
+      blocks named by ids whose K/V they did not hold, and the second loaded them: wrong
+      tokens. K/V that do not line up with the ids are now never published.
+    - ``wrap()``: its prefix cache, opened with the config's shape, refused every publish
+      with ``ValueError: block shape ... != ...``, failing generate(). It is now off for
+      that call, with a warning that says why.
+    Every call matches DynamicCache."""
+    torch.manual_seed(0)
+    cfg = transformers.CpmAntConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    dim_head=32, dim_ff=128, init_std=0.2, pad_token_id=0, eos_token_id=None)
+    model = transformers.CpmAntForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = prompt()
+    ref = reference(model, ids)
+    tiers = TierConfig(device_budget="72KiB", host_budget="32KiB", disk_budget="16MiB", disk_dir=str(tmp_path / "kv"),
+                       block_tokens=BT)
+    with TieredCache(model, tiers) as cache, torch.no_grad():
+        assert_same(ref, model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN))
+        assert cache.stats()["published_blocks"] == 0
+        cache.reset()
+        assert cache.load_prefix(ids) == 0
+        assert_same(ref, model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN))
+    close_all()
+    wrapped = tiercache.wrap(model, tiers)
+    for _ in range(2):
+        with torch.no_grad():
+            assert_same(ref, wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN))
+        assert wrapped.tiercache_last.stats()["reused_tokens"] == 0
+    assert "prefix cache off for this run: the model's K/V are 4 heads x 32 dims" in caplog.text
+
+
 def test_a_longer_prompt_reuses_the_shared_part_only(tmp_path):
     """A second prompt that shares the first 16 tokens then differs: the 4 shared blocks are
     loaded, the rest computed; a prompt that differs in its first token loads nothing."""

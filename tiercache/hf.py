@@ -326,6 +326,14 @@ class TieredCache(Cache):
             raise
         store.defer_stall = True
         self._layer_views = [None] * self.num_layers  # views of an older store's pool would keep it alive
+        g = self.prefix.geometry if self.prefix is not None else None
+        if g is not None and (g.kv_heads, g.head_dim, g.dtype) != (kv_heads, head_dim, key_states.dtype):
+            # opened by load_prefix with the shape the config names (CPM-Ant names its head
+            # size dim_head): every publish would fail ("block shape ... != ...")
+            log.warning("prefix cache off for this run: the model's K/V are %d heads x %d dims of %s, not the "
+                        "%d x %d of %s that its config names", kv_heads, head_dim, key_states.dtype, g.kv_heads,
+                        g.head_dim, g.dtype)
+            self.prefix, self._reuse = None, False
         if self._reuse and self.prefix is None:
             self.prefix = self._open_prefix(geometry)
         return store
@@ -737,6 +745,12 @@ class TieredCache(Cache):
             store.new_blocks(fresh, protect=write_keys, near=self._slot_hint(layer_idx, first_new))
             self._pinned.extend(fresh)
             write_keys.extend(fresh)
+        ids = self._token_ids
+        if ids is not None and len(ids) != layer.num_tokens + q and not self._injecting:
+            # K/V that are not one per input id (CPM-Ant prepends 32 prompt positions; a
+            # forward this cache's model did not see): blocks named by the ids would hold
+            # other tokens' KV, so nothing of this sequence is published
+            self._token_ids = None
         for key, slot in zip(write_keys, store.device_slots(write_keys)):
             lo, hi = max(start, key.index * bt), min(end, (key.index + 1) * bt)
             store.device_pool.write_tokens(slot, lo - key.index * bt, key_states[:, :, lo - start:hi - start],
