@@ -945,6 +945,11 @@ def _shared_kv_gemma4():
     return _gemma4(global_head_dim=16, num_kv_shared_layers=2)  # the last two layers reuse others' KV
 
 
+def _cross_attention_mllama():  # its cross-attention layers' cache holds the image's K/V
+    return transformers.MllamaTextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1])
+
+
 UNSUPPORTED = {
     "gemma4-head-dims": (_per_layer_head_dim_gemma4, "layers of different KV shapes (head_dim, num_key_value_heads: "
                                                      "(16, 2), (32, 2))"),
@@ -953,6 +958,7 @@ UNSUPPORTED = {
     "bart": (_encoder_decoder_bart, "encoder-decoder"),
     "deepseek_v3": (_mla_deepseek_v3, "multi-latent attention"),
     "qwen3_next": (_linear_hybrid_qwen3_next, "linear_attention"),
+    "mllama": (_cross_attention_mllama, "cross-attention layers (cross_attention_layers=[1])"),
 }
 
 
@@ -980,6 +986,25 @@ def test_unsupported_families_are_refused(name, tmp_path):
     fake.generate = lambda *a, **k: None
     with pytest.raises(UnsupportedModelError, match=re.escape(reason)):
         tiercache.wrap(fake, cfg)
+    assert not (tmp_path / "kv").exists()
+
+
+@pytest.mark.parametrize("name", ["rwkv", "openai-gpt"])
+def test_a_model_whose_forward_takes_no_cache_is_refused(name, tmp_path):
+    """RWKV keeps a recurrent state and GPT-1 caches nothing: their forwards take no cache.
+    A TieredCache given to RWKV's generate() held nothing, and said nothing (all its stats
+    0); both are now refused by name, by TieredCache and by wrap()."""
+    torch.manual_seed(0)
+    if name == "rwkv":
+        config = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                         attention_hidden_size=32, intermediate_size=64)
+    else:
+        config = transformers.OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cfg = TierConfig(device_budget="1MiB", host_budget="1MiB", disk_budget="1MiB", disk_dir=str(tmp_path / "kv"))
+    for make in (tiercache.TieredCache, tiercache.wrap):
+        with pytest.raises(UnsupportedModelError, match=rf"{type(model).__name__}: its forward takes no KV cache"):
+            make(model, cfg)
     assert not (tmp_path / "kv").exists()
 
 

@@ -10,6 +10,7 @@ can be evicted under it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import logging
 import os
@@ -166,12 +167,31 @@ def check_supported(config: Any) -> Any:
         raise UnsupportedModelError(f"{arch}: layers of different KV shapes (head_dim, num_key_value_heads: "
                                     f"{', '.join(map(str, sorted(shapes, key=str)))}) are not supported; "
                                     f"tiercache's blocks have one shape for every layer")
+    cross = getattr(text, "cross_attention_layers", None)
+    if cross:  # Mllama: the image's K/V sit in those layers' cache, which a model reads directly
+        raise UnsupportedModelError(f"{arch}: cross-attention layers (cross_attention_layers={list(cross)}) are not "
+                                    f"supported; tiercache serves self-attention KV caches only")
     layer_types, _ = get_layer_types_and_kwargs(text)
     other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
     if other:
         raise UnsupportedModelError(f"{arch}: layer types {other} (linear-attention or hybrid layers) are not "
                                     f"supported; tiercache serves attention KV caches only")
     return text
+
+
+def check_takes_cache(model: Any) -> None:
+    """Raise UnsupportedModelError for a transformers model whose forward takes no KV cache
+    (RWKV keeps a recurrent state; GPT-1 caches nothing): a TieredCache given to it held
+    nothing, with no error. Other modules (a PEFT wrapper passing ``**kwargs`` on) are not
+    judged by their signature."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return
+    params = inspect.signature(model.forward).parameters
+    if "cache" not in params and "past_key_values" not in params:
+        raise UnsupportedModelError(f"{type(model).__name__}: its forward takes no KV cache (no cache= or "
+                                    f"past_key_values= parameter), so there is nothing for tiercache to hold")
 
 
 def _same_device(named: torch.device, actual: torch.device) -> bool:
@@ -218,6 +238,7 @@ class TieredCache(Cache):
         self.tier_config = as_tier_config(config)
         model_config = getattr(model, "config", model)
         text = check_supported(model_config)
+        check_takes_cache(model)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         layers = [TieredLayer(self, i, kw.get("sliding_window") if t != "full_attention" else None)
                   for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))]
@@ -1560,6 +1581,7 @@ def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:
     if not callable(getattr(model, "generate", None)):
         raise TypeError(f"wrap: expected a transformers model (with generate()), got {type(model).__name__}")
     check_supported(model.config)
+    check_takes_cache(model)
     cfg = as_tier_config(config)
     for name in ("_prepare_cache_for_generation", "_prefill"):
         if not callable(getattr(type(model), name, None)):
