@@ -243,6 +243,58 @@ def test_a_model_that_differs_in_a_few_weights_never_hits(tmp_path):
     assert_same(reference(model, ids), out)
 
 
+def test_weights_changed_through_data_are_named_again(tmp_path):
+    """``p.data`` edits do not move torch's version counter, so the kept digest stayed and
+    the changed model was served its old weights' KV (silently wrong tokens). A merged
+    adapter (a low-rank update added to whole matrices, as PEFT's merge does through
+    ``.data``) and weights scaled in place are now seen: nothing reused, tokens exact."""
+    model, ids = tiny_model(), prompt()
+    run(model, ids, config(tmp_path))
+    _, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] > 0
+    proj = model.model.layers[1].self_attn.v_proj.weight
+    lora_a, lora_b = torch.randn(4, proj.shape[1]), torch.randn(proj.shape[0], 4)
+    proj.data += 0.05 * lora_b @ lora_a  # merged into one matrix of one layer
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(model, ids), out)
+    for p in model.parameters():
+        p.data.mul_(1.05)
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(model, ids), out)
+
+
+def test_weights_offloaded_to_the_meta_device_turn_reuse_off(tmp_path):
+    """accelerate leaves offloaded weights on the meta device. They named nothing, so two
+    models that differed only there shared a digest, and the second was served the first's
+    KV (wrong tokens); a prefix load into a model fully offloaded failed deep in SDPA (keys
+    on meta). Such a model now runs without the prefix cache (``reuse=None``) or is refused
+    (``reuse=True``), and stays exact."""
+    import accelerate
+
+    import copy
+
+    ids = prompt()
+    models = [tiny_model()]
+    models.append(copy.deepcopy(models[0]))
+    with torch.no_grad():  # the second differs only in what will be offloaded
+        models[1].model.layers[0].mlp.up_proj.weight.mul_(2.0)
+    refs = [reference(m, ids) for m in models]
+    offload = tmp_path / "offload"
+    for i, m in enumerate(models):  # the decoder layers offloaded to disk, the rest on the CPU
+        device_map = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu",
+                      "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        accelerate.dispatch_model(m, device_map=device_map, offload_dir=str(offload / str(i)))
+        assert any(p.device.type == "meta" for p in m.parameters())
+    runs = [(i, *run(m, ids, config(tmp_path))) for i, m in enumerate(models) for _ in range(2)]
+    for i, out, _ in runs:
+        assert_same(refs[i], out)
+    assert all(stats["reused_tokens"] == 0 and stats["published_blocks"] == 0 for _, _, stats in runs)
+    with pytest.raises(tiercache.UnsupportedModelError, match="cannot name weights on the meta device"):
+        TieredCache(models[0], config(tmp_path, reuse=True))
+
+
 def test_the_device_hash_changes_with_any_word_and_only_then():
     """tensor_fingerprint's GPU path (linear_hash), run here on CPU: equal bytes give equal
     hashes; changing any one 32-bit word (first, last, in between, or a byte of a length

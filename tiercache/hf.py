@@ -286,6 +286,12 @@ class TieredCache(Cache):
         # Lossy retention rewrites blocks, so their tokens no longer name their content: no reuse.
         self._reuse = (self.tier_config.reuse_enabled and self._model is not None
                        and getattr(self.tier_config, "retention", None) is None) and self.retention_state is None
+        if self._reuse and any(p.device.type == "meta" for p in self._model.parameters()):
+            # offloaded by accelerate: weights the prefix cache cannot name (model_digest)
+            if self.tier_config.reuse:
+                raise UnsupportedModelError("reuse: the prefix cache cannot name weights on the meta device "
+                                            "(offloaded by accelerate); set reuse=None or False")
+            self._reuse = False
         rope = _length_dependent_rope(self._model, text)
         if self._reuse and rope is not None:
             # The rotary frequencies depend on the length each forward sees: a prefix computed
@@ -401,11 +407,11 @@ class TieredCache(Cache):
 
         if geometry.batch != 1:
             return None
-        digest = model_digest(self._model, geometry.dtype)  # kept per model while its weights stay
         try:
+            digest = model_digest(self._model, geometry.dtype)  # kept per model while its weights stay
             return open_prefix_cache(self.tier_config.disk_dir, self.tier_config, geometry, digest,
                                      self.num_layers)
-        except CacheDirError as exc:
+        except (CacheDirError, UnsupportedModelError) as exc:
             if self.tier_config.reuse:
                 raise
             log.warning("prefix cache off for this run: %s", exc)

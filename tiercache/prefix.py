@@ -37,7 +37,7 @@ from tiercache.config import TierConfig
 if TYPE_CHECKING:
     from tiercache.remote import RemoteTier
 from tiercache.disk import DiskTier, in_forked_children
-from tiercache.errors import BlockCorruptedError, CacheDirError, TierIOError
+from tiercache.errors import BlockCorruptedError, CacheDirError, TierIOError, UnsupportedModelError
 from tiercache.events import Events
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey, Tier
@@ -108,18 +108,47 @@ def _naming_fields(fields: dict, top: bool = True) -> dict:
             if not (top and k == "_name_or_path") and not str(k).startswith("_tiercache")}
 
 
+_SAMPLES_PER_TENSOR = 64
+
+
+def _weights_sample(tensors: list) -> bytes:
+    """A few elements of each tensor, evenly spaced, first and last included: a change that
+    torch's version counter does not see (an edit through ``.data``, as PEFT merges an
+    adapter into its base weights) shows here unless it misses every sampled element."""
+    parts: list = []
+    for _, t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+            parts.append(torch.cat([flat[::step], flat[-1:]]).view(torch.uint8))
+    if not parts:
+        return b""
+    by_device: dict = {}
+    for part in parts:
+        by_device.setdefault(part.device, []).append(part)
+    return b"".join(torch.cat(group).cpu().numpy().tobytes() for group in by_device.values())
+
+
 def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
     """16 bytes naming the model: class, full config, dtype, and every byte of every weight
     and buffer (``tensor_fingerprint``). Two models that differ anywhere get different
     prefix caches: a digest over a sample of each weight (192 elements) matched a model
     with 20 embedding rows retrained, which was then served the other model's KV
     (silently wrong tokens; found by a helper's adversarial test). Kept per model object
-    while no weight changed (each tensor's version counter and address): a model trained
-    in place between two calls is named again."""
+    while no weight changed: each tensor's address and version counter, and a sample of
+    its elements (``_weights_sample``; weights scaled through ``.data``, which the counter
+    does not see, were served the old weights' KV). Weights on the meta device (offloaded
+    by accelerate) cannot be named: ``UnsupportedModelError`` (they named nothing, so two
+    models that differed only there shared a prefix cache: wrong tokens)."""
     tensors = []
     if hasattr(model, "named_parameters"):
         tensors = list(model.named_parameters()) + list(model.named_buffers())
-    state = tuple((name, t.data_ptr(), t._version) for name, t in tensors)
+    meta = [name for name, t in tensors if t.device.type == "meta"]
+    if meta:
+        raise UnsupportedModelError(f"{type(model).__name__}: the prefix cache cannot name weights on the meta device "
+                                    f"({len(meta)} tensors, such as {meta[0]!r}: offloaded by accelerate?)")
+    with torch.no_grad():
+        state = (tuple((name, t.data_ptr(), t._version) for name, t in tensors), _weights_sample(tensors))
     with _DIGESTS_LOCK:
         try:
             known = _DIGESTS.get(model)
