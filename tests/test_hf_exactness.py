@@ -627,6 +627,40 @@ def test_offload_and_prefetch_move_a_layer_between_tiers_and_stay_exact(tmp_path
     assert stats["moves"]["device->host"]["blocks"] > 0 and stats["moves"]["host->device"]["blocks"] > 0
 
 
+def test_forwards_with_autograd_on_keep_no_graph_and_refuse_backward(tmp_path):
+    """A manual decode loop without torch.no_grad() (autograd on: the default outside
+    generate()). The K/V written into the pools carried each forward's graph, which stayed
+    alive after close(): memory grew with every call (~6,400 tensors a run in a helper's
+    loop). Now the blocks keep the bytes only: logits equal DynamicCache's, no forward's
+    activations outlive the cache, and a backward pass stops with an error saying why."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make_config("llama")).eval()  # weights require grad
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12)
+    ids = prompt_ids()
+    alive: list = []
+    hook = model.model.norm.register_forward_hook(lambda mod, args, out: alive.append(weakref.ref(out)))
+    try:
+        ref, cache = transformers.DynamicCache(config=model.config), tiercache.TieredCache(model, cfg)
+        x = ids
+        for step in range(NEW):
+            a = model(x, cache=ref, use_cache=True).logits[:, -1]
+            b = model(x, cache=cache, use_cache=True).logits[:, -1]
+            assert b.requires_grad and (a - b).abs().max().item() <= ATOL, step
+            x = a.argmax(-1, keepdim=True)
+        with pytest.raises(RuntimeError, match="TieredCache is for inference: gradients do not flow"):
+            b.sum().backward()
+        assert_all_tiers_used(cache.stats())
+        cache.close()
+        del a, b, ref, cache
+        gc.collect()
+        assert sum(r() is not None for r in alive) == 0  # DynamicCache's went too
+    finally:
+        hook.remove()
+
+
 def test_wrap_matches_dynamic_cache(tmp_path):
     """tiercache.wrap(model, cfg): plain model.generate() calls (no cache argument) run on a
     fresh TieredCache each and match DynamicCache; the last cache's stats show every tier."""

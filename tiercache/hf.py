@@ -179,6 +179,21 @@ def check_supported(config: Any) -> Any:
     return text
 
 
+class _NoBackward(torch.autograd.Function):
+    """``kv`` (K/V read from the tiers, holding no graph) tied to ``new`` (this forward's
+    K/V, which do): a forward runs as usual, and a backward pass through it raises."""
+
+    @staticmethod
+    def forward(ctx: Any, kv: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return kv.view_as(kv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        raise RuntimeError("TieredCache is for inference: gradients do not flow through the K/V it holds "
+                           "(its blocks keep the bytes, not the graph); run the forward under torch.no_grad(), "
+                           "or train with transformers' DynamicCache")
+
+
 def check_takes_cache(model: Any) -> None:
     """Raise UnsupportedModelError for a transformers model whose forward takes no KV cache
     (RWKV keeps a recurrent state; GPT-1 caches nothing): a TieredCache given to it held
@@ -699,6 +714,13 @@ class TieredCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         try:
+            if key_states.requires_grad or value_states.requires_grad:
+                # A forward with autograd on (outside no_grad): the blocks take the bytes,
+                # never the graph (written as they were, every forward's graph stayed alive
+                # in the pools: memory grew with every call), and what attention gets back
+                # stops a backward pass with an error that says why.
+                keys, values = self._update(key_states.detach(), value_states.detach(), layer_idx)
+                return _NoBackward.apply(keys, key_states), _NoBackward.apply(values, value_states)
             return self._update(key_states, value_states, layer_idx)
         except Exception as exc:
             if self.closed:  # closed by another thread under this update: its pools are gone
