@@ -488,6 +488,51 @@ def test_budget_below_one_block_is_a_clear_error(tmp_path, geometry):
         BlockStore(cfg, geometry)
 
 
+@pytest.mark.parametrize("field", ["device_budget", "host_budget"])
+def test_a_budget_beyond_the_machines_memory_is_a_clear_error(field, tmp_path, geometry):
+    """A pool is allocated whole when the store opens. A budget no machine has (1 PiB) was
+    the allocator's RuntimeError (device) or a bare OSError (host) from deep inside
+    generate(), and the CLI printed a traceback; now a ValueError names the budget."""
+    from tiercache import TierConfig
+    budgets = {"device_budget": 64 * geometry.block_bytes, "host_budget": 0, field: 2 ** 50}
+    cfg = TierConfig(block_tokens=4, **budgets)
+    with pytest.raises(ValueError, match=rf"{field}=1024.0 TiB: its pool cannot be allocated on cpu .*; "
+                                         rf"lower {field}"):
+        BlockStore(cfg, geometry)
+
+
+def test_a_disk_budget_costs_memory_only_as_its_slots_are_used(tmp_path, geometry):
+    """The free slots of a tier were a list and a set of every slot: ~6 GiB of RAM for a 10
+    TiB disk budget before a byte was written (a helper's run). Now a 100 TiB disk budget
+    opens in next to no memory; the slots still go lowest first, also after others came back."""
+    import tracemalloc
+    from tiercache import TierConfig
+    cfg = TierConfig(device_budget=4 * geometry.block_bytes, host_budget=0, disk_dir=str(tmp_path / "kv"),
+                     disk_budget=100 * 2 ** 40, block_tokens=4)
+    tracemalloc.start()
+    try:
+        with BlockStore(cfg, geometry) as store:
+            assert store.num_slots(Tier.DISK) > 10 ** 10
+            _, peak = tracemalloc.get_traced_memory()
+            keys = [BlockKey(0, 0, i) for i in range(12)]
+            for key in keys:  # down to the disk as they come (the device holds 4)
+                store.put(key, torch.full(geometry.shape, float(key.index)))
+                assert store.demote_now([key]) == []
+            slots = [store.table.get(k).copies[Tier.DISK].slot for k in keys]
+            assert slots == list(range(12))
+            store.delete(keys[7])
+            store.delete(keys[3])
+            store.put(BlockKey(1, 0, 0), torch.ones(geometry.shape))
+            assert store.demote_now([BlockKey(1, 0, 0)]) == []
+            assert store.table.get(BlockKey(1, 0, 0)).copies[Tier.DISK].slot == 3
+            for key in keys[:3]:
+                assert torch.equal(store.get(key), torch.full(geometry.shape, float(key.index)))
+            store.check()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2 ** 20, peak
+
+
 def test_cache_dir_is_private_and_a_second_process_is_refused(tmp_path, geometry):
     cfg = tiny_config(tmp_path, geometry)
     with BlockStore(cfg, geometry) as store:

@@ -8,6 +8,7 @@ lock held, and the time they wait is recorded as stall time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import operator
@@ -15,7 +16,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Hashable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -119,6 +120,21 @@ def _key_list(keys: Iterable[Hashable], name: str) -> list:
     return list(keys)
 
 
+@contextlib.contextmanager
+def _allocating(field: str, budget: int, device: torch.device) -> Iterator[None]:
+    """A tier's pool, allocated whole at open: memory refused (a budget beyond what the
+    machine has) is a ``ValueError`` naming the budget, not an allocator's error from deep
+    inside generate()."""
+    try:
+        yield
+    except (RuntimeError, OSError, MemoryError) as exc:  # torch's OutOfMemoryError is a RuntimeError
+        text = str(exc)
+        if not isinstance(exc, MemoryError) and "memory" not in text.lower():
+            raise
+        raise ValueError(f"{field}={format_bytes(budget)}: its pool cannot be allocated on {device} "
+                         f"({text.splitlines()[0] if text else type(exc).__name__}); lower {field}") from None
+
+
 class BlockStore:
     """KV blocks across device, host and disk tiers within hard byte budgets.
 
@@ -169,10 +185,12 @@ class BlockStore:
             with torch.inference_mode(False):
                 self.tiers = self.table.tiers()
                 self._below = dict(zip(self.tiers, self.tiers[1:]))  # tier -> the next one down
-                self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
+                with _allocating("device_budget", config.device_budget, self.device):
+                    self.device_pool = DevicePool(geometry, num_slots[Tier.DEVICE], self.device)
                 if Tier.HOST in num_slots:
-                    self.host_pool = HostPool(geometry, num_slots[Tier.HOST], pin=self._cuda,
-                                              on_pin_fallback=self.events.pinned_fallback)
+                    with _allocating("host_budget", config.host_budget, torch.device("cpu")):
+                        self.host_pool = HostPool(geometry, num_slots[Tier.HOST], pin=self._cuda,
+                                                  on_pin_fallback=self.events.pinned_fallback)
                 if Tier.DISK in num_slots:
                     self.disk = DiskTier(disk_dir, geometry, num_slots[Tier.DISK], direct_io=config.direct_io,
                                          model_digest=model_digest, persistent=persistent,
