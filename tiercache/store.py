@@ -242,7 +242,7 @@ class BlockStore:
             # A block without a lower copy is demoted (written down) if and when it is evicted.
             self.write_behind_enabled = True
             self._stall_acc = 0.0
-            self.engine = TransferEngine(config.io_workers, config.queue_depth)
+            self.engine = TransferEngine(config.io_workers, config.queue_depth, on_wait=self._stalled)
             if self.disk is not None and persistent:
                 self._adopt_disk_records()  # e.g. records of another format version: refused
         except BaseException:  # nothing half built stays open: the disk tier holds its directory's lock

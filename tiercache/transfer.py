@@ -10,6 +10,7 @@ import enum
 import itertools
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -23,23 +24,33 @@ class Priority(enum.IntEnum):
 class TransferEngine:
     """Runs move jobs on ``num_workers`` threads; at most ``queue_depth`` jobs queued."""
 
-    def __init__(self, num_workers: int, queue_depth: int, name: str = "tiercache-io") -> None:
+    def __init__(self, num_workers: int, queue_depth: int, name: str = "tiercache-io",
+                 on_wait: Optional[Callable[[float], None]] = None) -> None:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._room = threading.BoundedSemaphore(queue_depth)
         self._seq = itertools.count()
         self._closed = False
+        self._on_wait = on_wait
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(num_workers)]
+        self._workers = frozenset(self._threads)
         for t in self._threads:
             t.start()
 
     def submit(self, job: Callable[[], object], priority: Priority, blocking: bool = True) -> Optional[Future]:
-        """Queue ``job``; while the queue is full, wait (or return None when not ``blocking``)."""
+        """Queue ``job``; while the queue is full, wait (or return None when not ``blocking``).
+        A caller other than the workers that waits for room is told how long (``on_wait``):
+        the model's thread waiting to queue a prefetch waits for I/O as much as for a block."""
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         future: Future = Future()
-        if not self._room.acquire(blocking=blocking):
-            return None
+        if not self._room.acquire(blocking=False):
+            if not blocking:
+                return None
+            t0 = time.perf_counter()
+            self._room.acquire()
+            if self._on_wait is not None and threading.current_thread() not in self._workers:
+                self._on_wait(time.perf_counter() - t0)
         self._queue.put((int(priority), next(self._seq), job, future))
         return future
 
