@@ -181,11 +181,22 @@ def check_supported(config: Any) -> Any:
 
 class _NoBackward(torch.autograd.Function):
     """``kv`` (K/V read from the tiers, holding no graph) tied to ``new`` (this forward's
-    K/V, which do): a forward runs as usual, and a backward pass through it raises."""
+    K/V, which do): a forward runs as usual, and a backward pass through it raises. A copy,
+    as DynamicCache's K/V are: a view of the pools, which later forwards write and close()
+    lets go of, made a backward fail with torch's in-place error instead, and kept a closed
+    store's pool alive for as long as the output was."""
+
+    @staticmethod
+    def tie(kv: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``kv`` tied to ``new``, with the attributes tiercache's attention hook reads (a
+        selection or retention plan, the scores callback, the probe)."""
+        out = _NoBackward.apply(kv, new)
+        out.__dict__.update(kv.__dict__)
+        return out
 
     @staticmethod
     def forward(ctx: Any, kv: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        return kv.view_as(kv)
+        return kv.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> None:
@@ -319,6 +330,7 @@ class TieredCache(Cache):
         self._chain: list = []  # ChainBlock of each full block of _token_ids
         self._admitted: dict = {}  # chained hash -> admission decision
         self._injecting = False
+        self._grad_forward = False  # an update with autograd on is running (update)
         self._generation_mode: Optional[str] = None  # set by wrap()'s hooks (_prepare_cache_hook)
         self._prefill_seen = False  # wrap()'s hooks: the first prefill came (_prefill_hook)
         self._prompt_pending = 0  # prompt tokens generate() is about to compute (_prefill_hook)
@@ -718,9 +730,13 @@ class TieredCache(Cache):
                 # A forward with autograd on (outside no_grad): the blocks take the bytes,
                 # never the graph (written as they were, every forward's graph stayed alive
                 # in the pools: memory grew with every call), and what attention gets back
-                # stops a backward pass with an error that says why.
-                keys, values = self._update(key_states.detach(), value_states.detach(), layer_idx)
-                return _NoBackward.apply(keys, key_states), _NoBackward.apply(values, value_states)
+                # stops a backward pass with an error that says why (_NoBackward).
+                self._grad_forward = True
+                try:
+                    keys, values = self._update(key_states.detach(), value_states.detach(), layer_idx)
+                finally:
+                    self._grad_forward = False
+                return _NoBackward.tie(keys, key_states), _NoBackward.tie(values, value_states)
             return self._update(key_states, value_states, layer_idx)
         except Exception as exc:
             if self.closed:  # closed by another thread under this update: its pools are gone
@@ -1003,6 +1019,7 @@ class TieredCache(Cache):
         is SDPA and nothing wants the attention scores."""
         store = self.store
         return (self.tier_config.attend_in_place and self._hook_seen and store.device.type == "cpu"
+                and not self._grad_forward  # its output would not reach _NoBackward
                 and Tier.HOST in store.tiers
                 and not self.wants_scores and self.trace is None
                 and getattr(self._attn_config, "_attn_implementation", None) == "tiercache"
