@@ -1078,6 +1078,36 @@ def test_a_model_whose_forward_takes_no_cache_is_refused(name, tmp_path):
     assert not (tmp_path / "kv").exists()
 
 
+def test_a_model_whose_language_model_takes_the_cache_is_served(tmp_path):
+    """BLIP-2's own forward takes no cache, but its generate() hands one to its language
+    model: the first form of the check above refused it. Served, and exact, with all tiers."""
+    torch.manual_seed(0)
+    vision = transformers.Blip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, image_size=16, patch_size=8)
+    qformer = transformers.Blip2QFormerConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                              intermediate_size=64, encoder_hidden_size=32, vocab_size=VOCAB)
+    text = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                  num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=128,
+                                  eos_token_id=None, pad_token_id=PAD)
+    config = transformers.Blip2Config(vision_config=vision.to_dict(), qformer_config=qformer.to_dict(),
+                                      text_config=text.to_dict(), num_query_tokens=4, image_token_index=VOCAB - 1)
+    model = transformers.Blip2ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+    pixels = torch.randn(1, 3, 16, 16)
+    ids = torch.cat([torch.full((1, 4), VOCAB - 1), prompt_ids(length=PROMPT)], 1)
+    def run(**kwargs):  # BLIP-2's generate() takes pixel_values first
+        with torch.no_grad():
+            return model.generate(pixel_values=pixels, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=NEW, **GEN, **kwargs)
+
+    ref = run()
+    cfg = TierConfig(device_budget=12 * block_bytes(model, 1), host_budget=8192, disk_dir=str(tmp_path / "kv"),
+                     disk_budget="1MiB", block_tokens=BT)
+    with tiercache.TieredCache(model, cfg) as cache:
+        assert_same(ref, run(cache=cache))
+        assert_all_tiers_used(cache.stats())
+
+
 def test_a_cache_serves_only_the_model_it_was_built_for(tmp_path):
     """A cache built for one model and handed to another: a model with more layers was an
     IndexError from inside update(), and one whose K/V have another shape a torch error

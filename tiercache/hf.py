@@ -205,17 +205,26 @@ class _NoBackward(torch.autograd.Function):
                            "or train with transformers' DynamicCache")
 
 
+_TAKES_CACHE: dict = {}  # model class -> whether it or a model inside it takes a KV cache
+
+
 def check_takes_cache(model: Any) -> None:
-    """Raise UnsupportedModelError for a transformers model whose forward takes no KV cache
-    (RWKV keeps a recurrent state; GPT-1 caches nothing): a TieredCache given to it held
-    nothing, with no error. Other modules (a PEFT wrapper passing ``**kwargs`` on) are not
-    judged by their signature."""
+    """Raise UnsupportedModelError for a transformers model none of whose models (itself, or
+    one inside it: BLIP-2's language model) has a forward that takes a KV cache (RWKV keeps a
+    recurrent state; GPT-1 caches nothing): a TieredCache given to it held nothing, with no
+    error. Other modules (a PEFT wrapper passing ``**kwargs`` on) are not judged."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
         return
-    params = inspect.signature(model.forward).parameters
-    if "cache" not in params and "past_key_values" not in params:
+    takes = _TAKES_CACHE.get(type(model))
+    if takes is None:
+        def takes_cache(module: Any) -> bool:
+            params = inspect.signature(module.forward).parameters
+            return "cache" in params or "past_key_values" in params
+        takes = _TAKES_CACHE[type(model)] = any(
+            takes_cache(m) for m in model.modules() if isinstance(m, PreTrainedModel))
+    if not takes:
         raise UnsupportedModelError(f"{type(model).__name__}: its forward takes no KV cache (no cache= or "
                                     f"past_key_values= parameter), so there is nothing for tiercache to hold")
 
