@@ -263,6 +263,16 @@ def test_weights_changed_through_data_are_named_again(tmp_path):
     out, stats = run(model, ids, config(tmp_path))
     assert stats["reused_tokens"] == 0
     assert_same(reference(model, ids), out)
+    _, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] > 0
+    # every column but 0, 32 and 63 of one matrix: where a sample strided by numel // 64 fell
+    k_proj = model.model.layers[0].self_attn.k_proj.weight
+    assert k_proj.shape[1] == 64
+    others = [c for c in range(64) if c not in (0, 32, 63)]
+    k_proj.data[:, others] *= 3.0
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(model, ids), out)
 
 
 def test_weights_offloaded_to_the_meta_device_turn_reuse_off(tmp_path):

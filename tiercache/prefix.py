@@ -109,18 +109,31 @@ def _naming_fields(fields: dict, top: bool = True) -> dict:
 
 
 _SAMPLES_PER_TENSOR = 64
+_SAMPLE_AT: dict = {}  # (numel, device) -> the flat indices sampled
+
+
+def _sample_at(numel: int, device: torch.device) -> torch.Tensor:
+    """64 flat indices spread over ``numel`` by the golden ratio (a low-discrepancy sequence),
+    plus the last: evenly strided ones fell in the same few columns of a matrix whose row
+    length divides the stride (3 of 64 columns), and an edit of the other 61 went unseen."""
+    at = _SAMPLE_AT.get((numel, device))
+    if at is None:
+        k = torch.arange(1, _SAMPLES_PER_TENSOR + 1, dtype=torch.float64)
+        at = torch.cat([((k * 0.6180339887498949) % 1.0 * numel).long().clamp_(max=numel - 1),
+                        torch.tensor([numel - 1])]).to(device)
+        _SAMPLE_AT[(numel, device)] = at
+    return at
 
 
 def _weights_sample(tensors: list) -> bytes:
-    """A few elements of each tensor, evenly spaced, first and last included: a change that
-    torch's version counter does not see (an edit through ``.data``, as PEFT merges an
-    adapter into its base weights) shows here unless it misses every sampled element."""
+    """A few elements of each tensor, spread over it (``_sample_at``): a change that torch's
+    version counter does not see (an edit through ``.data``, as PEFT merges an adapter into
+    its base weights) shows here unless it misses every sampled element."""
     parts: list = []
     for _, t in tensors:
         flat = t.detach().reshape(-1)
         if flat.numel():
-            step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
-            parts.append(torch.cat([flat[::step], flat[-1:]]).view(torch.uint8))
+            parts.append(flat[_sample_at(flat.numel(), flat.device)].view(torch.uint8))
     if not parts:
         return b""
     by_device: dict = {}
