@@ -627,6 +627,52 @@ def test_offload_and_prefetch_move_a_layer_between_tiers_and_stay_exact(tmp_path
     assert stats["moves"]["device->host"]["blocks"] > 0 and stats["moves"]["host->device"]["blocks"] > 0
 
 
+def test_offload_and_prefetch_from_another_thread_during_generate(tmp_path):
+    """A thread calling offload() and prefetch() on random layers as fast as it can while
+    generate() runs on the cache: the block table was read without the store's lock (a
+    "dictionary changed size during iteration" now and then, a helper's 4 in 1.7M calls).
+    Tokens and logits stay DynamicCache's, the churning thread sees no error, and the
+    store's books check out."""
+    import random
+    import threading
+
+    model = tiny_model("gemma2")
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=2 * NEW)
+    errors: list = []
+    calls = [0]
+    for trial in range(2):
+        cfg = tight_config(model, tmp_path / str(trial), batch=1, device_blocks=16, host_blocks=8)
+        cache = tiercache.TieredCache(model, cfg)
+        stop = threading.Event()
+
+        def churn(seed: int = trial) -> None:
+            r = random.Random(seed)
+            while not stop.is_set():
+                try:
+                    layer = r.randrange(3)
+                    if r.random() < 0.5:
+                        cache.offload(layer, only_non_sliding=False)
+                    else:
+                        cache.prefetch(layer, only_non_sliding=False)
+                    calls[0] += 1
+                except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                    errors.append(repr(exc))
+
+        thread = threading.Thread(target=churn)
+        thread.start()
+        try:
+            out = generate(model, ids, cache=cache, max_new_tokens=2 * NEW)
+        finally:
+            stop.set()
+            thread.join()
+        assert_same(ref, out, f"trial {trial}")
+        cache.store.wait_idle()
+        cache.store.check()
+        cache.close()
+    assert errors == [] and calls[0] > 100, (errors[:3], calls[0])
+
+
 AUTOGRAD_CONFIGS = {
     "plain": {},
     "quest": dict(selection="quest", selection_budget=4096),  # a budget over the whole context: exact

@@ -1184,7 +1184,7 @@ class TieredCache(Cache):
         store = self.store
         if store is None or store.closed or self.closed:
             return
-        on_device = [k for k in self._blocks_of(layer_idx) if Tier.DEVICE in store.tiers_of(k)]
+        on_device = [k for k in self._layer_keys_now(layer_idx) if Tier.DEVICE in store.tiers_of(k)]
         if on_device:
             store.demote_many(on_device)
 
@@ -1192,7 +1192,16 @@ class TieredCache(Cache):
         store = self.store
         if store is None or store.closed or self.closed:
             return
-        store.prefetch(self._blocks_of(layer_idx))
+        store.prefetch(self._layer_keys_now(layer_idx))
+
+    def _layer_keys_now(self, layer_idx: int) -> list:
+        """``_blocks_of``, for a call that may come from another thread than the forward's
+        (offload, prefetch): new keys, never the layer's own rows, which ``_grow_keys`` on
+        two threads at once would fill with duplicates."""
+        layer = self.layers[layer_idx]
+        first, stored = layer.first_block, layer.num_tokens - layer.dropped
+        bt = self.tier_config.block_tokens
+        return [BlockKey(self.seq_id, layer_idx, i) for i in range(first, (stored + bt - 1) // bt)]
 
     def reset(self) -> None:
         for i in range(self.num_layers):

@@ -346,8 +346,9 @@ class BlockStore:
         return sum(self.table.num_slots(t) for t in self.tiers)
 
     def tiers_of(self, key: Hashable) -> list:
-        entry = self.table.get(key)
-        return [] if entry is None else entry.ready_tiers()
+        with self._lock:  # a move on another thread changes the block's copies
+            entry = self.table.get(key)
+            return [] if entry is None else entry.ready_tiers()
 
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
