@@ -139,7 +139,7 @@ class _Slots:
                 self._free_set.add(below)
             self._top = slot + 1
         elif slot in self._free_set:
-            self._free_set.discard(slot)
+            self._free_set.discard(slot)  # its heap entry goes stale
         else:
             raise TableError(f"slot {slot} is not free")
         self._used += 1
@@ -150,6 +150,8 @@ class _Slots:
         heapq.heappush(self._free, slot)
         self._free_set.add(slot)
         self._used -= 1
+        if len(self._free) > 2 * len(self._free_set) + 64:  # mostly stale entries (take, then release)
+            self._free = sorted(self._free_set)  # ascending: a heap
 
     @property
     def num_free(self) -> int:
