@@ -524,6 +524,69 @@ def test_waiting_for_room_in_the_io_queue_counts_as_stall(tmp_path, geometry):
             assert torch.equal(store.get(key), torch.full(geometry.shape, float(key.index)))
 
 
+def test_read_into_counts_a_wait_for_queue_room_once(tmp_path, geometry, monkeypatch):
+    """``read_into`` timed its waits from before it queued its reads, and the engine now
+    reports a wait for queue room too: stall_seconds came out 1.75x the call's wall time in
+    a helper's run. With slow reads (50 ms a chunk here) it is now at most the wall time."""
+    from tiercache import TierConfig
+    cfg = TierConfig(device_budget=80 * geometry.block_bytes, host_budget=0, disk_dir=str(tmp_path / "kv"),
+                     disk_budget="8MiB", block_tokens=4, io_workers=1, queue_depth=1)
+    with BlockStore(cfg, geometry) as store:
+        keys = [BlockKey(0, 0, i) for i in range(64)]
+        for key in keys:
+            store.put(key, torch.full(geometry.shape, float(key.index)))
+        assert store.demote_now(keys) == []
+        store.drop_copies(Tier.DEVICE)
+        read_chunk = BlockStore._read_chunk
+
+        def slow_read_chunk(self, chunk, outs):
+            time.sleep(0.05)
+            return read_chunk(self, chunk, outs)
+
+        monkeypatch.setattr(BlockStore, "_read_chunk", slow_read_chunk)
+        outs = [torch.empty(geometry.shape) for _ in keys]
+        before = store.stats()["stall_seconds"]
+        t0 = time.perf_counter()
+        assert store.read_into(keys, outs) == [None] * len(keys)
+        wall = time.perf_counter() - t0
+        stall = store.stats()["stall_seconds"] - before
+        assert 0.05 < stall <= wall, (stall, wall)
+        assert all(torch.equal(o, torch.full(geometry.shape, float(i))) for i, o in enumerate(outs))
+
+
+def test_ctrl_c_while_queueing_a_move_gives_its_queue_room_back():
+    """A Ctrl-C landing in ``TransferEngine.submit`` after it took room in the queue and
+    before the job was queued (injected here from the wait report) kept that room for good:
+    with a queue depth of 1 every later move waited forever. The room now goes back."""
+    from tiercache.transfer import Priority, TransferEngine
+
+    armed = [False]
+
+    def on_wait(seconds: float) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    gate = threading.Event()
+    engine = TransferEngine(1, 1, on_wait=on_wait)
+    try:
+        engine.submit(gate.wait, Priority.DEMAND)  # the worker is busy
+        time.sleep(0.2)
+        engine.submit(lambda: None, Priority.DEMAND)  # the queue is full
+        threading.Timer(0.2, gate.set).start()
+        armed[0] = True
+        with pytest.raises(KeyboardInterrupt):
+            engine.submit(lambda: "lost", Priority.DEMAND)  # waits for room, then Ctrl-C
+        deadline = time.monotonic() + 10
+        while (later := engine.submit(lambda: "ran", Priority.DEMAND, blocking=False)) is None:
+            assert time.monotonic() < deadline, "the queue's room never came back"
+            time.sleep(0.01)
+        assert later.result(timeout=10) == "ran"
+    finally:
+        gate.set()
+        engine.close()
+
+
 def test_a_disk_budget_costs_memory_only_as_its_slots_are_used(tmp_path, geometry):
     """The free slots of a tier were a list and a set of every slot: ~6 GiB of RAM for a 10
     TiB disk budget before a byte was written (a helper's run). Now a 100 TiB disk budget

@@ -576,13 +576,13 @@ class BlockStore:
         jobs: list = []
         try:
             chunks = [held[j:j + self.READ_CHUNK] for j in range(0, len(held), self.READ_CHUNK)]
-            t0 = time.perf_counter()
             for c in chunks:
                 # The job holds its chunk only: a worker thread keeps its last job alive, and
                 # ``outs`` must not outlive this call through it (the chunk is emptied below).
                 c_outs = [outs[i] for i, *_ in c]
                 futures.append(self.engine.submit(lambda c=c, o=c_outs: self._read_chunk(c, o), Priority.DEMAND))
                 jobs.append(c_outs)
+            t0 = time.perf_counter()  # a wait for queue room above is counted by the engine (on_wait)
             for chunk, future in zip(chunks, futures):
                 try:
                     results.update(future.result())

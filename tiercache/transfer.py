@@ -44,14 +44,19 @@ class TransferEngine:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         future: Future = Future()
+        t0 = None
         if not self._room.acquire(blocking=False):
             if not blocking:
                 return None
             t0 = time.perf_counter()
             self._room.acquire()
-            if self._on_wait is not None and threading.current_thread() not in self._workers:
+        try:  # the room taken goes back if the job never reaches the queue (Ctrl-C here)
+            if t0 is not None and self._on_wait is not None and threading.current_thread() not in self._workers:
                 self._on_wait(time.perf_counter() - t0)
-        self._queue.put((int(priority), next(self._seq), job, future))
+            self._queue.put((int(priority), next(self._seq), job, future))
+        except BaseException:
+            self._room.release()
+            raise
         return future
 
     def _run(self) -> None:
