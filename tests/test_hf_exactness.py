@@ -682,7 +682,7 @@ AUTOGRAD_CONFIGS = {
 
 
 @pytest.mark.parametrize("kind", list(AUTOGRAD_CONFIGS))
-def test_forwards_with_autograd_on_keep_no_graph_and_refuse_backward(kind, tmp_path):
+def test_forwards_with_autograd_on_keep_no_graph_and_refuse_backward(kind, tmp_path, monkeypatch):
     """A manual decode loop without torch.no_grad() (autograd on: the default outside
     generate()). The K/V written into the pools carried each forward's graph, which stayed
     alive after close(): memory grew with every call (~6,400 tensors a run in a helper's
@@ -711,10 +711,22 @@ def test_forwards_with_autograd_on_keep_no_graph_and_refuse_backward(kind, tmp_p
                 x = logits.argmax(-1, keepdim=True)
         return out
 
+    from tiercache.policies.kv import AttentionScorePolicy
+
+    scored = [0]  # the attention-score policy's feed from the hook, counted
+    observe = AttentionScorePolicy.observe_scores
+
+    def counted(self, scores):
+        scored[0] += 1
+        return observe(self, scores)
+    monkeypatch.setattr(AttentionScorePolicy, "observe_scores", counted)
+
     ref = [t.detach() for t in decode(transformers.DynamicCache(config=model.config), False)]
     with tiercache.TieredCache(model, cfg) as cache:
         plain = decode(cache, False)
-        plain_stats = cache.stats()
+        plain_attention = cache.attention_stats()
+    plain_scored, scored[0] = scored[0], 0
+    assert (plain_scored > 0) == (kind == "attention-score")
     alive: list = []
     hook = model.model.norm.register_forward_hook(lambda mod, args, out: alive.append(weakref.ref(out)))
     try:
@@ -724,13 +736,13 @@ def test_forwards_with_autograd_on_keep_no_graph_and_refuse_backward(kind, tmp_p
         assert max((a - b.detach()).abs().max().item() for a, b in zip(plain, got)) == 0.0
         if kind != "h2o":
             assert max((a - b.detach()).abs().max().item() for a, b in zip(ref, got)) <= ATOL
-        stats = cache.stats()
-        for key in ("evictions", "hits"):
-            assert stats[key] == plain_stats[key], key
-        assert {k: m["blocks"] for k, m in stats["moves"].items()} == {
-            k: m["blocks"] for k, m in plain_stats["moves"].items()}
-        with pytest.raises(RuntimeError, match="TieredCache is for inference: gradients do not flow"):
-            got[0].sum().backward()  # after later forwards
+        attention = cache.attention_stats()
+        for key in ("selection", "retention"):  # what quest read and h2o dropped
+            assert attention[key] == plain_attention[key], key
+        assert scored[0] == plain_scored
+        for step in (0, NEW - 1):  # the prefill, after later forwards; a decode step (quest reads pages)
+            with pytest.raises(RuntimeError, match="TieredCache is for inference: gradients do not flow"):
+                got[step].sum().backward(retain_graph=True)
         pool = weakref.ref(cache.store.device_pool.k)
         cache.close()
         del cache
@@ -741,6 +753,40 @@ def test_forwards_with_autograd_on_keep_no_graph_and_refuse_backward(kind, tmp_p
         assert sum(r() is not None for r in alive) == 0
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("attend_in_place", [False, True])
+def test_a_backward_that_needs_no_kv_gradient_matches_dynamic_cache(attend_in_place, tmp_path):
+    """Only the last layer's query projection trains (an adapter on q_proj): the K/V need
+    no gradient, so a backward pass through a decode step is fine, and its gradient must be
+    DynamicCache's. Attention was given views of the pools, which later forwards overwrite:
+    torch's in-place error, and a closed store's pool kept alive by the outputs."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make_config("llama")).eval()
+    model.requires_grad_(False)
+    q_proj = model.model.layers[-1].self_attn.q_proj.weight
+    q_proj.requires_grad_(True)
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, attend_in_place=attend_in_place)
+    grads = []
+    for cache in (transformers.DynamicCache(config=model.config), tiercache.TieredCache(model, cfg)):
+        x, outs = prompt_ids(), []
+        for _ in range(NEW):
+            logits = model(x, cache=cache, use_cache=True).logits[:, -1]
+            outs.append(logits)
+            x = logits.argmax(-1, keepdim=True)
+        q_proj.grad = None
+        outs[2].sum().backward()  # a decode step, after later forwards
+        grads.append(q_proj.grad.clone())
+        if isinstance(cache, tiercache.TieredCache):
+            pool = weakref.ref(cache.store.device_pool.k)
+            cache.close()
+            del cache
+            gc.collect()
+            assert pool() is None  # outs still alive
+    assert (grads[0] - grads[1]).abs().max().item() <= ATOL
 
 
 def test_wrap_matches_dynamic_cache(tmp_path):

@@ -30,6 +30,31 @@ PLAN_ATTR = "_tiercache_plan"
 PROBE_ATTR = "_tiercache_probe"  # called when the hook sees this key tensor (TieredCache checks routing)
 
 
+class _NoBackward(torch.autograd.Function):
+    """A copy of ``kv`` (K/V read from the tiers, holding no graph) tied to ``new`` (this
+    forward's K/V): a forward runs as usual, and a backward pass through it raises."""
+
+    @staticmethod
+    def forward(ctx: Any, kv: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return kv.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        raise RuntimeError("TieredCache is for inference: gradients do not flow through the K/V it holds "
+                           "(its blocks keep the bytes, not the graph); run the forward under torch.no_grad(), "
+                           "or train with transformers' DynamicCache")
+
+
+def tie_to_graph(kv: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """For attention in a forward with autograd on: a copy of ``kv`` (K/V from the tiers),
+    tied to ``new`` (the K/V they stand for) when that requires grad (``_NoBackward``), with
+    the attributes this hook reads (a plan, the scores callback, the probe). A copy, as
+    DynamicCache's K/V are: attention saves what it is given for backward."""
+    out = _NoBackward.apply(kv, new) if new.requires_grad else kv.clone()
+    out.__dict__.update(kv.__dict__)
+    return out
+
+
 def _inner_name(config: Any) -> str:
     return getattr(config, _INNER, None) or "sdpa"
 
@@ -53,8 +78,12 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         if plain(module, query, kwargs):
             return plan.attend(query, key, attention_mask, kwargs.get("scaling"))
     if plan is not None:
+        given = key, value
         key, value, attention_mask = plan.prepare(module, query, key, value, attention_mask,
                                                   eager=inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS)
+        if torch.is_grad_enabled():  # K/V a plan read from the tiers (Quest's pages) stand for the ones given
+            key = key if key is given[0] else tie_to_graph(key, given[0])
+            value = value if value is given[1] else tie_to_graph(value, given[1])
     out = fn(module, query, key, value, attention_mask, **kwargs)
     if plan is not None:
         plan.finish(module, query, key, attention_mask, kwargs.get("scaling"),

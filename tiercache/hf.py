@@ -30,7 +30,7 @@ from tiercache.errors import CapacityError, TierCacheError, TierIOError, Unsuppo
 from tiercache.events import Events
 from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
 from tiercache.policies import make_eviction, make_prefetch
-from tiercache.attention import PROBE_ATTR, SCORES_ATTR, _inner_name
+from tiercache.attention import PROBE_ATTR, SCORES_ATTR, _inner_name, tie_to_graph
 from tiercache.store import BlockStore
 from tiercache.table import BlockKey, Tier
 from tiercache.tiers import BlockGeometry
@@ -177,32 +177,6 @@ def check_supported(config: Any) -> Any:
         raise UnsupportedModelError(f"{arch}: layer types {other} (linear-attention or hybrid layers) are not "
                                     f"supported; tiercache serves attention KV caches only")
     return text
-
-
-class _NoBackward(torch.autograd.Function):
-    """``kv`` (K/V read from the tiers, holding no graph) tied to ``new`` (this forward's
-    K/V, which do): a forward runs as usual, and a backward pass through it raises. A copy,
-    as DynamicCache's K/V are: a view of the pools, which later forwards write and close()
-    lets go of, made a backward fail with torch's in-place error instead, and kept a closed
-    store's pool alive for as long as the output was."""
-
-    @staticmethod
-    def tie(kv: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``kv`` tied to ``new``, with the attributes tiercache's attention hook reads (a
-        selection or retention plan, the scores callback, the probe)."""
-        out = _NoBackward.apply(kv, new)
-        out.__dict__.update(kv.__dict__)
-        return out
-
-    @staticmethod
-    def forward(ctx: Any, kv: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        return kv.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> None:
-        raise RuntimeError("TieredCache is for inference: gradients do not flow through the K/V it holds "
-                           "(its blocks keep the bytes, not the graph); run the forward under torch.no_grad(), "
-                           "or train with transformers' DynamicCache")
 
 
 _TAKES_CACHE: dict = {}  # model class -> whether it or a model inside it takes a KV cache
@@ -735,17 +709,19 @@ class TieredCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            if key_states.requires_grad or value_states.requires_grad:
+            if torch.is_grad_enabled():
                 # A forward with autograd on (outside no_grad): the blocks take the bytes,
                 # never the graph (written as they were, every forward's graph stayed alive
-                # in the pools: memory grew with every call), and what attention gets back
-                # stops a backward pass with an error that says why (_NoBackward).
+                # in the pools: memory grew with every call), and attention gets copies (a
+                # view of the pools, saved for backward, was overwritten by later forwards
+                # and kept a closed store's pool alive) tied to this forward's K/V, so that
+                # a backward pass that needs their gradient stops with an error saying why.
                 self._grad_forward = True
                 try:
                     keys, values = self._update(key_states.detach(), value_states.detach(), layer_idx)
                 finally:
                     self._grad_forward = False
-                return _NoBackward.tie(keys, key_states), _NoBackward.tie(values, value_states)
+                return tie_to_graph(keys, key_states), tie_to_graph(values, value_states)
             return self._update(key_states, value_states, layer_idx)
         except Exception as exc:
             if self.closed:  # closed by another thread under this update: its pools are gone
@@ -1028,7 +1004,7 @@ class TieredCache(Cache):
         is SDPA and nothing wants the attention scores."""
         store = self.store
         return (self.tier_config.attend_in_place and self._hook_seen and store.device.type == "cpu"
-                and not self._grad_forward  # its output would not reach _NoBackward
+                and not self._grad_forward  # its output would not reach tie_to_graph's node
                 and Tier.HOST in store.tiers
                 and not self.wants_scores and self.trace is None
                 and getattr(self._attn_config, "_attn_implementation", None) == "tiercache"
