@@ -153,6 +153,7 @@ class DevicePool:
 
     def write_block(self, slot: int, block: torch.Tensor, non_blocking: bool = False) -> None:
         # block: [2, B, H, T, D]
+        block = block.detach()  # a pool takes bytes, never a graph (an autograd forward's K/V)
         self.k[:, slot].copy_(self._rows(block[0]), non_blocking=non_blocking)
         self.v[:, slot].copy_(self._rows(block[1]), non_blocking=non_blocking)
 
@@ -251,8 +252,10 @@ class DevicePool:
         d = g.head_dim
         n = k_new.shape[-2]
         shape = (g.batch, g.kv_heads, n, d)
-        self.k[:, slot, offset * d:(offset + n) * d].view(shape).copy_(k_new)
-        self.v[:, slot, offset * d:(offset + n) * d].view(shape).copy_(v_new)
+        # detached: a pool takes bytes, never a graph (retention's compacted K/V in a forward
+        # with autograd on grew the graph the pool held at every step)
+        self.k[:, slot, offset * d:(offset + n) * d].view(shape).copy_(k_new.detach())
+        self.v[:, slot, offset * d:(offset + n) * d].view(shape).copy_(v_new.detach())
 
     def gather(self, slots: list, num_tokens: int, start_token: int = 0) -> tuple:
         """K and V of ``slots`` in order, as [B, H, num_tokens, D] (tokens from ``start_token``).
