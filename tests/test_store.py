@@ -587,6 +587,74 @@ def test_ctrl_c_while_queueing_a_move_gives_its_queue_room_back():
         engine.close()
 
 
+def test_ctrl_c_after_the_job_reached_the_queue_keeps_the_worker_alive():
+    """The first fix above gave the room back on any Ctrl-C in ``submit``, also one landing
+    inside ``queue.put`` after the job was stored: the worker then gave the same room back
+    when it took the job, its semaphore raised, and the worker thread died (every later
+    move waited for good). The room now goes back only for a job that is not queued."""
+    from tiercache.transfer import Priority, TransferEngine
+
+    gate = threading.Event()
+    engine = TransferEngine(1, 2)
+    try:
+        engine.submit(gate.wait, Priority.DEMAND)  # the worker is busy
+        time.sleep(0.1)
+        put = engine._queue._put
+        armed = [True]
+
+        def put_then_interrupt(item):
+            put(item)  # the job is in the queue ...
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt  # ... and Ctrl-C lands before put() returns
+
+        engine._queue._put = put_then_interrupt
+        ran: list = []
+        with pytest.raises(KeyboardInterrupt):
+            engine.submit(lambda: ran.append("queued"), Priority.DEMAND)
+        engine._queue._put = put
+        gate.set()
+        assert engine.submit(lambda: "later", Priority.DEMAND).result(timeout=10) == "later"
+        assert ran == ["queued"] and all(t.is_alive() for t in engine._threads)
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_a_submit_waiting_for_room_when_the_engine_closes_is_refused():
+    """A move waiting for queue room while ``close()`` ran was queued behind the workers'
+    stop markers: its future never completed, and whoever waited on it waited for good."""
+    from tiercache.transfer import Priority, TransferEngine
+
+    gate = threading.Event()
+    engine = TransferEngine(1, 1)
+    engine.submit(gate.wait, Priority.DEMAND)  # the worker is busy
+    time.sleep(0.1)
+    engine.submit(lambda: None, Priority.DEMAND)  # the queue is full
+    outcome: list = []
+
+    def late() -> None:
+        try:
+            outcome.append(engine.submit(lambda: "late", Priority.DEMAND))
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=late)
+    waiter.start()
+    time.sleep(0.2)  # blocked for room
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    time.sleep(0.2)
+    gate.set()
+    closing.join(timeout=10)
+    waiter.join(timeout=10)
+    assert len(outcome) == 1
+    if isinstance(outcome[0], RuntimeError):
+        assert "closed" in str(outcome[0])
+    else:  # queued before close() took the lock: it runs
+        assert outcome[0].result(timeout=10) == "late"
+
+
 def test_a_disk_budget_costs_memory_only_as_its_slots_are_used(tmp_path, geometry):
     """The free slots of a tier were a list and a set of every slot: ~6 GiB of RAM for a 10
     TiB disk budget before a byte was written (a helper's run). Now a 100 TiB disk budget

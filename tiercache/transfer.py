@@ -30,6 +30,7 @@ class TransferEngine:
         self._room = threading.BoundedSemaphore(queue_depth)
         self._seq = itertools.count()
         self._closed = False
+        self._closing = threading.Lock()  # close() against a submit queueing its job
         self._on_wait = on_wait
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(num_workers)]
@@ -50,12 +51,19 @@ class TransferEngine:
                 return None
             t0 = time.perf_counter()
             self._room.acquire()
-        try:  # the room taken goes back if the job never reaches the queue (Ctrl-C here)
+        try:
             if t0 is not None and self._on_wait is not None and threading.current_thread() not in self._workers:
                 self._on_wait(time.perf_counter() - t0)
-            self._queue.put((int(priority), next(self._seq), job, future))
-        except BaseException:
-            self._room.release()
+            with self._closing:  # close() between the wait and here: behind the stop markers it never runs
+                if self._closed:
+                    raise RuntimeError("transfer engine is closed")
+                self._queue.put((int(priority), next(self._seq), job, future))
+        except BaseException:  # (Ctrl-C) the room goes back unless the job reached the queue:
+            # a worker gives it back when it takes the job (twice: a worker killed by the semaphore)
+            with self._queue.mutex:
+                queued = any(entry[3] is future for entry in self._queue.queue)
+            if not queued:
+                self._room.release()
             raise
         return future
 
@@ -78,11 +86,12 @@ class TransferEngine:
                 future.set_exception(exc)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put((99, next(self._seq), None, None))
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put((99, next(self._seq), None, None))
         for t in self._threads:
             t.join()
 
