@@ -587,8 +587,9 @@ def test_offload_and_prefetch_move_a_layer_between_tiers_and_stay_exact(tmp_path
     """transformers' ``Cache.offload(layer)`` / ``Cache.prefetch(layer)`` on a TieredCache (they
     crashed inside transformers, a layer holding no tensors): a manual decode loop offloads
     the layers after each step, so the next step reads them back from the host; a prefetch
-    brings one up before it is needed; blocks pinned for the forward stay. Logits equal DynamicCache's at every step; sliding
-    layers stay put unless ``only_non_sliding=False``, as in transformers."""
+    brings one up before it is needed; blocks pinned for the forward stay. Logits equal
+    DynamicCache's at every step; sliding layers stay put unless ``only_non_sliding=False``,
+    as in transformers."""
     model = tiny_model("gemma2")
     sliding = [layer.is_sliding for layer in tiercache.TieredCache(model).layers]
     assert sliding == [True, False, True]
@@ -1189,6 +1190,7 @@ def test_a_model_whose_language_model_takes_the_cache_is_served(tmp_path):
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
     pixels = torch.randn(1, 3, 16, 16)
     ids = torch.cat([torch.full((1, 4), VOCAB - 1), prompt_ids(length=PROMPT)], 1)
+
     def run(**kwargs):  # BLIP-2's generate() takes pixel_values first
         with torch.no_grad():
             return model.generate(pixel_values=pixels, input_ids=ids, attention_mask=torch.ones_like(ids),

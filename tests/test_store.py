@@ -1,6 +1,7 @@
 """The block store on real files with tiny budgets: every tier used, nothing lost or corrupted."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 
@@ -501,11 +502,9 @@ def test_a_budget_beyond_the_machines_memory_is_a_clear_error(field, tmp_path, g
         BlockStore(cfg, geometry)
 
 
-def test_waiting_for_room_in_the_io_queue_counts_as_stall(tmp_path, geometry):
-    """A prefetch "starts moves without waiting", yet with a full I/O queue the caller waits
-    for room, one move at a time: with 16-token blocks on disk a helper saw ~9 s of such
-    waits over 24 tokens and 0.02 s of reported stall. The caller's waits for queue room
-    now count as stall (the I/O workers' own do not: nothing of the model waits there)."""
+@contextlib.contextmanager
+def _64_blocks_on_disk_behind_a_queue_of_one(tmp_path, geometry):
+    """A store with one I/O worker and a queue of one, holding 64 blocks on disk only."""
     from tiercache import TierConfig
     cfg = TierConfig(device_budget=80 * geometry.block_bytes, host_budget=0, disk_dir=str(tmp_path / "kv"),
                      disk_budget="8MiB", block_tokens=4, io_workers=1, queue_depth=1)
@@ -515,6 +514,15 @@ def test_waiting_for_room_in_the_io_queue_counts_as_stall(tmp_path, geometry):
             store.put(key, torch.full(geometry.shape, float(key.index)))
         assert store.demote_now(keys) == []
         store.drop_copies(Tier.DEVICE)
+        yield store, keys
+
+
+def test_waiting_for_room_in_the_io_queue_counts_as_stall(tmp_path, geometry):
+    """A prefetch "starts moves without waiting", yet with a full I/O queue the caller waits
+    for room, one move at a time: with 16-token blocks on disk a helper saw ~9 s of such
+    waits over 24 tokens and 0.02 s of reported stall. The caller's waits for queue room
+    now count as stall (the I/O workers' own do not: nothing of the model waits there)."""
+    with _64_blocks_on_disk_behind_a_queue_of_one(tmp_path, geometry) as (store, keys):
         before = store.stats()["stall_seconds"]
         assert store.prefetch(keys) == 64  # queue depth 1: 63 of them wait for room
         store.wait_idle()
@@ -528,15 +536,7 @@ def test_read_into_counts_a_wait_for_queue_room_once(tmp_path, geometry, monkeyp
     """``read_into`` timed its waits from before it queued its reads, and the engine now
     reports a wait for queue room too: stall_seconds came out 1.75x the call's wall time in
     a helper's run. With slow reads (50 ms a chunk here) it is now at most the wall time."""
-    from tiercache import TierConfig
-    cfg = TierConfig(device_budget=80 * geometry.block_bytes, host_budget=0, disk_dir=str(tmp_path / "kv"),
-                     disk_budget="8MiB", block_tokens=4, io_workers=1, queue_depth=1)
-    with BlockStore(cfg, geometry) as store:
-        keys = [BlockKey(0, 0, i) for i in range(64)]
-        for key in keys:
-            store.put(key, torch.full(geometry.shape, float(key.index)))
-        assert store.demote_now(keys) == []
-        store.drop_copies(Tier.DEVICE)
+    with _64_blocks_on_disk_behind_a_queue_of_one(tmp_path, geometry) as (store, keys):
         read_chunk = BlockStore._read_chunk
 
         def slow_read_chunk(self, chunk, outs):

@@ -175,4 +175,3 @@ def test_free_slots_taken_by_number_and_given_back_keep_their_heap_small():
     assert slots.num_free == 32 and slots.alloc() == 0 and slots.alloc() == 2
     slots.release(0)
     assert slots.is_free(0) and not slots.is_free(1) and not slots.is_free(64)
-
