@@ -609,9 +609,13 @@ class TieredCache(Cache):
         row.extend(BlockKey(seq, layer_idx, i) for i in range(len(row), n))
 
     def _blocks_of(self, layer_idx: int) -> list:
+        return self._keys(layer_idx, *self._block_range(layer_idx))
+
+    def _block_range(self, layer_idx: int) -> tuple:
+        """(first, end) indices of the blocks the layer stores."""
         layer = self.layers[layer_idx]
         bt = self.tier_config.block_tokens
-        return self._keys(layer_idx, layer.first_block, (layer.num_tokens - layer.dropped + bt - 1) // bt)
+        return layer.first_block, (layer.num_tokens - layer.dropped + bt - 1) // bt
 
     def min_device_budget(self, prompt_tokens: int, new_tokens: int = 0, prefill_chunk: Optional[int] = None,
                           loaded: int = 0) -> int:
@@ -1174,10 +1178,7 @@ class TieredCache(Cache):
         """``_blocks_of``, for a call that may come from another thread than the forward's
         (offload, prefetch): new keys, never the layer's own rows, which ``_grow_keys`` on
         two threads at once would fill with duplicates."""
-        layer = self.layers[layer_idx]
-        first, stored = layer.first_block, layer.num_tokens - layer.dropped
-        bt = self.tier_config.block_tokens
-        return [BlockKey(self.seq_id, layer_idx, i) for i in range(first, (stored + bt - 1) // bt)]
+        return [BlockKey(self.seq_id, layer_idx, i) for i in range(*self._block_range(layer_idx))]
 
     def reset(self) -> None:
         for i in range(self.num_layers):
