@@ -10,6 +10,7 @@ import torch
 from tiercache import BlockCorruptedError, BlockKey, Tier
 from tiercache.aio import AsyncStore
 from tiercache.disk import DATA_NAME, HEADER_BYTES
+from tiercache.transfer import Priority
 
 
 def test_async_put_demote_get_and_aiofiles_read(make_store, geometry):
@@ -49,3 +50,91 @@ def test_async_read_of_a_flipped_record_raises(make_store, geometry, tmp_path):
     with pytest.raises(BlockCorruptedError, match="index=0"):
         asyncio.run(AsyncStore(store).read_disk_record(key))
     assert store.stats()["integrity_errors"] == 1
+
+
+def test_a_block_deleted_while_its_record_is_read_is_gone_for_good(tmp_path, geometry):
+    """``read_disk_record`` holds the record's slot while it reads; a ``delete`` meanwhile
+    must still free it when the read ends. The slot stayed taken (disk full after a few
+    rounds), and on a persistent store the deleted block came back when it was reopened."""
+    from conftest import tiny_config
+    from tiercache.store import BlockStore
+
+    cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1, disk_blocks=4)
+    key = BlockKey(7, 0, 0)
+
+    async def scenario(store):
+        astore = AsyncStore(store)
+        for _ in range(6):  # more rounds than the disk has slots
+            await astore.put(key, torch.randn(geometry.shape))
+            await astore.flush()
+            task = asyncio.create_task(astore.read_disk_record(key))
+            await asyncio.sleep(0)  # the read holds the record now
+            store.delete(key)
+            await task
+            assert key not in store
+
+    with BlockStore(cfg, geometry) as store:
+        asyncio.run(scenario(store))
+        store.check()
+        assert store.table.num_free(Tier.DISK) == 4
+    with BlockStore(cfg, geometry) as reopened:
+        assert key not in reopened
+
+
+def test_a_record_still_being_written_is_waited_for(make_store, geometry):
+    """A disk copy in flight (FILLING) holds no record yet: read, it gave a stale record's
+    bytes or a false integrity error. The read now waits for the write."""
+    store = make_store(device_blocks=1, host_blocks=4, disk_blocks=8, io_workers=1)
+    store.write_behind_enabled = False
+    key = BlockKey(1, 0, 0)
+    block = torch.randn(geometry.shape)
+
+    async def scenario():
+        astore = AsyncStore(store)
+        await astore.put(key, block)
+        await astore.demote(key)  # on the host
+        with store._lock:  # prepare the host -> disk move (its disk copy FILLING), not started yet
+            move = store._prepare(key, Tier.HOST, Tier.DISK, drop_source=False)
+        assert store.table.copy(key, Tier.DISK).state.name == "FILLING"
+        reading = asyncio.create_task(astore.read_disk_record(key))
+        await asyncio.sleep(0.05)
+        assert not reading.done()  # waiting for the write
+        store._submit(move, Priority.WRITEBACK)
+        return await reading
+
+    got = asyncio.run(scenario())
+    assert torch.equal(got, block)
+    assert store.stats()["integrity_errors"] == 0
+
+
+def test_async_calls_refuse_what_the_store_refuses(make_store, geometry):
+    """One key given where a list is expected is a TypeError, as for the store; a read after
+    close is refused as every call is."""
+    store = make_store(device_blocks=1, host_blocks=1)
+    key = BlockKey(0, 0, 0)
+    store.put(key, torch.randn(geometry.shape))
+    store.flush()
+    astore = AsyncStore(store)
+    with pytest.raises(TypeError, match="expected a list of keys"):
+        asyncio.run(astore.ensure_device(key))
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(astore.read_disk_record(key))
+
+
+def test_more_puts_at_once_than_device_slots_all_land(make_store, geometry):
+    """Fifty puts gathered at once on a two-slot device (the executor runs several at a
+    time): a put that found every device slot being filled by the others raised
+    CapacityError while the disk had room. It now waits for them."""
+    store = make_store(device_blocks=2, host_blocks=2, disk_blocks=100)
+    data = {BlockKey(0, 0, i): torch.randn(geometry.shape) for i in range(50)}
+
+    async def scenario():
+        astore = AsyncStore(store)
+        return await asyncio.gather(*(astore.put(k, b) for k, b in data.items()), return_exceptions=True)
+
+    errors = [r for r in asyncio.run(scenario()) if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block)
+    store.check()

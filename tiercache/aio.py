@@ -16,8 +16,8 @@ import torch
 
 from tiercache.disk import HEADER_BYTES, RecordError
 from tiercache.errors import BlockCorruptedError
-from tiercache.store import BlockStore
-from tiercache.table import Tier
+from tiercache.store import BlockStore, _key_list
+from tiercache.table import CopyState, Tier
 
 
 class AsyncStore:
@@ -41,13 +41,15 @@ class AsyncStore:
         return await aiofiles.os.wrap(self.store.get)(key)
 
     async def promote(self, key: Hashable, tier: Tier = Tier.DEVICE) -> None:
-        await asyncio.wrap_future(self.store.promote(key, tier))
+        # Starting a move can wait (for room on the tier, for a slot in the I/O queue, or, to
+        # the device, for the whole fetch): on the executor, not on the loop.
+        await asyncio.wrap_future(await aiofiles.os.wrap(self.store.promote)(key, tier))
 
     async def demote(self, key: Hashable) -> None:
-        await asyncio.wrap_future(self.store.demote(key))
+        await asyncio.wrap_future(await aiofiles.os.wrap(self.store.demote)(key))
 
     async def ensure_device(self, keys: Iterable[Hashable], pin: bool = False) -> float:
-        return await aiofiles.os.wrap(self.store.ensure_device)(list(keys), pin)
+        return await aiofiles.os.wrap(self.store.ensure_device)(_key_list(keys, "ensure_device"), pin)
 
     async def flush(self) -> int:
         return await aiofiles.os.wrap(self.store.flush)()
@@ -55,33 +57,61 @@ class AsyncStore:
     async def read_disk_record(self, key: Hashable) -> Optional[torch.Tensor]:
         """Read ``key``'s disk record with aiofiles and verify it; None if it has no disk copy.
 
-        Raises ``BlockCorruptedError`` when the record fails its checks.
+        A disk copy still being written is waited for. Raises ``BlockCorruptedError`` when
+        the record fails its checks, and ``RuntimeError`` once the store is closed.
         """
         store, disk = self.store, self.store.disk
+        if store.closed:
+            raise RuntimeError("AsyncStore.read_disk_record: the store is closed")
         if disk is None:
             return None
-        with store._lock:
-            copy = store.table.copy(key, Tier.DISK)
-            if copy is None:
-                return None
-            copy.readers += 1  # the slot cannot be freed or reused while we read it
-            slot = copy.slot
-        try:
-            async with aiofiles.open(disk.path, "rb") as f:
-                await f.seek(slot * disk.record_bytes)
-                raw = await f.read(HEADER_BYTES + disk.payload_bytes)
-        finally:
+        while True:
             with store._lock:
-                copy.readers -= 1
+                entry = store.table.get(key)
+                copy = entry.copies.get(Tier.DISK) if entry is not None else None
+                if copy is None:
+                    return None
+                if copy.state is CopyState.READY:
+                    copy.readers += 1  # the slot cannot be freed or reused while we read it
+                    slot = copy.slot
+                    break
+                waits = store._inflight_for(key)  # being written: wait for that move
+            for future in waits:
+                await asyncio.wrap_future(future)
+            if not waits:
+                await asyncio.sleep(0.001)
+        # Read into, verified, then the block's memory. Not a bytearray: zeroing one of a 64
+        # MiB block held the GIL, and so the loop, for tens of milliseconds.
+        raw = torch.empty(HEADER_BYTES + disk.payload_bytes, dtype=torch.uint8)
+        view = memoryview(raw.numpy())
+        got = 0
         try:
-            if len(raw) < HEADER_BYTES + disk.payload_bytes:
-                raise RecordError("truncated record")
-            found, _, crc = disk.decode_header(memoryview(raw[:HEADER_BYTES]))
-            payload = raw[HEADER_BYTES:]
-            if found != key or crc32c.crc32c(payload) != crc:
+            async with aiofiles.open(disk.path, "rb", buffering=0) as f:
+                await f.seek(slot * disk.record_bytes)
+                while got < len(view):
+                    n = await f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        except OSError:
+            if store.closed:
+                raise RuntimeError("AsyncStore.read_disk_record: the store was closed during the read") from None
+            raise
+        finally:
+            store._let_go([(entry, copy)])  # frees the copy if the block was deleted meanwhile
+        await aiofiles.os.wrap(self._verify)(key, view, got)
+        g = store.geometry
+        return raw[HEADER_BYTES:].view(g.dtype).view(g.shape)
+
+    def _verify(self, key: Hashable, raw: memoryview, got: int) -> None:
+        """On the executor: the record's checks (its key, a CRC32C over the payload)."""
+        store, disk = self.store, self.store.disk
+        try:
+            if got < HEADER_BYTES + disk.payload_bytes:
+                raise RecordError(f"truncated record ({got} bytes)")
+            found, _, crc = disk.decode_header(raw[:HEADER_BYTES])
+            if found != key or crc32c.crc32c(raw[HEADER_BYTES:]) != crc:
                 raise RecordError("key or payload checksum mismatch")
         except RecordError as exc:
             store.events.integrity_error("disk")
             raise BlockCorruptedError(f"block {key!r}: disk record failed its integrity check ({exc})") from None
-        g = store.geometry
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(g.dtype).view(g.shape).clone()

@@ -205,6 +205,8 @@ class BlockStore:
             # they lie (``read_layer``), so a host copy of a block on the device is never read.
             self._reads_both = self.device.type == "cpu" and Tier.HOST in self.tiers
             self._lock = threading.RLock()
+            self._putting = 0  # puts filling a slot now (``_put_to``); _put_done: one of them ended
+            self._put_done = threading.Condition(self._lock)
             # Prepared moves, started or not -> their waiters' future, made on demand (``_future``):
             # None, or the batch (``_Work``) copying the move until someone asks for one.
             self._inflight: dict = {}
@@ -438,11 +440,20 @@ class BlockStore:
         stall = 0.0
         while True:
             with self._lock:
+                if self.table.get(key) is not None:  # a put of the same key on another thread won
+                    raise ValueError(f"block {key!r} is already stored; delete it first")
                 moves = self._room(tier, 1, {key}, allow_writeback=True)
                 if self.table.num_free(tier) < 1 and not moves:
+                    if self._putting:
+                        # Slots that other threads' puts are filling: READY in a moment,
+                        # and then they can move down. Six puts at once on a two-slot device
+                        # failed with CapacityError while the disk had room (a helper's run).
+                        self._put_done.wait(0.05)
+                        continue
                     raise CapacityError(self._full_message(1, tier, {key}))
                 if self.table.num_free(tier) >= 1 and not moves:
                     slot = self.table.allocate(key, tier)  # FILLING
+                    self._putting += 1
                     break
             stall += self._wait_moves(moves, raise_io=True)
         try:
@@ -452,9 +463,13 @@ class BlockStore:
                 self.device_pool.write_block(slot, block)
         except BaseException:
             with self._lock:
+                self._putting -= 1
+                self._put_done.notify_all()
                 self._released(key, tier, self.table.abort(key, tier))
             raise
         with self._lock:
+            self._putting -= 1
+            self._put_done.notify_all()
             self.table.commit(key, tier)
             self.policies[tier].insert(key)
             self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
