@@ -38,7 +38,7 @@ def _segments(k: torch.Tensor, v: torch.Tensor, sizes: list) -> list:
     return out
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "additive", "per-head"])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "additive", "per-head", "blind"])
 def test_block_attention_is_as_close_to_the_exact_result_as_sdpa(mask_kind):
     """Uneven segments (as a host block, a run of device slots and a partial tail give),
     grouped query heads, and each kind of mask SDPA gets: the in-place result is within
@@ -62,12 +62,17 @@ def test_block_attention_is_as_close_to_the_exact_result_as_sdpa(mask_kind):
     elif mask_kind == "per-head":
         mask = torch.rand(b, hkv * rep, 1, n, generator=g) > 0.3
         mask[..., -1] = True
+    elif mask_kind == "blind":  # row 1 sees nothing (a left-padded row's first token): SDPA gives 0, not NaN
+        mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        mask[1] = False
     sdpa = torch.nn.functional.scaled_dot_product_attention
     truth = sdpa(q.double(), k.double(), v.double(), attn_mask=None if mask is None else mask.double()
                  if mask.dtype != torch.bool else mask, enable_gqa=True).transpose(1, 2)
     fp32 = sdpa(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
     ours = block_attention(q, _segments(k, v, [64, 128, 64, 45]), mask, None)
     assert ours.shape == fp32.shape == (b, 1, hkv * rep, d)
+    if mask_kind == "blind":
+        assert torch.equal(ours[1], torch.zeros_like(ours[1])) and torch.equal(fp32[1], ours[1])
     err_ours = (ours.double() - truth).abs().max().item()
     err_sdpa = (fp32.double() - truth).abs().max().item()
     assert err_ours <= 4e-6, err_ours
@@ -112,6 +117,27 @@ def test_generate_in_place_matches_dynamic_cache_with_every_tier_in_use(family, 
         assert steps == layers * (NEW - 1) - 1, steps
         assert diff <= IN_PLACE_ATOL, f"{family}/{mode}: max abs logit difference {diff:.3g}"
     assert moved(stats, dst="disk") > 0 and stats["hits"]["host"] + stats["hits"]["disk"] > 0, stats
+
+
+def test_a_padded_row_prefilled_one_token_at_a_time_stays_finite(tmp_path):
+    """prefill_chunk_size=1 with a left-padded row: that row's first chunk is one query that
+    may see nothing, and goes through the in-place path. Its softmax over nothing but -inf
+    was NaN, which spread into the row's K/V: NaN logits at every step, pad tokens out (a
+    helper's sweep; sampling failed on the NaN instead). SDPA gives 0 there."""
+    model = tiny_model("llama")
+    ids = prompt_ids(batch=2, length=9, seed=3)
+    mask = torch.ones_like(ids)
+    ids[1, :2] = PAD
+    mask[1, :2] = 0
+    ref = generate(model, ids, mask=mask, max_new_tokens=4, prefill_chunk_size=1)
+    cfg = tight_config(model, tmp_path, batch=2, device_blocks=64, attend_in_place=True)
+    with tiercache.TieredCache(model, cfg) as cache:
+        out = generate(model, ids, cache=cache, mask=mask, max_new_tokens=4, prefill_chunk_size=1)
+        assert cache.attention_stats()["in_place_layer_steps"] > 0
+    assert all(torch.isfinite(step).all() for step in out.logits)
+    assert torch.equal(ref.sequences, out.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
+    assert diff <= IN_PLACE_ATOL, diff
 
 
 def test_in_place_is_off_by_default_and_validated():

@@ -103,6 +103,10 @@ def block_attention(query: torch.Tensor, segments: list, mask: Optional[torch.Te
         else:
             logits.add_(row.float())
     probs = torch.softmax(logits, dim=-1)
+    if mask is not None:  # a query that may see nothing (a padded row's first token): 0, as SDPA gives, not NaN
+        blind = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        if blind.any():
+            probs.masked_fill_(blind, 0.0)
     out = None
     lo = 0
     for _, v in segments:
