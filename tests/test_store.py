@@ -482,6 +482,31 @@ def test_a_device_full_of_pinned_and_viewed_blocks_says_so_not_that_every_tier_i
     store.check()
 
 
+def test_blocks_that_cannot_come_up_for_want_of_room_below_say_so(tmp_path, geometry):
+    """Two device slots, two host slots, no disk, four blocks: bringing the two host blocks
+    up needs the device's two to go down, and the host has no room for them. The error said
+    "minimum device_budget" and named the budget the store already had; it now says that the
+    tiers below are full and what to raise."""
+    from tiercache import TierConfig
+    cfg = TierConfig(device_budget=2 * geometry.block_bytes, host_budget=2 * geometry.padded_bytes,
+                     block_tokens=geometry.block_tokens)
+    with BlockStore(cfg, geometry) as store:
+        data = blocks(geometry, 4, seed=48)
+        keys = list(data)
+        for key in keys:
+            store.put(key, data[key])
+        on_host = [key for key in keys if store.tiers_of(key) == [Tier.HOST]]
+        assert len(on_host) == 2
+        with pytest.raises(CapacityError) as err:
+            store.ensure_device(on_host, pin=False)
+        message = str(err.value)
+        assert "minimum device_budget" not in message, message
+        assert "every tier below is full" in message and "raise host_budget or add a disk tier" in message
+        for key, block in data.items():  # nothing lost
+            assert torch.equal(store.get(key), block)
+        store.check()
+
+
 def test_budget_below_one_block_is_a_clear_error(tmp_path, geometry):
     from tiercache import TierConfig
     cfg = TierConfig(device_budget=100, host_budget=0, block_tokens=4)

@@ -1038,7 +1038,7 @@ class BlockStore:
                     if not missing and not waits:
                         break
                     if not submit and not waits:  # nothing to fetch into, nothing to wait for
-                        raise CapacityError(self._capacity_message(len(keys)))
+                        raise CapacityError(self._resident_message(len(keys), len(missing), protect))
                 mine: list = []
                 futures = self._submit_all(submit, Priority.DEMAND, mine) + waits
                 ahead = self._prefetch_ahead(ahead, protect, Tier.DEVICE, mine)
@@ -1856,6 +1856,24 @@ class BlockStore:
                 f"per block) but this step needs {num_needed} blocks resident at once and the rest are "
                 f"pinned or in flight; minimum device_budget = {num_needed * g.block_bytes} bytes "
                 f"({format_bytes(num_needed * g.block_bytes)})")
+
+    def _resident_message(self, num_needed: int, num_missing: int, protect: set) -> str:
+        """Why ``num_needed`` blocks cannot all be on the device at once (``num_missing`` of
+        them are not): more than it holds (its minimum budget), blocks there that cannot move
+        down now (``_full_message``), or no room below. In that last case the device budget
+        was enough, and the message said it was the minimum, naming the budget it had."""
+        if num_needed > self.table.num_slots(Tier.DEVICE) or any(
+                self.table.num_free(t) for t in self.tiers if t > Tier.DEVICE):
+            return self._full_message(num_needed if num_needed > self.table.num_slots(Tier.DEVICE) else num_missing,
+                                      Tier.DEVICE, protect)
+        cfg = self.config
+        below = [f"host_budget={format_bytes(cfg.host_budget)}" if Tier.HOST in self.tiers else "no host tier",
+                 f"disk_budget={format_bytes(cfg.disk_budget)}" if Tier.DISK in self.tiers else "no disk tier"]
+        return (f"this step needs {num_needed} blocks on the device at once ({num_missing} to bring up), and "
+                f"device_budget={format_bytes(cfg.device_budget)} holds {self.table.num_slots(Tier.DEVICE)}, but "
+                f"the blocks there have nowhere to go: every tier below is full ({', '.join(below)}); raise "
+                f"{'host_budget' if Tier.HOST in self.tiers else 'device_budget'} or add a disk tier "
+                f"(disk_dir, disk_budget); nothing was overwritten")
 
     def _full_message(self, num_new: int, tier: Tier = Tier.DEVICE, protect: Iterable[Hashable] = ()) -> str:
         """Why ``num_new`` new blocks found no slot on ``tier`` (``_room`` had nothing to
