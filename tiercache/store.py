@@ -27,6 +27,7 @@ from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
 from tiercache.events import Events
 from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
+from tiercache.streamread import DiskStreams
 from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier, as_tier
 from tiercache.tiers import BlockGeometry, DevicePool, HostPool, aligned_buffer, pin_in_place, unpin_in_place
 from tiercache.transfer import Priority, TransferEngine, wait_all
@@ -221,6 +222,10 @@ class BlockStore:
             self._evicted_down: set = set()  # demotions an eviction started: written further down after
             self._np_pools: Optional[tuple] = None  # see _byte_pools
             self._gather_buf: Optional[tuple] = None  # see _gather_mixed(reuse=True)
+            # CPU with host and disk tiers: disk blocks read straight into attention's buffers
+            # (``read_layer(hold=True)``), and key -> the future of such a read in flight.
+            self._streams: Optional[DiskStreams] = DiskStreams(self) if self._reads_both and self.disk else None
+            self._streaming: dict = {}
             self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
             # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
             self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
@@ -1138,6 +1143,8 @@ class BlockStore:
         """
         if hold:
             self.release_views()
+            if self._streams is not None:
+                return self._streams.read(keys, num_tokens, start_token, ahead)
         if not self._reads_both:
             self.ensure_device(keys, ahead=ahead)
             try:
@@ -1158,11 +1165,7 @@ class BlockStore:
             finally:
                 self.unpin(keys)
         held = self._hold_in_memory(keys, ahead)
-        if hold and all(c is e.copies.get(Tier.DEVICE) for e, c in held) \
-                and DevicePool.consecutive([c.slot for _, c in held]):
-            with self._lock:
-                self._views.extend(held)
-            self.read_stats["views"] += 1
+        if hold and self._views_of(held):
             return self.device_pool.view(held[0][1].slot, len(held), num_tokens, start_token)
         try:
             t0 = time.perf_counter()
@@ -1171,6 +1174,17 @@ class BlockStore:
             return out
         finally:
             self._let_go(held)
+
+    def _views_of(self, held: list) -> bool:
+        """CPU: if the held copies ([(entry, copy)]) all lie on the device in adjacent slots,
+        in order, keep them held for views of the device pool (``release_views``) and say so."""
+        if not all(c is e.copies.get(Tier.DEVICE) for e, c in held) \
+                or not DevicePool.consecutive([c.slot for _, c in held]):
+            return False
+        with self._lock:
+            self._views.extend(held)
+        self.read_stats["views"] += 1
+        return True
 
     @_starts_work
     def hold_resident(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = ()) -> Optional[int]:
@@ -1393,12 +1407,16 @@ class BlockStore:
             raise self._io_error("reading blocks for attention", io[0])
         return failures + 1
 
-    def _gather_mixed(self, held: list, num_tokens: int, start_token: int, reuse: bool = False) -> tuple:
+    def _gather_mixed(self, held: list, num_tokens: int, start_token: int, reuse: bool = False,
+                      into: Optional[tuple] = None, at: Optional[list] = None) -> tuple:
         """CPU: copy the held blocks ([(entry, copy)], device or host) into one K and one V.
 
         ``reuse``: into the store's one gather buffer (the result is valid until the next
         such read: ``read_layer(hold=True)`` results live until ``release_views``), which
-        saves a fresh allocation, and its page faults, per layer and step.
+        saves a fresh allocation, and its page faults, per layer and step. ``into``: into
+        these K and V ([rows, blocks, T*D]), each held block at its position in ``at``
+        (increasing), the others left as they are (``DiskStreams`` read them there);
+        ``start_token`` then counts from the buffer's first block.
 
         One copy per run of blocks whose slots on one tier go up by one step (``_runs``),
         of the tokens read only (a partly read first or last block is copied alone). While
@@ -1415,7 +1433,9 @@ class BlockStore:
         """
         g = self.geometry
         rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
-        if reuse:
+        if into is not None:
+            out_k, out_v = into
+        elif reuse:
             if self._gather_buf is None or self._gather_buf[0].shape[1] < n:
                 with torch.inference_mode(False):
                     buf = torch.empty(2, rows, n + n // 4 + 1, width, dtype=g.dtype, device=self.device)
@@ -1433,10 +1453,11 @@ class BlockStore:
             dev_k, dev_v, (host_k, host_v) = self.device_pool.k, self.device_pool.v, self.host_pool.kv_rows()
             copy = torch.Tensor.copy_
         unit = g.head_dim if copy is torch.Tensor.copy_ else g.head_dim * g.itemsize  # one token of a row
-        runs, i = [], 0
-        for on_device, slot, count, step in _runs(held, strided=True):
-            runs.append((i, on_device, slot, count, step))
-            i += count
+        runs = []
+        for i, segment in _segments(held, at):
+            for on_device, slot, count, step in _runs(segment, strided=True):
+                runs.append((i, on_device, slot, count, step))
+                i += count
         # Last block first: attention reads from the first token on, and a layer's K and V
         # are about half of this machine's L3, so the blocks written last are the ones still
         # cached when it starts (SDPA ran ~5 ms per step faster in the host set-up).
@@ -1450,7 +1471,7 @@ class BlockStore:
             sources = pool_k[:, slots], pool_v[:, slots]
             for out, src in zip(outs, sources):
                 _copy_tokens(copy, out[:, i:i + count], src, lo, hi, g.block_tokens, unit)
-        shape = (g.batch, g.kv_heads, n * g.block_tokens, g.head_dim)
+        shape = (g.batch, g.kv_heads, out_k.shape[1] * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
         return k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens]
 
@@ -1564,6 +1585,8 @@ class BlockStore:
         """Permute the batch rows of every block (beam search); lower copies are refreshed."""
         self.release_views()
         self.wait_idle()
+        if self._streams is not None:  # disk records are rewritten in place below
+            self._streams.forget()
         rows = rows.to(torch.long).cpu()
         with self._lock:
             device_keys = list(self.table.keys_on(Tier.DEVICE))
@@ -1652,7 +1675,9 @@ class BlockStore:
             if self.disk is not None and self.disk.persistent:
                 self._flush()
         finally:
-            self.engine.close()
+            self.engine.close()  # every queued job runs first: streamed reads let go of their copies
+            if self._streams is not None:
+                self._streams.close()
             self._staging.close()
             if self.disk is not None:
                 self.disk.close()
@@ -1842,8 +1867,14 @@ class BlockStore:
         self._token_ids.pop(key, None)
 
     def _inflight_for(self, key: Hashable) -> list:
-        """Under the lock: futures of the moves of ``key`` in flight, to wait on."""
-        return [self._future(m) for m in [m for m in self._inflight if m.key == key]]
+        """Under the lock: futures of the moves of ``key`` in flight, and of a read of its
+        disk copy into attention's buffer (``DiskStreams``), to wait on."""
+        futures = [self._future(m) for m in [m for m in self._inflight if m.key == key]]
+        if self._streaming:
+            read = self._streaming.get(key)
+            if read is not None:
+                futures.append(read)
+        return futures
 
     def _moving(self, key: Hashable) -> bool:
         """Under the lock: whether a move of ``key`` is in flight."""
@@ -2682,6 +2713,19 @@ def _slot_runs(todo: list) -> list:
                 continue
         runs.append([move])
     return runs
+
+
+def _segments(held: list, at: Optional[list]) -> list:
+    """``held`` cut where its positions ``at`` (increasing; None: 0, 1, ...) skip:
+    [(first position, the held copies at it and after, one position apart)]."""
+    if at is None:
+        return [(0, held)] if held else []
+    out, start = [], 0
+    for i in range(1, len(held) + 1):
+        if i == len(held) or at[i] != at[i - 1] + 1:
+            out.append((at[start], held[start:i]))
+            start = i
+    return out
 
 
 def _runs(held: list, strided: bool = False):

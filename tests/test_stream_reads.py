@@ -1,0 +1,180 @@
+"""Disk blocks read straight into attention's buffer (CPU, host and disk tiers; ``DiskStreams``).
+
+A decode step reads every block of every layer. The blocks the device and host tiers hold
+stay there; the rest are read from disk into their place in the layer's buffer, the next
+layer's while this one computes, and never take a host slot: so a step reads from disk
+exactly the blocks that are in no memory tier, not more. Bytes read ahead are used only if
+the block is still the one they were read from, and a record that fails its check is never
+used.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from tiercache import BlockCorruptedError, BlockKey, Tier, TierConfig, TieredCache
+from tiercache.disk import HEADER_BYTES
+from tiercache.store import BlockStore
+from tiercache.tiers import BlockGeometry
+
+from conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BT = 4
+
+
+def _llama(layers: int = 3):
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      initializer_range=0.2, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _tiered(model, tmp_path, device_blocks: int, host_blocks: int) -> TieredCache:
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    cfg = tiny_config(tmp_path, geometry, device_blocks=device_blocks, host_blocks=host_blocks, disk_blocks=200,
+                      reuse=False)
+    return TieredCache(model, cfg)
+
+
+def _in_memory(store: BlockStore, keys: list) -> int:
+    return sum(1 for key in keys if {Tier.DEVICE, Tier.HOST} & set(store.tiers_of(key)))
+
+
+def _reads_done(store: BlockStore) -> None:
+    """Wait for the reads in flight into attention's buffers (those of the layer read ahead)."""
+    for busy in (store._streams._busy if store._streams is not None else ()):
+        for future in busy:
+            future.result()
+
+
+def test_a_decode_step_reads_from_disk_only_the_blocks_in_no_memory_tier(tmp_path):
+    """Three layers of 12-15 blocks, 16 device and 8 host slots: each decode step must read
+    from disk exactly the blocks that neither memory tier holds, straight into attention's
+    buffer (``disk->device``), never through a host slot (``disk->host``), and give
+    DynamicCache's logits. Through the host tier a step read more: each block read took a
+    host slot and pushed out one the same step would read again."""
+    model = _llama()
+    ids = torch.randint(2, 64, (1, 48), generator=torch.Generator().manual_seed(0))
+    ref = transformers.DynamicCache(config=model.config)
+    with torch.no_grad(), _tiered(model, tmp_path, device_blocks=16, host_blocks=8) as cache:
+        out = model(ids, cache=cache, use_cache=True).logits
+        want = model(ids, cache=ref, use_cache=True).logits
+        assert (out - want).abs().max().item() == 0.0
+        nxt = want[:, -1:].argmax(-1)
+        store = cache.store
+        exact, last = 0, {"first": 1}
+        _reads_done(store)
+        for step in range(10):
+            keys = [key for layer in range(3) for key in cache._blocks_of(layer)]
+            in_memory = _in_memory(store, keys)
+            before = cache.stats()["moves"]
+            out = model(nxt, cache=cache, use_cache=True).logits
+            want = model(nxt, cache=ref, use_cache=True).logits
+            assert (out - want).abs().max().item() == 0.0, f"step {step}: logits differ"
+            _reads_done(store)
+            moves = cache.stats()["moves"]
+            moved = {name: m["blocks"] - before.get(name, {}).get("blocks", 0) for name, m in moves.items()}
+            moved = {name: n for name, n in moved.items() if n}
+            assert moved.get("disk->host", 0) == 0, f"step {step}: {moved}"
+            # Unless a new tail block pushed blocks down a tier (one per layer every BT steps),
+            # the memory tiers kept what they held, and the count is exact. (It counts the
+            # next step's first layer, read ahead, in place of this step's own.)
+            if set(moved) <= {"disk->device"} and set(last) <= {"disk->device"}:
+                assert moved.get("disk->device", 0) == len(keys) - in_memory, f"step {step}: {moved}"
+                exact += 1
+            last = moved
+            nxt = want[:, -1:].argmax(-1)
+        assert exact >= 4
+        stats = cache.stats()
+        assert stats["hits"]["disk"] > 0 and stats["prefetch"]["used"] > 0
+
+
+def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
+    """The next layer's blocks are read into the other buffer while this one is read. Then
+    one of them is written (brought up, appended to) and another deleted and stored again
+    with other bytes: the next read must return the new bytes of both, not what was read
+    ahead."""
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
+                    persistent=False) as store:
+        g = torch.Generator().manual_seed(1)
+        a = [BlockKey(0, 0, i) for i in range(4)]
+        b = [BlockKey(0, 1, i) for i in range(4)]
+        data = {}
+        for key in a + b:
+            data[key] = torch.randn(geometry.shape, generator=g)
+            store.put(key, data[key])
+        store.flush()
+        for key in a + b:  # disk only
+            while store.tiers_of(key) != [Tier.DISK]:
+                store.demote_now([key])
+        k, v = store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
+        assert torch.equal(k, torch.cat([data[key][0] for key in a], dim=-2))
+        pending = store._streams._pending
+        assert pending is not None and len(pending.reads) == 4  # b read ahead, from disk
+        store.release_views()
+        # b[1]: brought up and written (the disk copy read ahead is dropped first)
+        store.ensure_device([b[1]])
+        slot = store.begin_write(b[1])
+        fresh = torch.randn(1, 2, BT, 8, generator=g)
+        store.device_pool.write_tokens(slot, 0, fresh, -fresh)
+        data[b[1]] = torch.stack([fresh, -fresh])
+        store.unpin([b[1]])
+        # b[2]: deleted, and stored again under its key with other bytes, down to the disk
+        store.delete(b[2])
+        data[b[2]] = torch.randn(geometry.shape, generator=g)
+        store.put(b[2], data[b[2]])
+        store.flush()
+        while store.tiers_of(b[2]) != [Tier.DISK]:
+            store.demote_now([b[2]])
+        k, v = store.read_layer(b, 4 * BT, 0, hold=True)
+        assert torch.equal(k, torch.cat([data[key][0] for key in b], dim=-2))
+        assert torch.equal(v, torch.cat([data[key][1] for key in b], dim=-2))
+        store.release_views()
+        store.check()
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["read-now", "read-ahead"])
+def test_a_record_that_fails_its_check_is_never_used(tmp_path, ahead):
+    """A disk-only block whose record is damaged on disk, read straight into the buffer (now,
+    or ahead of its layer): the read is refused (``BlockCorruptedError``, the block's only
+    copy is gone), never served; the layer's other blocks are unharmed."""
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
+                    persistent=False) as store:
+        g = torch.Generator().manual_seed(2)
+        a = [BlockKey(0, 0, i) for i in range(4)]
+        b = [BlockKey(0, 1, i) for i in range(4)]
+        data = {}
+        for key in a + b:
+            data[key] = torch.randn(geometry.shape, generator=g)
+            store.put(key, data[key])
+        store.flush()
+        for key in a + b:
+            while store.tiers_of(key) != [Tier.DISK]:
+                store.demote_now([key])
+        bad = b[2]
+        slot = store.table.copy(bad, Tier.DISK).slot
+        with open(store.disk.path, "r+b") as f:
+            f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 100)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
+        if ahead:
+            store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
+            store.release_views()
+        with pytest.raises(BlockCorruptedError, match="integrity"):
+            store.read_layer(b, 4 * BT, 0, hold=True)
+        assert store.stats()["integrity_errors"] >= 1
+        assert bad not in store
+        good = [key for key in b if key != bad]
+        k, _ = store.read_layer(good, 3 * BT, 0, hold=True)
+        assert torch.equal(k, torch.cat([data[key][0] for key in good], dim=-2))
+        store.release_views()
+        store.check()
