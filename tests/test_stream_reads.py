@@ -95,6 +95,27 @@ def test_a_decode_step_reads_from_disk_only_the_blocks_in_no_memory_tier(tmp_pat
         assert stats["hits"]["disk"] > 0 and stats["prefetch"]["used"] > 0
 
 
+def _to_disk(store: BlockStore, key: BlockKey) -> None:
+    """Leave ``key`` with its disk copy only."""
+    while store.tiers_of(key) != [Tier.DISK]:
+        store.demote_now([key])
+
+
+def _two_layers_on_disk(store: BlockStore, g: torch.Generator) -> tuple:
+    """Four random blocks in each of layers 0 and 1, on disk only: (layer 0's keys, layer
+    1's keys, key -> block)."""
+    a = [BlockKey(0, 0, i) for i in range(4)]
+    b = [BlockKey(0, 1, i) for i in range(4)]
+    data = {}
+    for key in a + b:
+        data[key] = torch.randn(store.geometry.shape, generator=g)
+        store.put(key, data[key])
+    store.flush()
+    for key in a + b:
+        _to_disk(store, key)
+    return a, b, data
+
+
 def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
     """The next layer's blocks are read into the other buffer while this one is read. Then
     one of them is written (brought up, appended to) and another deleted and stored again
@@ -104,16 +125,7 @@ def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
     with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
                     persistent=False) as store:
         g = torch.Generator().manual_seed(1)
-        a = [BlockKey(0, 0, i) for i in range(4)]
-        b = [BlockKey(0, 1, i) for i in range(4)]
-        data = {}
-        for key in a + b:
-            data[key] = torch.randn(geometry.shape, generator=g)
-            store.put(key, data[key])
-        store.flush()
-        for key in a + b:  # disk only
-            while store.tiers_of(key) != [Tier.DISK]:
-                store.demote_now([key])
+        a, b, data = _two_layers_on_disk(store, g)
         k, v = store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
         assert torch.equal(k, torch.cat([data[key][0] for key in a], dim=-2))
         pending = store._streams._pending
@@ -131,8 +143,7 @@ def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
         data[b[2]] = torch.randn(geometry.shape, generator=g)
         store.put(b[2], data[b[2]])
         store.flush()
-        while store.tiers_of(b[2]) != [Tier.DISK]:
-            store.demote_now([b[2]])
+        _to_disk(store, b[2])
         k, v = store.read_layer(b, 4 * BT, 0, hold=True)
         assert torch.equal(k, torch.cat([data[key][0] for key in b], dim=-2))
         assert torch.equal(v, torch.cat([data[key][1] for key in b], dim=-2))
@@ -148,17 +159,7 @@ def test_a_record_that_fails_its_check_is_never_used(tmp_path, ahead):
     geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
     with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
                     persistent=False) as store:
-        g = torch.Generator().manual_seed(2)
-        a = [BlockKey(0, 0, i) for i in range(4)]
-        b = [BlockKey(0, 1, i) for i in range(4)]
-        data = {}
-        for key in a + b:
-            data[key] = torch.randn(geometry.shape, generator=g)
-            store.put(key, data[key])
-        store.flush()
-        for key in a + b:
-            while store.tiers_of(key) != [Tier.DISK]:
-                store.demote_now([key])
+        a, b, data = _two_layers_on_disk(store, torch.Generator().manual_seed(2))
         bad = b[2]
         slot = store.table.copy(bad, Tier.DISK).slot
         with open(store.disk.path, "r+b") as f:
