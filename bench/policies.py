@@ -20,7 +20,7 @@ import statistics
 import sys
 from typing import Optional
 
-from tiercache.cli import CLIError, doc_summary, int_list, split_list, work_dir
+from tiercache.cli import CLIError, doc_summary, int_list, require_extra, split_list, work_dir
 
 FRACTIONS = (0.1, 0.25, 0.4, 0.55, 0.75, 0.9)
 BANDS = (("small", 0.0, 0.3), ("medium", 0.3, 0.6), ("large", 0.6, 1.01))
@@ -153,6 +153,8 @@ def run(argv: Optional[list] = None) -> int:
     unknown = [x for x in prefetches if x not in PREFETCH_POLICIES]
     if unknown:
         raise CLIError(f"--prefetch-policies: unknown {unknown}; known: {', '.join(sorted(PREFETCH_POLICIES))}")
+    # libCacheSim replays every trace and matplotlib draws the plots, after minutes of recording
+    require_extra("bench policies", "libcachesim", "matplotlib.backends.backend_agg")
     if os.path.exists(args.out):
         work_dir("--out", args.out)
     os.makedirs(args.out, exist_ok=True)

@@ -348,3 +348,38 @@ def test_each_benchmarks_help_describes_it_in_whole_sentences(name):
     text = doc_summary(importlib.import_module(f"tiercache.bench.{name}").__doc__)
     assert text.startswith(f"``tiercache bench {name}``") or text.startswith(f"`tiercache bench {name}`")
     assert text.endswith(".") and "\n" not in text
+
+
+@pytest.mark.parametrize("missing,argv,message", [
+    # each was an ImportError traceback: compare's default --libcachesim at the end of the replay,
+    # bench policies' plots after minutes of recording, --plot after the whole run
+    ("libcachesim", ["compare", "--trace", "T"], "--libcachesim: needs libcachesim, which is not installed; "
+     "install it with pip install 'tiercache[lab]', or pass --libcachesim none"),
+    ("matplotlib", ["compare", "--trace", "T", "--libcachesim", "none", "--plot", "P"],
+     "--plot: needs matplotlib, which is not installed"),
+    ("libcachesim", ["bench", "policies", "--out", "OUT"], "bench policies: needs libcachesim"),
+    ("matplotlib", ["bench", "policies", "--out", "OUT"], "bench policies: needs matplotlib"),
+    ("matplotlib", ["eval", "fidelity", "--plot", "P"], "--plot: needs matplotlib"),
+])
+def test_a_missing_lab_extra_is_one_line_before_any_work(missing, argv, message, tmp_path, monkeypatch, capsys):
+    from tiercache.cli import main
+
+    import tiercache.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model loaded before the missing package was noticed")
+
+    monkeypatch.setattr(tiercache.models, "load_model", no_model)
+    monkeypatch.setitem(sys.modules, missing, None)  # import fails as if not installed
+    paths = {"T": str(tmp_path / "t.csv"), "P": str(tmp_path / "x.png"), "OUT": str(tmp_path / "bp")}
+    assert main([paths.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiercache: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # nothing made: no --out folder, no plot
+
+
+def test_compare_names_the_prefetch_policies_flag(capsys):
+    from tiercache.cli import main
+
+    assert main(["compare", "--trace", "t.csv", "--libcachesim", "none", "--prefetch-policies", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("tiercache: error: --prefetch-policies: unknown prefetch policy 'nope'")

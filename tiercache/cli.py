@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import json
 import math
 import os
@@ -255,6 +256,22 @@ def work_dir(flag: str, path: Optional[str]) -> Optional[str]:
     return path
 
 
+def require_extra(flag: str, *modules: str, alternative: str = "") -> None:
+    """CLIError, before any slow work, when an optional package of the ``[lab]`` extra
+    (libcachesim, matplotlib) cannot be imported: it was an ImportError traceback at the end
+    of a run. ``alternative``: how to do without it, appended to the message."""
+    missing = []
+    for name in modules:
+        try:  # the package first: a submodule imported before is found even with the package gone
+            importlib.import_module(name.split(".")[0])
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name.split(".")[0])
+    if missing:
+        raise CLIError(f"{flag}: needs {' and '.join(missing)}, which is not installed; install it with "
+                       f"pip install 'tiercache[lab]'{alternative}")
+
+
 def split_list(flag: str, text: str) -> list:
     items = [x.strip() for x in text.split(",")]
     if not any(items):
@@ -274,6 +291,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     prefetches = split_list("--prefetch-policies", args.prefetch_policies)
     libcsim = [] if args.libcachesim == "none" else split_list("--libcachesim", args.libcachesim)
     lab.check_names(policies, prefetches, libcsim)
+    if libcsim:  # the default: all of libCacheSim's reference algorithms
+        require_extra("--libcachesim", "libcachesim", alternative=", or pass --libcachesim none")
+    if args.plot:
+        require_extra("--plot", "matplotlib.backends.backend_agg")
     try:
         budgets = [parse_bytes(b, "--budgets") for b in split_list("--budgets", args.budgets)] if args.budgets else None
         host_budget = None if args.lab_host_budget is None else parse_bytes(args.lab_host_budget, "--lab-host-budget")
@@ -376,6 +397,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise CLIError(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
     ev.check_plan(methods, budgets, args.block_tokens)  # ValueError -> one line, exit 2
     if args.plot:
+        require_extra("--plot", "matplotlib.backends.backend_agg")
         check_writable("--plot", args.plot)
     text = None
     if args.task == "passkey":

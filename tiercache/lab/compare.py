@@ -68,10 +68,12 @@ def load_bandwidths(io_json: Optional[str], directory: Optional[str]) -> Bandwid
 def check_names(policies: list, prefetches: list, libcachesim: list) -> None:
     for name in policies:
         if name not in EVICTION_POLICIES:
-            raise ValueError(f"--policies: unknown eviction policy {name!r}; known: {', '.join(sorted(EVICTION_POLICIES))}")
+            raise ValueError(f"--policies: unknown eviction policy {name!r}; "
+                             f"known: {', '.join(sorted(EVICTION_POLICIES))}")
     for name in prefetches:
         if name not in PREFETCH_POLICIES:
-            raise ValueError(f"--prefetch: unknown prefetch policy {name!r}; known: {', '.join(sorted(PREFETCH_POLICIES))}")
+            raise ValueError(f"--prefetch-policies: unknown prefetch policy {name!r}; "
+                             f"known: {', '.join(sorted(PREFETCH_POLICIES))}")
     if libcachesim:
         from tiercache.lab.libcsim import LIBCACHESIM_ALGORITHMS
         for name in libcachesim:
