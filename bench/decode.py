@@ -437,7 +437,7 @@ def run(argv: Optional[list] = None) -> int:
         raise ValueError(f"--setups: {sorted({s for s in setups if setups.count(s) > 1})} named twice")
     if args.disk_gbps is not None and not (math.isfinite(args.disk_gbps) and args.disk_gbps > 0):
         raise ValueError(f"--disk-gbps: a positive rate in GB/s, got {args.disk_gbps}")  # 0: a ZeroDivisionError
-    work_dir("--dir", args.dir)
+    work_dir("--dir", args.dir or ".")  # the temporary folder goes here
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
     unknown = sorted(s for s in setups if _base(s) not in SETUPS)

@@ -51,6 +51,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from tiercache.cli import work_dir
 from tiercache.config import DISK_IO_BACKENDS, TierConfig, format_bytes, parse_bytes
 from tiercache.disk import DiskTier
 from tiercache.store import BlockStore
@@ -530,7 +531,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Disk-tier writes/reads against fio (or dd) with the same request size, and "
                     "host<->device moves against a plain torch copy. Rates in GB/s (1e9 B/s).")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--dir", default=".", help="directory on the disk to test (a temporary folder "
+    p.add_argument("--dir", default=".", help="existing directory on the disk to test (a temporary folder "
                    "is created inside it and removed); default: the current directory")
     p.add_argument("--size", default="1GiB", help="bytes of blocks to move per measurement (default 1GiB)")
     p.add_argument("--block-tokens", type=int, default=defaults.block_tokens,
@@ -564,13 +565,16 @@ def run(argv: Optional[list] = None) -> int:
             if round_bytes < 1:
                 raise ValueError(f"--round-size: must be > 0, got {args.round_size!r}")
             rounds = max(1, -(-total_bytes // round_bytes))
-        if os.path.exists(args.dir) and not os.path.isdir(args.dir):  # else created
-            raise ValueError(f"--dir: {args.dir!r} is not a directory")
+        work_dir("--dir", args.dir)  # as every benchmark: a missing one is a typo, not made here
         sizes = sorted(set(SWEEP_BLOCK_TOKENS) | {args.block_tokens}) if args.sweep else [args.block_tokens]
         largest = BlockGeometry(1, KV_HEADS, max(sizes), HEAD_DIM, DTYPE).block_bytes
         if total_bytes < largest:  # was rounded up to one block, silently
             raise ValueError(f"--size: {args.size} is less than one block ({format_bytes(largest)} at "
                              f"block_tokens={max(sizes)})")
+        for tokens in sizes:  # now, not after the sizes before it were measured
+            geometry = BlockGeometry(1, KV_HEADS, tokens, HEAD_DIM, DTYPE)
+            num_blocks = max(1, total_bytes // geometry.block_bytes)
+            _check_free_space(args.dir, 2 * num_blocks * DiskTier.record_size(geometry))
     except ValueError as exc:
         print(f"tiercache: error: bench io: {exc}", file=sys.stderr)
         return 2
@@ -582,7 +586,7 @@ def run(argv: Optional[list] = None) -> int:
                     for _ in range(args.repeat)]
         except (ValueError, RuntimeError, OSError) as exc:  # no room, fio/dd failed, ...
             print(f"tiercache: error: bench io: {exc}", file=sys.stderr)
-            return 1
+            return 2 if isinstance(exc, ValueError) else 1  # ValueError: the input (--size too big for --dir)
         rows.append(_median_of(runs))
         if args.sweep and not args.json:
             print(f"  measured block_tokens={tokens}", file=sys.stderr, flush=True)

@@ -157,7 +157,10 @@ def run(argv: Optional[list] = None) -> int:
     require_extra("bench policies", "libcachesim", "matplotlib.backends.backend_agg")
     if os.path.exists(args.out):
         work_dir("--out", args.out)
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:  # its parent missing or not writable: a traceback after the checks
+        raise CLIError(f"--out: cannot make {args.out!r} ({exc.strerror or exc})") from None
     model, tokenizer = load_model()
     results, fractions, traces = [], {}, {}
     bandwidths = load_bandwidths(args.io_json, args.out)

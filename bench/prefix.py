@@ -421,7 +421,7 @@ def run(argv: Optional[list] = None) -> int:
                              ("--answer-tokens", args.answer_tokens, 1), ("--block-tokens", args.block_tokens, 1)):
         if value < low:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
-    work_dir("--dir", args.dir)
+    work_dir("--dir", args.dir or ".")  # the temporary folder goes here
     if args.remote:
         import uuid
 

@@ -76,8 +76,15 @@ def test_run_sweep_table_and_bad_arguments(tmp_path, capsys, monkeypatch):
     assert "--size" in capsys.readouterr().err
     assert run(["--round-size", "0", "--dir", str(tmp_path)]) == 2
     assert "--round-size" in capsys.readouterr().err
-    assert run(["--size", "100TiB", "--dir", str(tmp_path)]) == 1  # more than the disk has
+    assert run(["--size", "100TiB", "--dir", str(tmp_path)]) == 2  # more than the disk has: the input, up front
     assert "free" in capsys.readouterr().err
+    # as every other benchmark: a missing --dir is refused, not made (it was, and kept); one
+    # where nothing can be made is refused before any work (a PermissionError traceback)
+    assert run(["--dir", str(tmp_path / "missing")]) == 2
+    assert f"--dir: {str(tmp_path / 'missing')!r} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
+    assert run(["--dir", "/proc/self"]) == 2
+    assert "--dir: cannot make a folder in '/proc/self'" in capsys.readouterr().err
 
 
 def test_the_store_and_the_raw_tool_take_turns_on_the_same_requests():

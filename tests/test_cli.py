@@ -214,6 +214,15 @@ def test_the_output_file_probe_leaves_everything_as_it_found_it(tmp_path):
     (["bench", "overhead", "--batches", "100000000"], "--batches: 100000000 must be in [2, 4096]"),
     (["bench", "prefix", "--dir", "MISSING"], "--dir: 'MISSING' does not exist"),
     (["bench", "io", "--dir", "FILE"], "bench io: --dir: 'FILE' is not a directory"),
+    # a PermissionError traceback from inside the run (root passes the permission bits, yet makes
+    # nothing in /proc or /sys); bench io made a missing --dir where the others refused it
+    (["bench", "io", "--dir", "MISSING"], "bench io: --dir: 'MISSING' does not exist"),
+    (["bench", "io", "--dir", "/proc/self"], "bench io: --dir: cannot make a folder in '/proc/self'"),
+    (["bench", "faults", "--dir", "/sys/kernel"], "--dir: cannot make a folder in '/sys/kernel'"),
+    (["bench", "prefix", "--dir", "/proc/self"], "--dir: cannot make a folder in '/proc/self'"),
+    (["bench", "decode", "--dir", "/proc/self"], "--dir: cannot make a folder in '/proc/self'"),
+    (["bench", "policies", "--out", "/proc/self"], "--out: cannot make a folder in '/proc/self'"),
+    (["bench", "policies", "--out", "/sys/kernel/bp"], "--out: cannot make '/sys/kernel/bp'"),
     (["bench", "io", "--size", "0"], "bench io: --size: 0 is less than one block (1.5 MiB at block_tokens=1024)"),
     (["compare", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
 ])

@@ -248,11 +248,19 @@ def doc_summary(doc: Optional[str]) -> str:
 
 
 def work_dir(flag: str, path: Optional[str]) -> Optional[str]:
-    """A benchmark's work directory: ``path`` must be an existing directory (None: the
-    benchmark picks one). Else CLIError, before any work, not an OSError from deep inside."""
-    if path is not None and not os.path.isdir(path):
+    """A benchmark's work directory: ``path`` must be an existing directory that a folder can
+    be made in (None: the benchmark picks one). Else CLIError, before any work, not an
+    OSError from deep inside. A folder is made and removed again: permission bits alone do
+    not tell (root passes them, yet makes nothing in /proc or /sys)."""
+    if path is None:
+        return path
+    if not os.path.isdir(path):
         what = "is not a directory" if os.path.exists(path) else "does not exist"
         raise CLIError(f"{flag}: {path!r} {what}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tiercache-probe-", dir=path))
+    except OSError as exc:
+        raise CLIError(f"{flag}: cannot make a folder in {path!r} ({exc.strerror or exc})") from None
     return path
 
 
