@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Optional
 
-from tiercache.cli import doc_summary, work_dir
+from tiercache.cli import WORKER_ERROR, doc_summary, model_config, model_positions, work_dir, worker_failure
 
 SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
 CUDA_ONLY = ("hf_offload",)  # transformers' offloaded cache needs CUDA streams
@@ -298,6 +298,9 @@ def _spawn(setup: str, args: argparse.Namespace, workdir: str) -> dict:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if setup == SIDE_BY_SIDE else subprocess.PIPE,
                           text=True)
     if proc.returncode != 0:
+        error = worker_failure(proc.stdout)
+        if error is not None:  # bad input the parent could not see: its one line, not a traceback
+            raise ValueError(f"bench decode: the {setup} run: {error}")
         raise RuntimeError(f"bench decode {setup} failed" + (f":\n{proc.stderr[-3000:]}" if proc.stderr else ""))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -362,7 +365,8 @@ def _raw_disk_next_to(setup: str, caches: dict, workdir: str, num_bytes: int):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiercache bench decode", description=doc_summary(__doc__))
-    p.add_argument("--context", type=int, default=8192, help="prompt tokens (default %(default)s)")
+    p.add_argument("--context", type=int, default=8192, help="prompt tokens, at most the model's positions "
+                   "(default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per set-up and round "
                    "(default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="side-by-side rounds (default %(default)s); 0 skips "
@@ -401,17 +405,24 @@ def run(argv: Optional[list] = None) -> int:
     args = _parser().parse_args(argv)
     common = (args.block_tokens, args.dir, args.prefill_chunk, args.selection, args.selection_budget,
               args.device_fraction, args.host_fraction, args.eviction or None)
-    if args.worker == SIDE_BY_SIDE:
-        from tiercache.config import parse_bytes
-
-        raw_read_bytes = 0 if args.disk_gbps is not None else parse_bytes(args.io_size, "--io-size")
-        print(json.dumps(worker_side_by_side(args.setups.split(","), args.context, args.new_tokens, args.rounds,
-                                             *common, raw_read_bytes=raw_read_bytes, model_path=args.model,
-                                             disk_io=args.disk_io)))
-        return 0
     if args.worker:
-        print(json.dumps(worker(args.worker, args.context, args.new_tokens, *common, model_path=args.model,
-                                disk_io=args.disk_io)))
+        from tiercache.errors import TierCacheError
+
+        try:
+            if args.worker == SIDE_BY_SIDE:
+                from tiercache.config import parse_bytes
+
+                raw_read_bytes = 0 if args.disk_gbps is not None else parse_bytes(args.io_size, "--io-size")
+                result = worker_side_by_side(args.setups.split(","), args.context, args.new_tokens, args.rounds,
+                                             *common, raw_read_bytes=raw_read_bytes, model_path=args.model,
+                                             disk_io=args.disk_io)
+            else:
+                result = worker(args.worker, args.context, args.new_tokens, *common, model_path=args.model,
+                                disk_io=args.disk_io)
+        except (TierCacheError, ValueError) as exc:  # the parent shows this line, not a traceback
+            print(json.dumps({WORKER_ERROR: str(exc)}))
+            return 2
+        print(json.dumps(result))
         return 0
     if args.new_tokens < 1 or args.rounds < 0:
         raise ValueError(f"--new-tokens must be >= 1 and --rounds >= 0, got {args.new_tokens} and {args.rounds}")
@@ -437,6 +448,10 @@ def run(argv: Optional[list] = None) -> int:
         raise ValueError(f"--setups: {sorted({s for s in setups if setups.count(s) > 1})} named twice")
     if args.disk_gbps is not None and not (math.isfinite(args.disk_gbps) and args.disk_gbps > 0):
         raise ValueError(f"--disk-gbps: a positive rate in GB/s, got {args.disk_gbps}")  # 0: a ZeroDivisionError
+    from tiercache.config import parse_bytes
+
+    if parse_bytes(args.io_size, "--io-size") < 1:  # was parsed by the side-by-side worker, after the set-ups ran
+        raise ValueError(f"--io-size: must be > 0, got {args.io_size!r}")
     work_dir("--dir", args.dir or ".")  # the temporary folder goes here
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
@@ -460,6 +475,13 @@ def run(argv: Optional[list] = None) -> int:
         from tiercache.disk import resolve_disk_io
 
         resolve_disk_io(args.disk_io)  # here, not in every worker: one clear line
+    # The model now, in this process (its config only): a missing folder or an unsupported
+    # model was every worker's traceback, and a context past its positions ran regardless.
+    # The prompt must fit; the decode steps after it may run a few positions past (the published
+    # runs at the default model's 8192 do: 8192 + 2 warm-up + 16 x 3 rounds).
+    limit = model_positions(model_config(args.model))
+    if limit is not None and args.context > limit:
+        raise ValueError(f"--context: {args.context} tokens exceed the model's {limit} positions")
     args.setup_list = setups
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-", dir=args.dir or ".") as workdir:
         isolated = {}

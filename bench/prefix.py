@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from tiercache.cli import doc_summary, work_dir
+from tiercache.cli import WORKER_ERROR, doc_summary, model_config, work_dir, worker_failure
 
 POSITION_MARGIN = 8  # tokens left below the model's positions
 
@@ -297,6 +297,9 @@ def _spawn(part: str, args: argparse.Namespace, workdir: str) -> dict:
         cmd += ["--remote", args.remote, "--remote-namespace", args.remote_namespace]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+        error = worker_failure(proc.stdout)
+        if error is not None:  # bad input the parent could not see: its one line, not a traceback
+            raise ValueError(f"bench prefix: the {part} process: {error}")
         raise RuntimeError(f"bench prefix: the {part} process failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -399,8 +402,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default %(default)s, the fastest measured at 8k on the default model)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="prefill chunk in tokens (default %(default)s)")
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default: torch's; "
-                   "1 is steadier on a machine shared with other work)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process, >= 1 (default: "
+                   "torch's; 1 is steadier on a machine shared with other work)")
     p.add_argument("--no-baseline", action="store_true", help="skip the reuse=False recompute (saves one prefill)")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir under .); the disk "
                    "tier's direct I/O depends on its filesystem")
@@ -415,13 +418,22 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: Optional[list] = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
-        print(json.dumps(WORKERS[args.worker](args)))
+        from tiercache.errors import TierCacheError
+
+        try:
+            result = WORKERS[args.worker](args)
+        except (TierCacheError, ValueError) as exc:  # the parent shows this line, not a traceback
+            print(json.dumps({WORKER_ERROR: str(exc)}))
+            return 2
+        print(json.dumps(result))
         return 0
     for flag, value, low in (("--context", args.context, 2), ("--turns", args.turns, 0),
-                             ("--answer-tokens", args.answer_tokens, 1), ("--block-tokens", args.block_tokens, 1)):
-        if value < low:
+                             ("--answer-tokens", args.answer_tokens, 1), ("--block-tokens", args.block_tokens, 1),
+                             ("--threads", args.threads, 1)):
+        if value is not None and value < low:  # --threads -2 was a torch traceback, 0 silently torch's default
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     work_dir("--dir", args.dir or ".")  # the temporary folder goes here
+    model_config(args.model)  # a bad --model: one line now, not each worker's traceback
     if args.remote:
         import uuid
 

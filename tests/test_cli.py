@@ -225,6 +225,19 @@ def test_the_output_file_probe_leaves_everything_as_it_found_it(tmp_path):
     (["bench", "policies", "--out", "/sys/kernel/bp"], "--out: cannot make '/sys/kernel/bp'"),
     (["bench", "io", "--size", "0"], "bench io: --size: 0 is less than one block (1.5 MiB at block_tokens=1024)"),
     (["compare", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    # a bad --model was each worker process's whole traceback; now the parent's one line
+    (["bench", "decode", "--model", "MISSING"], "--model: 'MISSING' is not a local model folder"),
+    (["bench", "decode", "--model", "TMP"], "--model: cannot read a model config from 'TMP'"),
+    (["bench", "prefix", "--model", "MISSING"], "--model: 'MISSING' is not a local model folder"),
+    (["bench", "prefix", "--model", "TMP"], "--model: cannot read a model config from 'TMP'"),
+    # a torch traceback (-2), silently torch's default (0)
+    (["bench", "prefix", "--threads", "-2"], "--threads: must be >= 1, got -2"),
+    (["bench", "prefix", "--threads", "0"], "--threads: must be >= 1, got 0"),
+    # parsed by the side-by-side worker, after every set-up had run alone
+    (["bench", "decode", "--io-size", "-1"], "--io-size: must not be negative"),
+    (["bench", "decode", "--io-size", "0"], "--io-size: must be > 0"),
+    # ran past the model's positions (generate and eval refuse that)
+    (["bench", "decode", "--context", "100000"], "--context: 100000 tokens exceed the model's 8192 positions"),
 ])
 def test_benchmarks_and_compare_refuse_bad_arguments_before_any_work(argv, message, tmp_path, capsys):
     """Every refusal is one line, ``tiercache: error: ...``, exit status 2, before a model
@@ -233,7 +246,7 @@ def test_benchmarks_and_compare_refuse_bad_arguments_before_any_work(argv, messa
     from tiercache.cli import main
 
     (tmp_path / "file").write_text("not a directory")
-    paths = {"FILE": str(tmp_path / "file"), "MISSING": str(tmp_path / "missing")}
+    paths = {"FILE": str(tmp_path / "file"), "MISSING": str(tmp_path / "missing"), "TMP": str(tmp_path)}
     argv = [paths.get(a, a) for a in argv]
     for name, path in paths.items():
         message = message.replace(f"'{name}'", repr(path))
@@ -392,3 +405,23 @@ def test_compare_names_the_prefetch_policies_flag(capsys):
 
     assert main(["compare", "--trace", "t.csv", "--libcachesim", "none", "--prefetch-policies", "nope"]) == 2
     assert capsys.readouterr().err.startswith("tiercache: error: --prefetch-policies: unknown prefetch policy 'nope'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["decode", "prefix"])
+def test_a_benchmark_worker_that_fails_on_bad_input_is_one_line(name, tmp_path):
+    """A model folder with a config but no weights passes the parent's check; the worker's
+    ModelNotFoundError was its whole traceback under the parent's own. Now its one line."""
+    from transformers import LlamaConfig
+
+    model = tmp_path / "model"
+    LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(model)
+    extra = ["--setups", "dynamic", "--rounds", "0", "--new-tokens", "1"] if name == "decode" else ["--turns", "0"]
+    proc = cli("bench", name, "--model", str(model), "--context", "16", "--dir", str(tmp_path), *extra, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tiercache: error: bench {name}: the ")
+    assert f"cannot load a model from {str(model)!r}" in last
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the work folder removed

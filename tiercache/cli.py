@@ -12,7 +12,7 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from tiercache.config import TierConfig, format_bytes
 from tiercache.errors import TierCacheError
@@ -278,6 +278,51 @@ def require_extra(flag: str, *modules: str, alternative: str = "") -> None:
     if missing:
         raise CLIError(f"{flag}: needs {' and '.join(missing)}, which is not installed; install it with "
                        f"pip install 'tiercache[lab]'{alternative}")
+
+
+def model_config(path: Optional[str], flag: str = "--model") -> Any:
+    """The config of the model ``path`` names (None: the default model), checked as
+    ``tiercache.models.load_model`` checks it before any weights load: a benchmark's parent
+    process refuses a bad ``--model`` in one line, before its workers start (each printed a
+    whole traceback). ModelNotFoundError or UnsupportedModelError, both exit status 2."""
+    from transformers import AutoConfig
+
+    from tiercache.hf import check_supported
+    from tiercache.models import ModelNotFoundError, ensure_converted
+
+    if path is None:
+        path = ensure_converted()
+    elif not os.path.isdir(path):
+        raise ModelNotFoundError(f"{flag}: {path!r} is not a local model folder (nothing is downloaded)")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(f"{flag}: cannot read a model config from {path!r}: {first}") from None
+    check_supported(config)
+    return config
+
+
+def model_positions(config: Any) -> Optional[int]:
+    """The model's positions (``max_position_embeddings``; None: no limit known), as
+    ``generate`` and ``eval`` read them."""
+    return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+WORKER_ERROR = "error"  # a benchmark worker's JSON line: {"error": "..."}, its one-line failure
+
+
+def worker_failure(stdout: str) -> Optional[str]:
+    """The one-line error a benchmark worker printed as its last stdout line (``WORKER_ERROR``)
+    when it stopped on bad input (a TierCacheError or ValueError), else None."""
+    lines = stdout.strip().splitlines()
+    try:
+        last = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    if not isinstance(last, dict) or WORKER_ERROR not in last:
+        return None
+    return " ".join(str(last[WORKER_ERROR]).split())  # one line, whatever the message held
 
 
 def split_list(flag: str, text: str) -> list:
