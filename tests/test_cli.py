@@ -90,13 +90,31 @@ def test_no_prompt_says_how_to_give_one():
                                    "--prompt-file FILE, or pipe it on stdin")
 
 
-@pytest.mark.model
-def test_an_empty_prompt_is_one_line_and_exit_2():
-    """A prompt that encodes to no token (empty, without the chat template) was a traceback
-    from inside the model ("cannot reshape tensor of 0 elements")."""
-    proc = cli("generate", "--prompt", "", "--no-chat-template", "--max-new-tokens", "2")
-    assert proc.returncode == 2, proc.stderr
-    assert "the prompt is empty: it encodes to 0 tokens" in proc.stderr and "Traceback" not in proc.stderr
+@pytest.mark.parametrize("source,what", [
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", " \n\t"], "--prompt is empty"),
+    (["--prompt-file", "EMPTY"], "--prompt-file: 'EMPTY' is empty"),
+    (["--prompt-file", "BLANK"], "--prompt-file: 'BLANK' is empty"),
+    (["--no-chat-template", "--prompt", ""], "--prompt is empty"),
+])
+def test_an_empty_prompt_is_one_line_and_exit_2(source, what, tmp_path, capsys):
+    """An empty or blank --prompt or --prompt-file ran on the chat template alone (as an empty
+    stdin had); without the template it was a traceback from inside the model ("cannot
+    reshape tensor of 0 elements"). Refused as an empty stdin is, before the model loads."""
+    from tiercache.cli import main
+
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.txt").write_bytes(b"  \r\n\n")
+    paths = {"EMPTY": str(tmp_path / "empty.txt"), "BLANK": str(tmp_path / "blank.txt")}
+    for command in ("generate", "compare"):
+        assert main([command, *[paths.get(a, a) for a in source]]) == 2
+        err = capsys.readouterr().err
+        for name, path in paths.items():
+            what = what.replace(f"'{name}'", repr(path))
+        assert err == (f"tiercache: error: no prompt: {what}; pass --prompt TEXT, --prompt-file FILE, "
+                       f"or pipe it on stdin\n")
+    proc = cli("generate", input_text=" \n")  # a blank pipe, as an empty one
+    assert proc.returncode == 2 and "no prompt: stdin is empty" in proc.stderr
 
 
 @pytest.mark.model

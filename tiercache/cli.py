@@ -81,23 +81,34 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from --prompt, --prompt-file or stdin; CLIError when it is empty or blank
+    (the chat template alone made a prompt of it) or not UTF-8."""
     if args.prompt is not None:  # argv is decoded with surrogateescape too: bad bytes arrive as surrogates
-        return _utf8(args.prompt.encode("utf-8", "surrogateescape"), "--prompt", text_mode=False)
+        return _not_blank(_utf8(args.prompt.encode("utf-8", "surrogateescape"), "--prompt", text_mode=False),
+                          "--prompt is empty")
     if args.prompt_file is not None:
         try:
             with open(args.prompt_file, "rb") as f:
-                return _utf8(f.read(), f"--prompt-file: {args.prompt_file!r}")
+                data = f.read()
         except OSError as exc:
             raise CLIError(f"--prompt-file: cannot read {args.prompt_file!r} ({exc.strerror})") from None
+        return _not_blank(_utf8(data, f"--prompt-file: {args.prompt_file!r}"),
+                          f"--prompt-file: {args.prompt_file!r} is empty")
     if sys.stdin is None or sys.stdin.isatty():
         raise CLIError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
     # bytes, decoded here: Python's own decoding of stdin passes bad bytes on as surrogates,
     # and the tokenizer then failed with a TypeError traceback
     stdin = sys.stdin
     data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode("utf-8", "surrogateescape")
-    if not data:  # an empty pipe or file is a mistake (the chat template alone made a prompt of it)
-        raise CLIError("no prompt: stdin is empty; pass --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
-    return _utf8(data, "stdin")
+    return _not_blank(_utf8(data, "stdin"), "stdin is empty")
+
+
+def _not_blank(text: str, what: str) -> str:
+    """``text``, unless it is empty or only whitespace: a mistake (the chat template alone made
+    a prompt of it), refused before the model loads."""
+    if not text.strip():
+        raise CLIError(f"no prompt: {what}; pass --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
+    return text
 
 
 def _utf8(data: bytes, where: str, text_mode: bool = True) -> str:
