@@ -107,6 +107,15 @@ def test_fidelity_quest_over_the_context_is_lossless_and_retention_is_not(tiny):
     (["eval", "fidelity", "--tokens", "1"], "--tokens"),
     (["eval", "fidelity", "--text-file", "/nonexistent/x.txt"], "--text-file"),
     (["eval", "passkey", "--plot", "/nonexistent/dir/x.png"], "--plot"),
+    # the other task's flags were silently ignored (passkey ran on its haystack, not the file)
+    (["eval", "passkey", "--text-file", "x.txt"], "--text-file: a flag of eval fidelity; eval passkey does not use it"),
+    (["eval", "passkey", "--context", "512"], "--context: a flag of eval fidelity; eval passkey does not use it"),
+    (["eval", "passkey", "--tokens", "64"], "--tokens: a flag of eval fidelity"),
+    (["eval", "fidelity", "--contexts", "1024"], "--contexts: a flag of eval passkey; eval fidelity does not use it"),
+    (["eval", "fidelity", "--depths", "50"], "--depths: a flag of eval passkey"),
+    (["eval", "fidelity", "--trials", "2"], "--trials: a flag of eval passkey"),
+    (["eval", "fidelity", "--max-new-tokens", "4"], "--max-new-tokens: a flag of eval passkey"),
+    (["eval", "fidelity", "--seed", "1"], "--seed: a flag of eval passkey"),
 ])
 def test_cli_refuses_bad_input_with_one_line(argv, message, capsys, monkeypatch):
     import tiercache.models
@@ -115,6 +124,18 @@ def test_cli_refuses_bad_input_with_one_line(argv, message, capsys, monkeypatch)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_text_file_that_is_not_utf8_names_the_flag_and_the_file(tmp_path, capsys, monkeypatch):
+    """It was "'utf-8' codec can't decode byte 0xff in position 0: ...", naming neither."""
+    import tiercache.models
+
+    monkeypatch.setattr(tiercache.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    path = tmp_path / "bin.txt"
+    path.write_bytes(b"text, then \xff\xfe")
+    assert main(["eval", "fidelity", "--text-file", str(path)]) == 2
+    assert capsys.readouterr().err == (f"tiercache: error: --text-file: {str(path)!r} is not UTF-8 text "
+                                       f"(byte 0xff at offset 11)\n")
 
 
 def test_config_refuses_bad_selection_and_retention():

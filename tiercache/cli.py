@@ -447,9 +447,29 @@ def int_list(flag: str, text: str, low: int, high: Optional[int] = None) -> list
     return values
 
 
+# Each eval task's own flags (argparse dest: default): the other task's flags are refused,
+# not silently ignored (`eval passkey --text-file F` ran on the generated haystack).
+EVAL_TASK_FLAGS = {
+    "passkey": {"contexts": "1024,2048,4096", "depths": "0,25,50,75,100", "trials": 1, "max_new_tokens": 8,
+                "seed": 0},
+    "fidelity": {"text_file": None, "context": 2048, "tokens": 128},
+}
+
+
+def _eval_task_flags(args: argparse.Namespace) -> None:
+    """CLIError for a flag of the other eval task; the task's own flags get their defaults."""
+    for task, flags in EVAL_TASK_FLAGS.items():
+        for dest, default in flags.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
+            elif task != args.task:
+                raise CLIError(f"--{dest.replace('_', '-')}: a flag of eval {task}; eval {args.task} does not use it")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from tiercache import eval as ev
 
+    _eval_task_flags(args)
     methods = split_list("--methods", args.methods)
     unknown = [m for m in methods if m not in ev.METHODS]
     if unknown:
@@ -476,10 +496,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise CLIError(f"--context must be >= 1 and --tokens >= 2, got {args.context} and {args.tokens}")
         if args.text_file:
             try:
-                with open(args.text_file, encoding="utf-8") as f:
-                    text = f.read()
+                with open(args.text_file, "rb") as f:
+                    data = f.read()
             except OSError as exc:
                 raise CLIError(f"--text-file: cannot read {args.text_file!r} ({exc.strerror})") from None
+            text = _utf8(data, f"--text-file: {args.text_file!r}")  # as --prompt-file: the flag, the file, the byte
     from tiercache.models import load_model
 
     if args.quiet:
@@ -609,15 +630,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of full, quest, streaming, h2o, tova, snapkv (default: all)")
     ev.add_argument("--budgets", default="128,256,512", help="tokens per layer (quest: per KV head) "
                     "(default %(default)s)")
-    ev.add_argument("--contexts", default="1024,2048,4096", help="passkey: prompt tokens (default %(default)s)")
-    ev.add_argument("--depths", default="0,25,50,75,100", help="passkey: where the key sits, percent "
-                    "(default %(default)s)")
-    ev.add_argument("--trials", type=int, default=1, help="passkey: keys per context and depth (default 1)")
-    ev.add_argument("--max-new-tokens", type=int, default=8, help="passkey: answer tokens (default 8)")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--text-file", default=None, help="fidelity: the long text (default: a generated one)")
-    ev.add_argument("--context", type=int, default=2048, help="fidelity: tokens prefilled (default 2048)")
-    ev.add_argument("--tokens", type=int, default=128, help="fidelity: tokens scored, teacher-forced (default 128)")
+    # each task's own flags: None here, so that one given to the other task is seen (EVAL_TASK_FLAGS)
+    pk, fi = EVAL_TASK_FLAGS["passkey"], EVAL_TASK_FLAGS["fidelity"]
+    ev.add_argument("--contexts", default=None, help=f"passkey: prompt tokens (default {pk['contexts']})")
+    ev.add_argument("--depths", default=None, help=f"passkey: where the key sits, percent (default {pk['depths']})")
+    ev.add_argument("--trials", type=int, default=None, help=f"passkey: keys per context and depth "
+                    f"(default {pk['trials']})")
+    ev.add_argument("--max-new-tokens", type=int, default=None, help=f"passkey: answer tokens "
+                    f"(default {pk['max_new_tokens']})")
+    ev.add_argument("--seed", type=int, default=None, help=f"passkey: seed of the keys (default {pk['seed']})")
+    ev.add_argument("--text-file", default=None, help="fidelity: the long text, UTF-8 (default: a generated one)")
+    ev.add_argument("--context", type=int, default=None, help=f"fidelity: tokens prefilled (default {fi['context']})")
+    ev.add_argument("--tokens", type=int, default=None, help=f"fidelity: tokens scored, teacher-forced "
+                    f"(default {fi['tokens']})")
     ev.add_argument("--block-tokens", type=int, default=32, help="page size: tokens per block (default 32)")
     ev.add_argument("--prefill-chunk", type=int, default=1024)
     ev.add_argument("--model", default=None, help="local Hugging Face model folder (default SmolLM2-135M)")
