@@ -443,3 +443,17 @@ def test_a_benchmark_worker_that_fails_on_bad_input_is_one_line(name, tmp_path):
     assert f"cannot load a model from {str(model)!r}" in last
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the work folder removed
+
+
+def test_an_output_file_under_a_regular_file_says_so(tmp_path):
+    """``--stats-json afile/x.json`` said "(folder ... missing)" of a file that is there."""
+    from tiercache.cli import CLIError, check_writable
+
+    (tmp_path / "afile").write_text("a file")
+    target = str(tmp_path / "afile" / "x.json")
+    with pytest.raises(CLIError) as info:
+        check_writable("--stats-json", target)
+    folder = str(tmp_path / "afile")
+    assert str(info.value) == f"--stats-json: cannot write {target!r} (folder {folder!r} is not a folder)"
+    with pytest.raises(CLIError, match="missing"):
+        check_writable("--stats-json", str(tmp_path / "nope" / "x.json"))

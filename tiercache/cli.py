@@ -229,8 +229,9 @@ def check_writable(flag: str, path: str, replaced: bool = False) -> None:
     folder = os.path.dirname(target)
     if os.path.isdir(target):
         raise CLIError(f"{flag}: {path!r} is a directory")
-    if not os.path.isdir(folder):
-        raise CLIError(f"{flag}: cannot write {path!r} (folder {folder!r} missing)")
+    if not os.path.isdir(folder):  # a file where the folder should be is not a missing folder
+        what = "is not a folder" if os.path.exists(folder) else "missing"
+        raise CLIError(f"{flag}: cannot write {path!r} (folder {folder!r} {what})")
     try:
         if replaced:
             with tempfile.NamedTemporaryFile(dir=folder, prefix=".tiercache-probe-"):
