@@ -35,16 +35,14 @@ from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 import torch
 
 from tiercache.disk import RecordError
-from tiercache.table import CopyState, Tier
+from tiercache.table import BlockKey, CopyState, Tier
 from tiercache.tiers import aligned_buffer
-from tiercache.transfer import Priority, wait_all
+from tiercache.transfer import Priority
 
 if TYPE_CHECKING:
     from tiercache.store import BlockStore
 
 log = logging.getLogger("tiercache")
-
-CHUNK = 1  # records per I/O job: a layer's reads spread over the I/O threads
 
 _QUEUED, _RUNNING, _LET_GO = 0, 1, 2  # a read's hold on its disk copy
 
@@ -52,44 +50,61 @@ _QUEUED, _RUNNING, _LET_GO = 0, 1, 2  # a read's hold on its disk copy
 class _Read:
     """One disk block read into one buffer position."""
 
-    __slots__ = ("key", "entry", "copy", "done", "state", "error")
+    __slots__ = ("key", "entry", "copy", "done", "state", "held", "error")
 
-    def __init__(self, key: Hashable, entry, copy, done: Future) -> None:
+    def __init__(self, key: Hashable, entry, copy) -> None:
         self.key = key
         self.entry = entry
-        self.copy = copy  # the disk copy read (a reader is held on it until ``state`` is _LET_GO)
-        self.done = done  # the read's job's own future: set once the copy is let go
+        self.copy = copy  # the disk copy read (a reader is held on it while ``held``)
+        self.done: Future = Future()  # set once the read has let go of the copy
         self.state = _QUEUED
+        self.held = False
         self.error: Optional[BaseException] = None  # None: the bytes are in place and checked
 
 
 class _Group:
-    """The reads into one buffer for one layer read: position -> _Read."""
+    """The reads into one buffer, for one layer: position -> _Read. A block's position is
+    its index in the layer less ``first``, the lowest index the plan named (a layer is read
+    as a run of consecutive indices, so a read starting at index i takes its blocks from
+    position i - first on)."""
 
-    __slots__ = ("buf", "keys", "reads")
+    __slots__ = ("buf", "seq_layer", "first", "reads")
 
-    def __init__(self, buf: int, keys: list) -> None:
+    def __init__(self, buf: int, seq_layer: tuple, first: int) -> None:
         self.buf = buf
-        self.keys = keys  # the key planned at each position
+        self.seq_layer = seq_layer
+        self.first = first
         self.reads: dict = {}
+
+
+def _where(key: Hashable) -> Optional[tuple]:
+    """((seq_id, layer), index) of a ``BlockKey``, else None (not streamed: prefetched as before)."""
+    return ((key[0], key[1]), key[2]) if isinstance(key, BlockKey) else None
+
+
+def _uninterrupted(step) -> None:
+    from tiercache.store import _uninterrupted as run  # store imports this module
+
+    run(step)
 
 
 class DiskStreams:
     """The two buffers and the reads into them, for a CPU store with host and disk tiers.
-    Used by the model's thread only (``read_layer`` is called by one thread at a time)."""
+    Used by the model's thread only (``read_layer(hold=True)``, whose result is valid until
+    the next such call, is one caller's at a time, as it was)."""
 
     def __init__(self, store: "BlockStore") -> None:
         self.store = store
         g = store.geometry
         self._rows, self._width = g.batch * g.kv_heads, g.block_tokens * g.head_dim
         self._bufs: list = [None, None]  # per buffer: ((K, V) each [rows, capacity, width], mmap owner)
-        self._busy: list = [[], []]  # per buffer: futures of reads that may still write into it
+        self._busy: list = [[], []]  # per buffer: the ``done`` of every read registered into it
         self._last = 1  # the buffer the last result lies in
         self._pending: Optional[_Group] = None  # the reads of the prefetch plan's layer
         self._read_buf = 0  # the buffer the read running now fills
 
     def _settle(self, b: int) -> float:
-        """Wait for every read still writing into buffer ``b``; returns the seconds waited."""
+        """Wait for every read registered into buffer ``b``; returns the seconds waited."""
         busy = self._busy[b]
         t0 = time.perf_counter()
         for future in busy:
@@ -111,76 +126,70 @@ class DiskStreams:
             have = self._bufs[b] = ((flat[0], flat[1]), owner)
         return have[0]
 
+    def _drop_pending(self) -> None:
+        """The planned reads will not be used: counted as unused prefetches."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.reads:
+            self.store.events.prefetch("unused", len(pending.reads))
+
     def forget(self) -> None:
         """Before blocks' disk records change in place (``reorder_rows``): no read in flight,
         and nothing read so far is used."""
         for b in (0, 1):
             self._settle(b)
-        if self._pending is not None:
-            unused = len(self._pending.reads)
-            self._pending = None
-            if unused:
-                self.store.events.prefetch("unused", unused)
+        self._drop_pending()
 
     def close(self) -> None:
         """After the store's I/O threads have stopped (every queued read has run)."""
+        self._drop_pending()
         self._bufs = [None, None]
         self._busy = [[], []]
-        self._pending = None
 
     # ---- reads ------------------------------------------------------------------------------
-    def _hold_disk_only(self, key: Hashable) -> Optional[tuple]:
-        """Under the lock: (entry, disk copy) with a reader taken, if ``key``'s only copy is
-        READY on disk (none in memory, READY or filling); else None."""
-        entry = self.store.table.get(key)
-        if entry is None:
-            return None
+    def _register(self, group: _Group, pos: int, key: Hashable, entry) -> Optional[_Read]:
+        """Under the lock: if ``key``'s only copy is READY on disk (none in memory, READY or
+        filling), a read of it into ``pos`` of the group's buffer, holding the copy (a
+        reader), counted in ``_busy`` and ``_streaming``; not started (``_start``)."""
         copies = entry.copies
         if Tier.DEVICE in copies or Tier.HOST in copies:
             return None
         disk = copies.get(Tier.DISK)
         if disk is None or disk.state is not CopyState.READY:
             return None
-        disk.readers += 1
-        return entry, disk
+        read = _Read(key, entry, disk)
+        group.reads[pos] = read
+        self._busy[group.buf].append(read.done)  # from here on, _settle waits for it
+        disk.readers, read.held = disk.readers + 1, True  # one statement: no interrupt between them
+        self.store._streaming[key] = read.done  # a waiter on the block waits for its read
+        return read
 
-    def _start(self, group: _Group, todo: list, priority: Priority) -> None:
-        """Queue reads of ``todo`` ([(position, key, entry, disk copy)], readers taken) into
-        the group's buffer, ``CHUNK`` records per job."""
-        if not todo:
-            return
-        store = self.store
+    def _start(self, group: _Group, reads: list, priority: Priority) -> None:
+        """Queue the registered ``reads`` ([(position, _Read)]), one I/O job each: a layer's
+        few blocks then go to every I/O thread at once."""
         k, v = self._bufs[group.buf][0]
-        chunks = []
-        with store._lock:
-            for j in range(0, len(todo), CHUNK):
-                done: Future = Future()
-                chunk = []
-                for pos, key, entry, copy in todo[j:j + CHUNK]:
-                    read = group.reads[pos] = _Read(key, entry, copy, done)
-                    store._streaming[key] = done  # a waiter on the block waits for its read
-                    chunk.append((pos, read))
-                chunks.append((chunk, done))
-        for i, (chunk, done) in enumerate(chunks):
-            try:
-                store.engine.submit(lambda c=chunk, f=done: self._job(k, v, c, f), priority)
-            except BaseException:  # interrupted or closing: reads that did not start let go
-                with store._lock:
-                    for rest, _ in chunks[i:]:
-                        for _, read in rest:
-                            if read.state is _QUEUED:
-                                read.error = RuntimeError("not read")
-                                self._let_go(read)
-                for _, rest_done in chunks[i:]:
-                    _finish(rest_done)
-                raise
-            self._busy[group.buf].append(done)
+        submit = self.store.engine.submit
+        for pos, read in reads:
+            submit(lambda p=pos, r=read: self._job(k, v, p, r), priority)
+
+    def _cancel(self, group: _Group) -> None:
+        """After an interrupt or error while reads were registered or queued: every read not
+        started lets go (its job, if it was queued, then does nothing). Idempotent."""
+        with self.store._lock:
+            for read in group.reads.values():
+                if read.state is _QUEUED:
+                    read.error = RuntimeError("not read")
+                    self._let_go(read)
+        for read in group.reads.values():
+            if read.state is _LET_GO:
+                _finish(read.done)
 
     def _let_go(self, read: _Read) -> None:
         """Under the lock: the read holds its disk copy no more."""
         store = self.store
         read.state = _LET_GO
-        read.copy.readers -= 1
+        if read.held:
+            read.held = False
+            read.copy.readers -= 1
         if store._streaming.get(read.key) is read.done:
             del store._streaming[read.key]
         if read.entry.deleted:
@@ -188,69 +197,67 @@ class DiskStreams:
                 store._released(read.key, t, slot)
 
     @torch.inference_mode()
-    def _job(self, k: torch.Tensor, v: torch.Tensor, chunk: list, done: Future) -> None:
-        """On an I/O thread: read each record of ``chunk`` into its position and check it,
-        then let go of the disk copies (under the store's lock) before ``done`` is set."""
+    def _job(self, k: torch.Tensor, v: torch.Tensor, pos: int, read: _Read) -> None:
+        """On an I/O thread: read the record into its position and check it, then let go of
+        the disk copy (under the store's lock) before ``read.done`` is set."""
         store = self.store
-        mine: list = []
-        read_ok = 0
+        with store._lock:
+            if read.state is not _QUEUED:  # cancelled
+                return
+            read.state = _RUNNING
         t0 = time.perf_counter()
         try:
-            with store._lock:
-                for pos, read in chunk:
-                    if read.state is _QUEUED:
-                        read.state = _RUNNING
-                        mine.append((pos, read))
-            for pos, read in mine:
-                try:
-                    store.disk.read_into(read.copy.slot, read.key, self._planes(k, v, pos))
-                    read_ok += 1
-                except Exception as exc:  # noqa: BLE001 - the reader reads this block the usual way
-                    read.error = exc
-                    if not isinstance(exc, (RecordError, OSError)):
-                        log.warning("tiercache: reading block %r into attention's buffer failed (%r); it is "
-                                    "read through the host tier instead", read.key, exc)
+            store.disk.read_into(read.copy.slot, read.key, self._planes(k, v, pos))
+        except Exception as exc:  # noqa: BLE001 - the reader reads this block the usual way
+            read.error = exc
+            if not isinstance(exc, (RecordError, OSError)):
+                log.warning("tiercache: reading block %r into attention's buffer failed (%r); it is "
+                            "read through the host tier instead", read.key, exc)
         finally:
             with store._lock:
-                for _, read in mine:
-                    self._let_go(read)
-            _finish(done)
-        if read_ok:
-            store.events.move("disk", "device", store.geometry.block_bytes,
-                              (time.perf_counter() - t0) / len(mine), blocks=read_ok)
+                self._let_go(read)
+            try:
+                if read.error is None:  # counted before ``done``: who waited for the read sees it
+                    store.events.move("disk", "device", store.geometry.block_bytes, time.perf_counter() - t0)
+            finally:
+                _finish(read.done)
 
     def _planes(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> list:
         """Byte views of position ``pos``'s [T*D] planes, K rows then V rows: a record's payload order."""
         return [memoryview(t[r, pos].view(torch.uint8).numpy()) for t in (k, v) for r in range(self._rows)]
 
     def _plan_ahead(self, keys: list, ahead: Sequence[Hashable]) -> None:
-        """Read the planned next layer's disk-only blocks into the other buffer (``_pending``);
-        the rest of the plan is prefetched to the host as before."""
+        """Read the disk-only blocks of the plan's first layer into the other buffer
+        (``_pending``); the rest of the plan is prefetched to the host as before."""
         store = self.store
-        layer = getattr(ahead[0], "layer", None) if ahead else None
+        first = _where(ahead[0]) if ahead else None
         group_keys: list = []
-        if layer is not None:
+        if first is not None:
             for key in ahead:
-                if getattr(key, "layer", None) != layer:
+                where = _where(key)
+                if where is None or where[0] != first[0]:
                     break
                 group_keys.append(key)
-        rest = [key for key in ahead[len(group_keys):]]
+        rest = list(ahead[len(group_keys):])
         if group_keys:
             mine = set(keys)
             b = 1 - self._read_buf
             self._settle(b)
-            self._buffer(b, len(group_keys))
-            group = _Group(b, group_keys)
-            todo = []
-            with store._lock:
-                for pos, key in enumerate(group_keys):
-                    if key in mine:
-                        continue
-                    held = self._hold_disk_only(key)
-                    if held is not None:
-                        todo.append((pos, key, *held))
-            self._pending = group
-            self._start(group, todo, Priority.PREFETCH)
+            with store._lock:  # the positions: indices of the blocks stored, from the lowest
+                found = [(key, entry) for key in dict.fromkeys(group_keys)
+                         if key not in mine and (entry := store.table.get(key)) is not None]
+            if found:
+                lo = min(key[2] for key, _ in found)
+                self._buffer(b, max(key[2] for key, _ in found) - lo + 1)
+                group = self._pending = _Group(b, first[0], lo)
+                try:
+                    with store._lock:
+                        reads = [(key[2] - lo, read) for key, entry in found
+                                 if (read := self._register(group, key[2] - lo, key, entry)) is not None]
+                    self._start(group, reads, Priority.PREFETCH)
+                except BaseException:
+                    _uninterrupted(lambda: self._cancel(group))
+                    raise
         if rest:
             store._prefetch_ahead(rest, set(keys), Tier.HOST)
 
@@ -265,52 +272,49 @@ class DiskStreams:
         early = {p for p, r in pending.reads.items() if r.done.done()} if pending is not None else set()
         self._plan_ahead(keys, ahead)  # the next layer's reads go first, into the other buffer
         stall = self._settle(b)  # this layer's prefetched reads
-        # The prefetch read the planned keys into positions 0, 1, ...; a read that starts
-        # later in that list (a sliding window) takes its positions from there.
+        # Where keys[0] lies in the planned layer's buffer (a run of consecutive indices).
         base, usable = 0, {}
-        if pending is not None and keys and keys[0] in pending.keys:
-            base = pending.keys.index(keys[0])
-            usable = pending.reads
+        where = _where(keys[0]) if keys and pending is not None else None
+        if where is not None and where[0] == pending.seq_layer and where[1] >= pending.first:
+            base, usable = where[1] - pending.first, pending.reads
         have = self._bufs[b]
         if have is None or have[0][0].shape[1] < base + len(keys):
             base, usable = 0, {}  # the buffer grows: what was read into it is gone
         k_buf, v_buf = self._buffer(b, base + len(keys))
-        group = _Group(b, [None] * base + list(keys))
+        group = _Group(b, where[0] if where is not None else (), 0)
         used: dict = {}  # position -> _Read whose bytes this read takes
-        todo: list = []  # [(position, key, entry, disk copy)] to read now
         memory: list = []  # indices into ``keys`` read from the device and host tiers
-        with store._lock:
-            get = store.table.get
-            for j, key in enumerate(keys):
-                p = base + j
-                read = usable.get(p)
-                if read is not None and read.error is None and read.key == key:
+        try:
+            with store._lock:
+                get = store.table.get
+                for j, key in enumerate(keys):
+                    p = base + j
                     entry = get(key)
+                    read = usable.get(p)
                     # the same disk copy still the block's: a write would have dropped it first
-                    if entry is read.entry and entry.copies.get(Tier.DISK) is read.copy:
+                    if read is not None and read.error is None and read.key == key and entry is read.entry \
+                            and entry.copies.get(Tier.DISK) is read.copy:
                         used[p] = read
-                        continue
-                held = self._hold_disk_only(key)
-                if held is None:
-                    memory.append(j)
-                else:
-                    todo.append((p, key, *held))
-        self._start(group, todo, Priority.DEMAND)
+                    elif entry is None or self._register(group, p, key, entry) is None:
+                        memory.append(j)
+            self._start(group, sorted(group.reads.items()), Priority.DEMAND)
+        except BaseException:
+            _uninterrupted(lambda: self._cancel(group))
+            raise
         if pending is not None:
             unused = sum(1 for p, r in pending.reads.items() if used.get(p) is not r)
             if unused:
                 store.events.prefetch("unused", unused)
-            prefetched = [p for p, r in used.items() if pending.reads.get(p) is r]
-            if prefetched:
-                late = sum(1 for p in prefetched if p not in early)
+            if used:
+                late = sum(1 for p in used if p not in early)
                 if late:
                     store.events.prefetch("late", late)
-                if len(prefetched) > late:
-                    store.events.prefetch("used", len(prefetched) - late)
+                if len(used) > late:
+                    store.events.prefetch("used", len(used) - late)
         held: list = []
         try:
             held = store._hold_in_memory([keys[j] for j in memory])
-            if not used and not todo and held and store._views_of(held):  # all on the device, in order
+            if not used and not group.reads and held and store._views_of(held):  # on the device, in order
                 store._stalled(stall)
                 self._last = b
                 k, v = store.device_pool.view(held[0][1].slot, len(held), num_tokens, start_token)
