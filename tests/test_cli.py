@@ -457,3 +457,41 @@ def test_an_output_file_under_a_regular_file_says_so(tmp_path):
     assert str(info.value) == f"--stats-json: cannot write {target!r} (folder {folder!r} is not a folder)"
     with pytest.raises(CLIError, match="missing"):
         check_writable("--stats-json", str(tmp_path / "nope" / "x.json"))
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_removes_the_benchmarks_work_folder(tmp_path):
+    """bench io killed with SIGTERM left its work folder (1.6 GB by default) behind: its
+    ``finally`` did not run. The command line turns SIGTERM into an exception, so it does."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "tiercache.cli", "bench", "io", "--dir", str(tmp_path),
+                             "--size", "512MiB", "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert any(tmp_path.iterdir()), "the benchmark made no work folder"
+        time.sleep(0.5)  # into the measurement: files being written
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "tiercache: terminated (SIGTERM)" and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_main_with_argv_leaves_sigterm_alone(capsys):
+    """Only the command line's own process handles SIGTERM: importing the module or calling
+    ``main(argv)`` changes no signal handler of the caller's."""
+    import signal
+
+    import tiercache.cli
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert tiercache.cli.main(["demo", "--records", "0"]) == 2
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -661,7 +661,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C would be: ``finally`` blocks and context
+    managers run (a benchmark's work folder, 1.6 GB for bench io, was left behind), and code
+    that catches Exception does not swallow it."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once, cleanup or not
+    raise Terminated()
+
+
+def _handle_sigterm() -> None:
+    """Turn SIGTERM into ``Terminated`` for the command's run: only the command line's own
+    process (``main()`` without argv), and only from the main thread, where Python runs
+    signal handlers; a caller of ``main(argv)`` keeps its own handling."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def main(argv: Optional[list] = None) -> int:
+    if argv is None:  # the command line itself (console script, python -m tiercache.cli)
+        _handle_sigterm()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
@@ -683,6 +710,9 @@ def main(argv: Optional[list] = None) -> int:
     except (CLIError, TierCacheError, ValueError) as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:  # the cleanup ran on the way here
+        print("tiercache: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + 15
     except KeyboardInterrupt:
         print("tiercache: interrupted", file=sys.stderr)
         return 130
