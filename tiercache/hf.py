@@ -611,6 +611,15 @@ class TieredCache(Cache):
     def _blocks_of(self, layer_idx: int) -> list:
         return self._keys(layer_idx, *self._block_range(layer_idx))
 
+    def _read_blocks_of(self, layer_idx: int) -> list:
+        """The blocks the layer's attention reads, as ``update`` names them: from the first
+        visible one on. A sliding layer that records its past (assisted generation) stores
+        more than its window, and a prefetch plan of all it stores brought up, and read from
+        disk at every step, blocks no step reads (a review: 399 disk reads where 168 did)."""
+        first, end = self._block_range(layer_idx)
+        bt = self.tier_config.block_tokens
+        return self._keys(layer_idx, max(first, self.layers[layer_idx].visible_start() // bt), end)
+
     def _block_range(self, layer_idx: int) -> tuple:
         """(first, end) indices of the blocks the layer stores."""
         layer = self.layers[layer_idx]
@@ -1032,11 +1041,12 @@ class TieredCache(Cache):
         policy = self.prefetch_policy
         if not self._prefetch_plugin:
             policy.observe(layer_idx, needed)
-            return policy.plan(layer_idx, self.num_layers, self._blocks_of)
+            return policy.plan(layer_idx, self.num_layers, self._read_blocks_of)
         name = self.tier_config.prefetch
         plugin_answer("prefetch", name, "observe", lambda: policy.observe(layer_idx, needed), lambda _: "")
         return plugin_answer("prefetch", name, "plan",
-                             lambda: as_plan(policy.plan(layer_idx, self.num_layers, self._blocks_of)), plan_breach)
+                             lambda: as_plan(policy.plan(layer_idx, self.num_layers, self._read_blocks_of)),
+                             plan_breach)
 
     def _after_read(self, layer_idx: int, needed: list, offset: int, keys: torch.Tensor,
                     values: torch.Tensor, planned: bool = False) -> tuple:
