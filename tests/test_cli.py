@@ -495,3 +495,31 @@ def test_main_with_argv_leaves_sigterm_alone(capsys):
     before = signal.getsignal(signal.SIGTERM)
     assert tiercache.cli.main(["demo", "--records", "0"]) == 2
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_main_from_sys_argv_gives_sigterm_back_when_it_returns(monkeypatch, capsys):
+    """``main()`` without argv (the command line) turns SIGTERM into a clean exit while the
+    command runs, and puts the default back when it returns: a program that called it and
+    went on was left with the handler, and a later SIGTERM raised in it (a review)."""
+    import signal
+
+    import tiercache.cli
+
+    monkeypatch.setattr(signal, "signal", _recording(signal.signal, seen := []))
+    monkeypatch.setattr("sys.argv", ["tiercache", "demo", "--records", "0"])
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        assert tiercache.cli.main() == 2
+        assert [handler for signum, handler in seen if signum == signal.SIGTERM][1:] == \
+            [tiercache.cli._on_sigterm, signal.SIG_DFL]  # installed for the run, then the default again
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _recording(fn, seen: list):
+    def call(signum, handler):
+        seen.append((signum, handler))
+        return fn(signum, handler)
+    return call

@@ -3,6 +3,7 @@ done by the library modules."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import json
@@ -12,7 +13,7 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from tiercache.config import TierConfig, format_bytes
 from tiercache.errors import TierCacheError
@@ -674,21 +675,33 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def _handle_sigterm() -> None:
+@contextlib.contextmanager
+def _sigterm_raises(command_line: bool) -> Iterator[None]:
     """Turn SIGTERM into ``Terminated`` for the command's run: only the command line's own
     process (``main()`` without argv), and only from the main thread, where Python runs
-    signal handlers; a caller of ``main(argv)`` keeps its own handling."""
+    signal handlers; a caller of ``main(argv)`` keeps its own handling. The default comes
+    back when the command ends (a program that calls ``main()`` and goes on was left with
+    the handler: a later SIGTERM raised in it instead of ending it)."""
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    mine = command_line and threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if mine:
         signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        if mine:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def main(argv: Optional[list] = None) -> int:
-    if argv is None:  # the command line itself (console script, python -m tiercache.cli)
-        _handle_sigterm()
+    with _sigterm_raises(argv is None):  # the command line itself (console script, python -m tiercache.cli)
+        return _main(argv)
+
+
+def _main(argv: Optional[list]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
