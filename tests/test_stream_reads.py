@@ -329,3 +329,23 @@ def test_a_sliding_layer_that_records_its_past_reads_only_its_window_ahead(tmp_p
     assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) == 0.0
     assert stats["moves"]["disk->device"]["blocks"] > 0
     assert stats["prefetch"]["unused"] <= 5, stats["prefetch"]
+
+
+def test_wait_idle_waits_for_the_reads_ahead(tmp_path):
+    """A forward returns with its last layer's read-ahead (the next step's first layer) still
+    running; ``wait_idle`` waits for it too, so stats() taken after it stay put (a metrics
+    test saw one more ``disk->device`` move in a scrape than in the stats() just before)."""
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
+                    persistent=False) as store:
+        a, b, _ = _two_layers_on_disk(store, torch.Generator().manual_seed(5))
+        for _ in range(5):
+            store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
+            store.release_views()
+            store.wait_idle()
+            assert not store._streaming
+            assert all(read.done.done() for read in store._streams._pending.reads.values())
+            store.read_layer(b, 4 * BT, 0, hold=True, ahead=a)
+            store.release_views()
+            store.wait_idle()
+            assert all(read.done.done() for read in store._streams._pending.reads.values())
