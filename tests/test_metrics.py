@@ -50,8 +50,12 @@ def make_cache(model, tmp_path):
 
 
 def generate(model, cache, num_prompt_tokens: int = 16, max_new_tokens: int = 20) -> None:
+    """A generation, then the cache idle: the last step's read-ahead of the next step's first
+    layer may still be landing when generate() returns, and a scrape compared with stats()
+    would count it on one side only."""
     ids = torch.randint(0, 128, (1, num_prompt_tokens), generator=torch.Generator().manual_seed(1))
     model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, cache=cache)
+    cache.store.wait_idle()
 
 
 def scrape(port: int) -> str:
@@ -178,9 +182,8 @@ def test_scrapes_during_and_after_a_generation_that_uses_every_tier_agree_with_s
         if is_counter(key):
             assert exp_before.get(key, 0.0) <= value <= exp_after[key], key
 
-    # 3. After the generation, with the cache still open and idle (the last step's read-ahead
-    #    of the next step's first layer may still be landing): every number equals stats() exactly.
-    cache.store.wait_idle()
+    # 3. After the generation (``generate`` waits for the cache to be idle), with the cache
+    #    still open: every number equals stats() exactly.
     stats = cache.stats()
     assert all(stats["tiers"][t]["blocks"] > 0 for t in ("device", "host", "disk")), stats["tiers"]
     assert {"device->host", "host->disk"} <= set(stats["moves"])
