@@ -11,7 +11,6 @@ from typing import Hashable, Iterable, Optional
 
 import aiofiles
 import aiofiles.os
-import crc32c
 import torch
 
 from tiercache.disk import HEADER_BYTES, RecordError
@@ -104,14 +103,11 @@ class AsyncStore:
         return raw[HEADER_BYTES:].view(g.dtype).view(g.shape)
 
     def _verify(self, key: Hashable, raw: memoryview, got: int) -> None:
-        """On the executor: the record's checks (its key, a CRC32C over the payload)."""
-        store, disk = self.store, self.store.disk
+        """On the executor: the record's checks (``RecordCodec.decode``: length, header, key,
+        a CRC32C over the payload)."""
+        store = self.store
         try:
-            if got < HEADER_BYTES + disk.payload_bytes:
-                raise RecordError(f"truncated record ({got} bytes)")
-            found, _, crc = disk.decode_header(raw[:HEADER_BYTES])
-            if found != key or crc32c.crc32c(raw[HEADER_BYTES:]) != crc:
-                raise RecordError("key or payload checksum mismatch")
+            store.disk.decode(raw[:got], key)
         except RecordError as exc:
             store.events.integrity_error("disk")
             raise BlockCorruptedError(f"block {key!r}: disk record failed its integrity check ({exc})") from None
