@@ -294,26 +294,12 @@ def require_extra(flag: str, *modules: str, alternative: str = "") -> None:
 
 
 def model_config(path: Optional[str], flag: str = "--model") -> Any:
-    """The config of the model ``path`` names (None: the default model), checked as
-    ``tiercache.models.load_model`` checks it before any weights load: a benchmark's parent
-    process refuses a bad ``--model`` in one line, before its workers start (each printed a
-    whole traceback). ModelNotFoundError or UnsupportedModelError, both exit status 2."""
-    from transformers import AutoConfig
+    """The config of the model ``path`` names, checked as ``load_model`` checks it before any
+    weights load (``tiercache.models.load_config``): a benchmark's parent process refuses a
+    bad ``--model`` in one line, before its workers start (each printed a whole traceback)."""
+    from tiercache.models import load_config
 
-    from tiercache.hf import check_supported
-    from tiercache.models import ModelNotFoundError, ensure_converted
-
-    if path is None:
-        path = ensure_converted()
-    elif not os.path.isdir(path):
-        raise ModelNotFoundError(f"{flag}: {path!r} is not a local model folder (nothing is downloaded)")
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelNotFoundError(f"{flag}: cannot read a model config from {path!r}: {first}") from None
-    check_supported(config)
-    return config
+    return load_config(path, flag)[1]
 
 
 def model_positions(config: Any) -> Optional[int]:

@@ -80,25 +80,36 @@ def ensure_converted() -> str:
     return target
 
 
+def load_config(path: Optional[str] = None, flag: str = "--model") -> tuple:
+    """``(folder, config)`` of the model ``path`` names (None: the default model), checked
+    before any weights load: ``ModelNotFoundError`` for a folder that is missing or holds no
+    readable config, ``UnsupportedModelError`` for a family tiercache cannot serve. A
+    benchmark's parent process calls it to refuse a bad ``--model`` in one line before its
+    workers start."""
+    from transformers import AutoConfig
+
+    from tiercache.hf import check_supported
+
+    if path is None:
+        path = ensure_converted()
+    elif not os.path.isdir(path):
+        raise ModelNotFoundError(f"{flag}: {path!r} is not a local model folder (nothing is downloaded)")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(f"{flag}: cannot read a model config from {path!r}: {first}") from None
+    check_supported(config)
+    return path, config
+
+
 def load_model(path: Optional[str] = None, device: Optional[str] = None, dtype: Any = None) -> tuple:
     """Load ``(model, tokenizer)``: the default model when ``path`` is None, else a local folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if path is None:
-        path = ensure_converted()
-    elif not os.path.isdir(path):
-        raise ModelNotFoundError(f"--model: {path!r} is not a local model folder (nothing is downloaded)")
+    path, _ = load_config(path)  # a bad folder or an unsupported family, named before any weights load
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from transformers import AutoConfig
-
-    from tiercache.hf import check_supported
-
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"cannot read a model config from {path!r}: {exc}") from None
-    check_supported(config)  # UnsupportedModelError names the family before any weights load
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
