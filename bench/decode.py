@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Optional
 
-from tiercache.cli import WORKER_ERROR, doc_summary, model_config, model_positions, work_dir, worker_failure
+from tiercache.cli import WORKER_ERROR, doc_summary, model_positions, work_dir, worker_failure
 
 SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
 CUDA_ONLY = ("hf_offload",)  # transformers' offloaded cache needs CUDA streams
@@ -479,7 +479,9 @@ def run(argv: Optional[list] = None) -> int:
     # model was every worker's traceback, and a context past its positions ran regardless.
     # The prompt must fit; the decode steps after it may run a few positions past (the published
     # runs at the default model's 8192 do: 8192 + 2 warm-up + 16 x 3 rounds).
-    limit = model_positions(model_config(args.model))
+    from tiercache.models import load_config
+
+    limit = model_positions(load_config(args.model)[1])
     if limit is not None and args.context > limit:
         raise ValueError(f"--context: {args.context} tokens exceed the model's {limit} positions")
     args.setup_list = setups

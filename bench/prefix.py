@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from tiercache.cli import WORKER_ERROR, doc_summary, model_config, work_dir, worker_failure
+from tiercache.cli import WORKER_ERROR, doc_summary, work_dir, worker_failure
 
 POSITION_MARGIN = 8  # tokens left below the model's positions
 
@@ -433,7 +433,9 @@ def run(argv: Optional[list] = None) -> int:
         if value is not None and value < low:  # --threads -2 was a torch traceback, 0 silently torch's default
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     work_dir("--dir", args.dir or ".")  # the temporary folder goes here
-    model_config(args.model)  # a bad --model: one line now, not each worker's traceback
+    from tiercache.models import load_config
+
+    load_config(args.model)  # a bad --model: one line now, not each worker's traceback
     if args.remote:
         import uuid
 

@@ -293,15 +293,6 @@ def require_extra(flag: str, *modules: str, alternative: str = "") -> None:
                        f"pip install 'tiercache[lab]'{alternative}")
 
 
-def model_config(path: Optional[str], flag: str = "--model") -> Any:
-    """The config of the model ``path`` names, checked as ``load_model`` checks it before any
-    weights load (``tiercache.models.load_config``): a benchmark's parent process refuses a
-    bad ``--model`` in one line, before its workers start (each printed a whole traceback)."""
-    from tiercache.models import load_config
-
-    return load_config(path, flag)[1]
-
-
 def model_positions(config: Any) -> Optional[int]:
     """The model's positions (``max_position_embeddings``; None: no limit known), as
     ``generate`` and ``eval`` read them."""
