@@ -281,7 +281,7 @@ class DiskStreams:
         if have is None or have[0][0].shape[1] < base + len(keys):
             base, usable = 0, {}  # the buffer grows: what was read into it is gone
         k_buf, v_buf = self._buffer(b, base + len(keys))
-        group = _Group(b, where[0] if where is not None else (), 0)
+        group = _Group(b, (), 0)  # this read's own reads, at the positions it reads (not a plan)
         used: dict = {}  # position -> _Read whose bytes this read takes
         memory: list = []  # indices into ``keys`` read from the device and host tiers
         try:
