@@ -1894,15 +1894,16 @@ class BlockStore:
         them are not): more than it holds (its minimum budget), blocks there that cannot move
         down now (``_full_message``), or no room below. In that last case the device budget
         was enough, and the message said it was the minimum, naming the budget it had."""
-        if num_needed > self.table.num_slots(Tier.DEVICE) or any(
-                self.table.num_free(t) for t in self.tiers if t > Tier.DEVICE):
-            return self._full_message(num_needed if num_needed > self.table.num_slots(Tier.DEVICE) else num_missing,
-                                      Tier.DEVICE, protect)
+        slots = self.table.num_slots(Tier.DEVICE)
+        if num_needed > slots:
+            return self._full_message(num_needed, Tier.DEVICE, protect)  # the device's minimum budget
+        if any(self.table.num_free(t) for t in self.tiers if t > Tier.DEVICE):
+            return self._full_message(num_missing, Tier.DEVICE, protect)  # what keeps them from going down
         cfg = self.config
         below = [f"host_budget={format_bytes(cfg.host_budget)}" if Tier.HOST in self.tiers else "no host tier",
                  f"disk_budget={format_bytes(cfg.disk_budget)}" if Tier.DISK in self.tiers else "no disk tier"]
         return (f"this step needs {num_needed} blocks on the device at once ({num_missing} to bring up), and "
-                f"device_budget={format_bytes(cfg.device_budget)} holds {self.table.num_slots(Tier.DEVICE)}, but "
+                f"device_budget={format_bytes(cfg.device_budget)} holds {slots}, but "
                 f"the blocks there have nowhere to go: every tier below is full ({', '.join(below)}); raise "
                 f"{'host_budget' if Tier.HOST in self.tiers else 'device_budget'} or add a disk tier "
                 f"(disk_dir, disk_budget); nothing was overwritten")
