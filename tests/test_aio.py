@@ -138,3 +138,75 @@ def test_more_puts_at_once_than_device_slots_all_land(make_store, geometry):
     for key, block in data.items():
         assert torch.equal(store.get(key), block)
     store.check()
+
+
+def test_every_coroutine_answers_an_unknown_key_as_the_store_does(make_store, geometry):
+    """A key the store never held, given to each coroutine and to the store's own call for
+    the same operation, must come out the same way. ``read_disk_record`` answered None, as
+    for a block that has no disk copy yet, where ``get`` (and ``read_into``) raise KeyError:
+    a caller could not tell a deleted block from one not written down. It is a read, so it
+    now raises KeyError as ``get`` does; None still means "stored, but not on disk"."""
+    store = make_store(device_blocks=2, host_blocks=2)
+    astore = AsyncStore(store)
+    unknown, known = BlockKey(9, 9, 9), BlockKey(0, 0, 0)
+    store.put(known, torch.randn(geometry.shape))  # on the device only: no disk copy
+
+    def outcome(call):
+        try:
+            result = call()
+            if hasattr(result, "result"):  # promote, demote: a future
+                result = result.result()
+            return "returns", result
+        except Exception as exc:  # noqa: BLE001 - the outcome compared
+            return "raises", type(exc)
+
+    async def aoutcome(coro):
+        try:
+            return "returns", await asyncio.wait_for(coro, 30)
+        except Exception as exc:  # noqa: BLE001
+            return "raises", type(exc)
+
+    pairs = [  # (name, the store's call, the coroutine)
+        ("get", lambda: store.get(unknown), lambda: astore.get(unknown)),
+        ("promote to the device", lambda: store.promote(unknown), lambda: astore.promote(unknown)),
+        ("promote to the host", lambda: store.promote(unknown, Tier.HOST),
+         lambda: astore.promote(unknown, Tier.HOST)),
+        ("demote", lambda: store.demote(unknown), lambda: astore.demote(unknown)),
+        ("ensure_device", lambda: store.ensure_device([unknown], pin=False),
+         lambda: astore.ensure_device([unknown])),
+        # no read of the record itself in the store: the read it is, get
+        ("read_disk_record", lambda: store.get(unknown), lambda: astore.read_disk_record(unknown)),
+    ]
+    for name, call, acall in pairs:
+        expected = outcome(call)
+        assert asyncio.run(aoutcome(acall())) == expected, name
+    # a block that is stored but has no disk copy is still None, not an error
+    assert asyncio.run(astore.read_disk_record(known)) is None
+    store.check()
+
+
+def test_a_block_deleted_while_its_disk_copy_is_awaited_is_a_key_error(make_store, geometry):
+    """``read_disk_record`` waits for a disk copy being written. If the block is deleted
+    meanwhile the store no longer holds it, and the read says so as ``get`` would (it
+    answered None: "no disk copy", as if the block were still there)."""
+    store = make_store(device_blocks=1, host_blocks=4, disk_blocks=8, io_workers=1)
+    store.write_behind_enabled = False
+    key = BlockKey(2, 0, 0)
+
+    async def scenario():
+        astore = AsyncStore(store)
+        await astore.put(key, torch.randn(geometry.shape))
+        await astore.demote(key)  # on the host
+        with store._lock:  # a host -> disk move prepared (its disk copy FILLING), not started
+            move = store._prepare(key, Tier.HOST, Tier.DISK, drop_source=False)
+        reading = asyncio.create_task(astore.read_disk_record(key))
+        await asyncio.sleep(0)  # the read looked, found the copy FILLING and waits for its move
+        assert not reading.done()
+        store.delete(key)
+        store._submit(move, Priority.WRITEBACK)
+        with pytest.raises(KeyError):
+            await asyncio.wait_for(reading, 30)
+
+    asyncio.run(scenario())
+    store.check()
+    assert key not in store

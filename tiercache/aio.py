@@ -37,37 +37,48 @@ class AsyncStore:
         await aiofiles.os.wrap(self.store.put)(key, block)
 
     async def get(self, key: Hashable) -> torch.Tensor:
+        """``BlockStore.get``: a copy of the block's bytes. An unknown key is a ``KeyError``."""
         return await aiofiles.os.wrap(self.store.get)(key)
 
     async def promote(self, key: Hashable, tier: Tier = Tier.DEVICE) -> None:
+        """``BlockStore.promote``, waited for. As there, an unknown key raises
+        ``BlockCorruptedError`` ("not in the cache") to the device and does nothing to the host."""
         # Starting a move can wait (for room on the tier, for a slot in the I/O queue, or, to
         # the device, for the whole fetch): on the executor, not on the loop.
         await asyncio.wrap_future(await aiofiles.os.wrap(self.store.promote)(key, tier))
 
     async def demote(self, key: Hashable) -> None:
+        """``BlockStore.demote``, waited for. As there, an unknown key (or a block with
+        nowhere lower to go) is a no-op."""
         await asyncio.wrap_future(await aiofiles.os.wrap(self.store.demote)(key))
 
     async def ensure_device(self, keys: Iterable[Hashable], pin: bool = False) -> float:
+        """``BlockStore.ensure_device`` (unpinned unless ``pin``; the store's default pins).
+        As there, an unknown key raises ``BlockCorruptedError`` ("not in the cache")."""
         return await aiofiles.os.wrap(self.store.ensure_device)(_key_list(keys, "ensure_device"), pin)
 
     async def flush(self) -> int:
+        """``BlockStore.flush``: blocks written to disk."""
         return await aiofiles.os.wrap(self.store.flush)()
 
     async def read_disk_record(self, key: Hashable) -> Optional[torch.Tensor]:
-        """Read ``key``'s disk record with aiofiles and verify it; None if it has no disk copy.
+        """Read ``key``'s disk record with aiofiles and verify it; None if the block has no
+        disk copy (or the store no disk tier).
 
-        A disk copy still being written is waited for. Raises ``BlockCorruptedError`` when
-        the record fails its checks, and ``RuntimeError`` once the store is closed.
+        A read, as ``get``: a key the store does not hold (never stored, or deleted, also
+        while its disk copy was waited for) is a ``KeyError``. A disk copy still being
+        written is waited for. Raises ``BlockCorruptedError`` when the record fails its
+        checks, and ``RuntimeError`` once the store is closed.
         """
         store, disk = self.store, self.store.disk
-        if store.closed:
-            raise RuntimeError("AsyncStore.read_disk_record: the store is closed")
-        if disk is None:
-            return None
         while True:
+            if store.closed:
+                raise RuntimeError("AsyncStore.read_disk_record: the store is closed")
             with store._lock:
                 entry = store.table.get(key)
-                copy = entry.copies.get(Tier.DISK) if entry is not None else None
+                if entry is None:
+                    raise KeyError(key)
+                copy = entry.copies.get(Tier.DISK) if disk is not None else None
                 if copy is None:
                     return None
                 if copy.state is CopyState.READY:
