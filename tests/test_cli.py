@@ -26,6 +26,12 @@ def cli(*args, input_text=None, timeout=600):
     (["--remote-url", "http://cache:6379"], "remote_url: expected redis://host:port/db"),
     (["--remote-url", "redis://127.0.0.1:1/0"], "remote_url: the remote tier shares prefix-cache blocks"),
     (["--remote-url", "redis://127.0.0.1:1/0", "--remote-timeout", "0"], "remote_timeout"),
+    # each was accepted and then did nothing: no remote tier, no host tier, no disk tier
+    (["--remote-budget", "8GiB"], "remote_budget: 8589934592 bytes, but there is no remote tier"),
+    (["--remote-cluster"], "remote_cluster: True, but there is no remote tier"),
+    (["--attend-in-place", "--host-budget", "0"], "attend_in_place: True reads the host tier's blocks"),
+    (["--shared-dir"], "shared_dir: True applies to the disk tier's directory, and there is none"),
+    (["--shared-dir", "--disk-dir", "KV", "--disk-budget", "0"], "shared_dir: True applies to the disk tier's"),
     (["--disk-dir", "KV", "--disk-io", "kvikio"], "disk_io: 'kvikio' cannot run here"),
     # before the model loads (its progress bar made two lines), not after it
     (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
@@ -45,7 +51,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
         from tiercache.disk import kvikio_status
         if kvikio_status()[0]:
             pytest.skip("kvikio runs here")
-        args = [str(tmp_path / "kv") if a == "KV" else a for a in args]
+    args = [str(tmp_path / "kv") if a == "KV" else a for a in args]
     proc = cli("generate", "--prompt", "hi", *args) if "--prompt-file" not in args else cli("generate", *args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -98,3 +99,32 @@ def test_numpy_bools_are_bools():
     cfg = TierConfig(attend_in_place=np.True_, shared_dir=np.False_, reuse=np.False_)
     assert (cfg.attend_in_place, cfg.shared_dir, cfg.reuse) == (True, False, False)
     assert all(type(v) is bool for v in (cfg.attend_in_place, cfg.shared_dir, cfg.reuse))
+
+
+@pytest.mark.parametrize("settings,message", [
+    # each was accepted and then did nothing: the remote tier's settings without a remote tier,
+    # in-place attention over host-tier blocks without a host tier, shared_dir without a disk_dir
+    (dict(remote_budget="8GiB"), "remote_budget: 8589934592 bytes, but there is no remote tier (remote_url is None)"),
+    (dict(remote_budget=0), "remote_budget: 0 bytes, but there is no remote tier"),
+    (dict(remote_cluster=True), "remote_cluster: True, but there is no remote tier (remote_url is None)"),
+    (dict(attend_in_place=True, host_budget=0), "attend_in_place: True reads the host tier's blocks where they "
+                                                "lie, and host_budget=0 disables the host tier"),
+    (dict(shared_dir=True), "shared_dir: True applies to the disk tier's directory, and there is none "
+                            "(disk_dir=None, disk_budget=17179869184)"),
+    (dict(shared_dir=True, disk_dir="KV", disk_budget=0), "shared_dir: True applies to the disk tier's directory, "
+                                                          "and there is none"),
+])
+def test_a_setting_that_would_be_ignored_is_refused_by_name(settings, message, tmp_path):
+    settings = {k: str(tmp_path / "kv") if v == "KV" else v for k, v in settings.items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TierConfig(**settings)
+
+
+def test_the_settings_refused_alone_are_accepted_with_their_tier(tmp_path):
+    """What the refusals above leave alone: each setting with the tier it applies to, and the
+    remote fields whose default value cannot be told from one given (namespace, timeout)."""
+    kv = str(tmp_path / "kv")
+    assert TierConfig(shared_dir=True, disk_dir=kv).shared_dir
+    assert TierConfig(attend_in_place=True, host_budget="1MiB").attend_in_place
+    assert TierConfig(remote_namespace="team-a", remote_timeout=2.0).remote_url is None
+    assert not TierConfig(attend_in_place=False, host_budget=0, shared_dir=False).host_enabled

@@ -48,7 +48,8 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
     g.add_argument("--disk-io", default="auto", choices=["auto", "posix", "kvikio"],
                    help="who reads and writes disk records (default auto: kvikio on CUDA when installed)")
     g.add_argument("--shared-dir", action="store_true",
-                   help="accept a disk dir with looser permissions or another owner (default: refuse)")
+                   help="accept a disk dir with looser permissions or another owner (default: refuse; "
+                        "needs --disk-dir)")
     g.add_argument("--attend-in-place", action="store_true",
                    help="CPU with a host tier: decode attention reads each block where it lies, no gather "
                         "copy (faster; equal to SDPA to float rounding, not bit for bit)")
@@ -56,9 +57,10 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
     r.add_argument("--remote-url", default=None, help="redis://host:port/db, rediss:// (TLS) or unix:///path; "
                    "password from the URL or $TIERCACHE_REMOTE_PASSWORD (needs --disk-dir)")
     r.add_argument("--remote-budget", default=None, help="bytes of this model's blocks on the server "
-                   "(default: the server's maxmemory decides)")
+                   "(default: the server's maxmemory decides; needs --remote-url)")
     r.add_argument("--remote-namespace", default=TierConfig.remote_namespace, help="key prefix (default %(default)s)")
-    r.add_argument("--remote-cluster", action="store_true", help="the URL names a Redis/Valkey Cluster node")
+    r.add_argument("--remote-cluster", action="store_true", help="the URL names a Redis/Valkey Cluster node "
+                   "(needs --remote-url)")
     r.add_argument("--remote-timeout", type=float, default=TierConfig.remote_timeout,
                    help="seconds per server call (default %(default)s)")
 

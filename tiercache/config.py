@@ -228,6 +228,10 @@ class TierConfig:
         if self.reuse is not None:
             self._check_bool("reuse", ", or None (auto)")
         self._check_bool("shared_dir")  # "no" was accepted, and counted as True
+        if self.shared_dir and not self.disk_enabled:  # it loosens disk_dir's checks: without a disk tier, none
+            raise ValueError(f"shared_dir: True applies to the disk tier's directory, and there is none "
+                             f"(disk_dir={self.disk_dir!r}, disk_budget={self.disk_budget}); set disk_dir with a "
+                             f"disk_budget > 0, or leave shared_dir False")
         if self.reuse and not self.disk_enabled:
             raise ValueError("reuse: the prefix cache lives in disk_dir; set disk_dir (and a disk_budget > 0)")
         if self.reuse and self.retention is not None:
@@ -237,6 +241,10 @@ class TierConfig:
             raise ValueError(f"reuse_admission: must be one of {', '.join(REUSE_ADMISSIONS)}, "
                              f"got {self.reuse_admission!r}")
         self._check_remote()
+        if self.attend_in_place and not self.host_enabled:  # it reads host-tier blocks; host_budget=0: none
+            raise ValueError("attend_in_place: True reads the host tier's blocks where they lie, and host_budget=0 "
+                             "disables the host tier, so it would do nothing; set a host_budget > 0, or leave "
+                             "attend_in_place False")
 
     def _check_remote(self) -> None:
         object.__setattr__(self, "remote_max_inflight", parse_bytes(self.remote_max_inflight, "remote_max_inflight"))
@@ -250,6 +258,15 @@ class TierConfig:
                 or not 0 < self.remote_timeout <= 600):
             raise ValueError(f"remote_timeout: seconds in (0, 600], got {self.remote_timeout!r}")
         if self.remote_url is None:
+            # Only what is told apart from its default: remote_budget None, remote_cluster False
+            # (a namespace or timeout equal to its default may have been given, or not).
+            if self.remote_budget is not None:
+                raise ValueError(f"remote_budget: {self.remote_budget} bytes, but there is no remote tier "
+                                 f"(remote_url is None), so it would be ignored; set remote_url, or leave "
+                                 f"remote_budget None")
+            if self.remote_cluster:
+                raise ValueError("remote_cluster: True, but there is no remote tier (remote_url is None), so it "
+                                 "would be ignored; set remote_url to a cluster node, or leave remote_cluster False")
             return
         url = self.remote_url
         scheme = urlsplit(url).scheme if isinstance(url, str) else ""
