@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from tiercache import BlockCorruptedError, BlockKey, Tier
 from tiercache.aio import AsyncStore
 from tiercache.disk import DATA_NAME, HEADER_BYTES
+from tiercache.policies import EVICTION_POLICIES
 from tiercache.transfer import Priority
 
 
@@ -210,3 +213,100 @@ def test_a_block_deleted_while_its_disk_copy_is_awaited_is_a_key_error(make_stor
     asyncio.run(scenario())
     store.check()
     assert key not in store
+
+
+@pytest.fixture
+def held_eviction():
+    """An eviction policy (``lru``, registered as a plug-in) whose first ``evict`` after
+    ``arm(loop)`` tells the loop it was reached (``entered``, an asyncio.Event) and then
+    waits for ``release`` (a threading.Event): a store call caught in the middle of making
+    room, on its executor thread, for as long as a test needs. Registered as "held"."""
+    class Stage:
+        entered: asyncio.Event
+        release = threading.Event()
+        loop = None
+
+        def arm(self, loop):
+            self.entered = asyncio.Event()
+            self.loop = loop
+
+    stage = Stage()
+
+    class Held(EVICTION_POLICIES["lru"]):
+        def evict(self, n, is_evictable):
+            loop, stage.loop = stage.loop, None  # the first call after arm() only
+            if loop is not None:
+                loop.call_soon_threadsafe(stage.entered.set)
+                stage.release.wait(60)
+            return super().evict(n, is_evictable)
+
+    EVICTION_POLICIES["held"] = Held
+    yield stage
+    stage.release.set()  # never leave a thread held, whatever the test did
+    del EVICTION_POLICIES["held"]
+
+
+def test_a_put_cancelled_while_it_runs_is_waited_for_and_lands_whole(make_store, geometry, held_eviction):
+    """A put that a thread has started cannot be stopped (its wait for room is inside the
+    store's call). Cancelled there, the task heard CancelledError at once while the put
+    went on and landed afterwards: the caller, told "cancelled", later found the block in
+    the store (and a retry got "already stored"). Now the cancellation waits for the put
+    to end, so what the caller sees when CancelledError arrives is final: here the put
+    landed (the docstring says a cancelled put may have), whole and readable."""
+    store = make_store(device_blocks=1, host_blocks=2, disk_blocks=8, eviction="held")
+    astore = AsyncStore(store)
+    first, second = BlockKey(3, 0, 0), BlockKey(3, 0, 1)
+    blocks = {first: torch.randn(geometry.shape), second: torch.randn(geometry.shape)}
+
+    async def scenario():
+        await astore.put(first, blocks[first])  # the one device slot is taken
+        held_eviction.arm(asyncio.get_running_loop())
+        task = asyncio.create_task(astore.put(second, blocks[second]))
+        await asyncio.wait_for(held_eviction.entered.wait(), 30)  # the put is making room, on its thread
+        task.cancel()
+        for _ in range(3):  # the cancellation reaches the task in one step of the loop
+            await asyncio.sleep(0)
+        heard_early = task.done()
+        held_eviction.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+        assert not heard_early, "CancelledError came while the put was still under way"
+        assert second in store  # settled: it had started, and it landed
+
+    asyncio.run(scenario())
+    for key, block in blocks.items():
+        assert torch.equal(store.get(key), block)
+    store.check()
+
+
+def test_a_put_cancelled_before_a_thread_took_it_up_never_runs(make_store, geometry):
+    """The other side of the rule: a put still queued for the executor when its task is
+    cancelled never runs, reserves no slot, and the key can be put again at once."""
+    store = make_store(device_blocks=2, host_blocks=2, disk_blocks=8)
+    astore = AsyncStore(store)
+    key = BlockKey(4, 0, 0)
+    block = torch.randn(geometry.shape)
+    hold = threading.Event()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        busy = loop.run_in_executor(None, hold.wait, 60)  # the executor's one thread, taken
+        task = asyncio.create_task(astore.put(key, block))
+        await asyncio.sleep(0)  # the put is queued behind it
+        free = store.table.num_free(Tier.DEVICE)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+        hold.set()
+        await asyncio.wait_for(busy, 30)
+        await asyncio.wait_for(loop.run_in_executor(None, store.wait_idle), 30)  # after anything queued
+        assert key not in store and store.table.num_free(Tier.DEVICE) == free
+        await asyncio.wait_for(astore.put(key, block), 30)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        hold.set()
+    assert torch.equal(store.get(key), block)
+    store.check()

@@ -7,7 +7,8 @@ aiofiles and verified (header and payload CRC32C) without touching the store's t
 from __future__ import annotations
 
 import asyncio
-from typing import Hashable, Iterable, Optional
+import threading
+from typing import Callable, Hashable, Iterable, Optional
 
 import aiofiles
 import aiofiles.os
@@ -19,6 +20,45 @@ from tiercache.store import BlockStore, _key_list
 from tiercache.table import CopyState, Tier
 
 
+class _Gate:
+    """A call handed to the executor, and whether a thread has taken it up: ``call_off``
+    before that and it never runs."""
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        self._fn, self._args = fn, args
+        self._lock = threading.Lock()
+        self._started: Optional[bool] = None  # None: queued; True: running or run; False: called off
+
+    def run(self):
+        with self._lock:
+            if self._started is False:
+                return None
+            self._started = True
+        fn, args, self._fn, self._args = self._fn, self._args, None, ()  # the block is not kept
+        return fn(*args)
+
+    def call_off(self) -> bool:
+        """Whether the call will never run (called off now or before)."""
+        with self._lock:
+            if self._started is None:
+                self._started = False
+            return self._started is False
+
+
+async def _outlast(fut: asyncio.Future) -> bool:
+    """Wait until ``fut`` is done, whatever cancellations the waiting task gets meanwhile;
+    returns whether it got one (the caller raises ``CancelledError`` then)."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a failure the caller will not see is not logged as lost
+    return cancelled
+
+
 class AsyncStore:
     """Wrap a ``BlockStore``; every method is a coroutine.
 
@@ -28,38 +68,80 @@ class AsyncStore:
         await astore.put(key, block)
         await astore.demote(key)
         block = await astore.get(key)
+
+    Cancellation: the store's calls run on the loop's default executor, and a call a
+    thread has not taken up yet when its task is cancelled never runs. One that has
+    started (waiting for room counts: that wait is inside the store's call) cannot be
+    stopped: the cancellation waits for it to end, and only then raises
+    ``CancelledError``. So a caller that sees ``CancelledError`` sees the store settled:
+    the call never happened or it has happened (a cancelled ``put`` may have landed:
+    ``key in store`` says which), never one still under way.
     """
 
     def __init__(self, store: BlockStore) -> None:
         self.store = store
 
+    async def _call(self, fn: Callable, *args, settle: Optional[Callable] = None):
+        """``fn(*args)`` on the executor, with the cancellation of the class docstring.
+        ``settle(result)``: a coroutine that finishes what a call cancelled after it ran
+        left under way (a move it started)."""
+        gate = _Gate(fn, args)
+        fut = asyncio.get_running_loop().run_in_executor(None, gate.run)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not fut.done() and gate.call_off():
+                fut.cancel()  # still queued: dropped (a thread that takes it up finds it called off)
+                raise
+            await _outlast(fut)
+            if settle is not None and not fut.cancelled() and fut.exception() is None:
+                await settle(fut.result())
+            raise
+
     async def put(self, key: Hashable, block: torch.Tensor) -> None:
-        await aiofiles.os.wrap(self.store.put)(key, block)
+        """``BlockStore.put``. Cancelled once a thread has started it, the cancellation waits
+        for it to end, and the block may have landed (``key in store``); before, it never
+        runs and reserves nothing."""
+        await self._call(self.store.put, key, block)
 
     async def get(self, key: Hashable) -> torch.Tensor:
         """``BlockStore.get``: a copy of the block's bytes. An unknown key is a ``KeyError``."""
-        return await aiofiles.os.wrap(self.store.get)(key)
+        return await self._call(self.store.get, key)
 
     async def promote(self, key: Hashable, tier: Tier = Tier.DEVICE) -> None:
         """``BlockStore.promote``, waited for. As there, an unknown key raises
         ``BlockCorruptedError`` ("not in the cache") to the device and does nothing to the host."""
         # Starting a move can wait (for room on the tier, for a slot in the I/O queue, or, to
         # the device, for the whole fetch): on the executor, not on the loop.
-        await asyncio.wrap_future(await aiofiles.os.wrap(self.store.promote)(key, tier))
+        await self._wait_move(await self._call(self.store.promote, key, tier, settle=self._land))
 
     async def demote(self, key: Hashable) -> None:
         """``BlockStore.demote``, waited for. As there, an unknown key (or a block with
         nowhere lower to go) is a no-op."""
-        await asyncio.wrap_future(await aiofiles.os.wrap(self.store.demote)(key))
+        await self._wait_move(await self._call(self.store.demote, key, settle=self._land))
 
     async def ensure_device(self, keys: Iterable[Hashable], pin: bool = False) -> float:
         """``BlockStore.ensure_device`` (unpinned unless ``pin``; the store's default pins).
         As there, an unknown key raises ``BlockCorruptedError`` ("not in the cache")."""
-        return await aiofiles.os.wrap(self.store.ensure_device)(_key_list(keys, "ensure_device"), pin)
+        return await self._call(self.store.ensure_device, _key_list(keys, "ensure_device"), pin)
 
     async def flush(self) -> int:
         """``BlockStore.flush``: blocks written to disk."""
-        return await aiofiles.os.wrap(self.store.flush)()
+        return await self._call(self.store.flush)
+
+    @staticmethod
+    async def _wait_move(move) -> None:
+        """Wait for a move's future. A move is not called off (``_MoveFuture.cancel``): a
+        cancellation waits for it to land, as for a call already started."""
+        fut = asyncio.wrap_future(move)
+        if await _outlast(fut):
+            raise asyncio.CancelledError
+        fut.result()
+
+    @staticmethod
+    async def _land(move) -> None:
+        """A cancelled promote's or demote's move, waited for (its outcome is not reported)."""
+        await _outlast(asyncio.wrap_future(move))
 
     async def read_disk_record(self, key: Hashable) -> Optional[torch.Tensor]:
         """Read ``key``'s disk record with aiofiles and verify it; None if the block has no
