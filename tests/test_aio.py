@@ -310,3 +310,32 @@ def test_a_put_cancelled_before_a_thread_took_it_up_never_runs(make_store, geome
         hold.set()
     assert torch.equal(store.get(key), block)
     store.check()
+
+
+def test_a_cancelled_ensure_device_with_pin_leaves_no_pin(make_store, geometry, held_eviction):
+    """``ensure_device(pin=True)`` cancelled while it made room on the device went on and
+    pinned its block; the caller, who heard only CancelledError, never learnt of the pin
+    and never undid it. The block held its device slot for good, and the next put on the
+    one-slot device failed with CapacityError. A cancelled call now undoes its pins."""
+    store = make_store(device_blocks=1, host_blocks=2, disk_blocks=8, eviction="held")
+    astore = AsyncStore(store)
+    keys = [BlockKey(5, 0, i) for i in range(3)]
+    blocks = {key: torch.randn(geometry.shape) for key in keys}
+
+    async def scenario():
+        await astore.put(keys[0], blocks[keys[0]])
+        await astore.put(keys[1], blocks[keys[1]])  # keys[0] goes down to the host
+        held_eviction.arm(asyncio.get_running_loop())
+        task = asyncio.create_task(astore.ensure_device([keys[0]], pin=True))
+        await asyncio.wait_for(held_eviction.entered.wait(), 30)  # making room for keys[0]
+        task.cancel()
+        held_eviction.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+        assert store.table.get(keys[0]).pins == 0
+        await asyncio.wait_for(astore.put(keys[2], blocks[keys[2]]), 30)  # the device slot can be had
+
+    asyncio.run(scenario())
+    for key, block in blocks.items():
+        assert torch.equal(store.get(key), block)
+    store.check()

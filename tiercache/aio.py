@@ -122,8 +122,15 @@ class AsyncStore:
 
     async def ensure_device(self, keys: Iterable[Hashable], pin: bool = False) -> float:
         """``BlockStore.ensure_device`` (unpinned unless ``pin``; the store's default pins).
-        As there, an unknown key raises ``BlockCorruptedError`` ("not in the cache")."""
-        return await self._call(self.store.ensure_device, _key_list(keys, "ensure_device"), pin)
+        As there, an unknown key raises ``BlockCorruptedError`` ("not in the cache").
+        Cancelled, it pins nothing: pins it made before the cancellation reached it are
+        undone (the caller, never told they were made, could not unpin them)."""
+        keys = _key_list(keys, "ensure_device")
+
+        async def unpin(_) -> None:
+            self.store.unpin(list(dict.fromkeys(keys)))  # each key was pinned once
+
+        return await self._call(self.store.ensure_device, keys, pin, settle=unpin if pin else None)
 
     async def flush(self) -> int:
         """``BlockStore.flush``: blocks written to disk."""
