@@ -163,6 +163,48 @@ def test_clear_removes_everything_and_the_next_run_loads_nothing(kv):
         "tiercache: error: --model-digest: expected hex digits")
 
 
+def test_model_digest_picks_one_models_directories_for_ls_and_stats(kv):
+    """``--model-digest`` (a unique prefix of the hex digits, as clear takes it) narrows ls and
+    stats to that model: it was documented for clear alone, and ls and stats listed every
+    model with it."""
+    run(tiny_model(), kv)
+    run(tiny_model(seed=5), kv)
+    close_all()
+    everything = ls(kv)
+    mine, other = (d["model_digest"] for d in everything)
+    proc = cli("cache", "ls", "--disk-dir", kv, "--model-digest", mine[:10], "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["directories"] == [d for d in everything if d["model_digest"] == mine]
+    text = cli("cache", "ls", "--disk-dir", kv, "--model-digest", mine[:10].upper())
+    assert text.returncode == 0 and mine[:12] in text.stdout and other[:12] not in text.stdout
+    proc = cli("cache", "stats", "--disk-dir", kv, "--model-digest", other[:10], "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    assert list(stats["models"]) == [other] and stats["totals"]["directories"] == 1
+    assert stats["totals"]["num_blocks"] == BLOCKS
+    text = cli("cache", "stats", "--disk-dir", kv, "--model-digest", other[:10]).stdout
+    assert other in text and mine not in text
+    assert len(ls(kv)) == 2  # read-only: nothing removed
+
+
+def test_a_model_digest_that_matches_nothing_is_an_error_and_clears_nothing(kv):
+    """``cache clear --model-digest`` that matched no directory printed "nothing removed" and
+    exited 0, as if done; now it is one line and exit 2, as a --disk-dir that does not exist
+    is, and so for ls and stats. Nothing is touched."""
+    run(tiny_model(), kv)
+    close_all()
+    (digest,) = (d["model_digest"] for d in ls(kv))
+    absent = next(c for c in "0123456789abcdef" if not digest.startswith(c))
+    before = snapshot(kv)
+    for action in ("clear", "ls", "stats"):
+        for extra in ((), ("--json",)):
+            line = one_line_error(cli("cache", action, "--disk-dir", kv, "--model-digest", absent, *extra))
+            assert line.startswith(f"tiercache: error: --model-digest: {absent!r} matches no prefix directory "
+                                   f"in {kv}"), line
+            assert ("; nothing was removed" in line) == (action == "clear")
+    assert snapshot(kv) == before and [d["model_digest"] for d in ls(kv)] == [digest]
+
+
 HOLDER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})

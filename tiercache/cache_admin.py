@@ -203,15 +203,38 @@ def describe(path: str, tag: re.Match) -> PrefixDirInfo:
                             "last_used": last_used})
 
 
-def list_prefix(disk_dir: str) -> list:
-    """Every prefix directory of ``disk_dir`` as a ``PrefixDirInfo`` (read-only)."""
+def of_model(found: list, model_digest: Optional[str], disk_dir: str, nothing_done: str = "") -> list:
+    """The ``(path, tag match)`` pairs of ``found`` (``prefix_dirs``) of one model digest, given
+    as its hex digits or a unique prefix of them; all of them for None. ``CacheDirError`` for
+    a digest that is not hex, that matches several models, or that matches none (``nothing_done``
+    is appended to that message: what was not done)."""
+    if model_digest is None:
+        return found
+    want = model_digest.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{1,32}", want):
+        raise CacheDirError(f"--model-digest: expected hex digits (as `tiercache cache ls` shows), "
+                            f"got {model_digest!r}")
+    digests = {tag["digest"] for _, tag in found if tag["digest"].startswith(want)}
+    if len(digests) > 1:
+        raise CacheDirError(f"--model-digest: {model_digest!r} matches {len(digests)} models "
+                            f"({', '.join(sorted(d[:12] for d in digests))}); give more digits")
+    if not digests:  # a typo, or another disk_dir: not an empty listing, nor a clear that did nothing
+        raise CacheDirError(f"--model-digest: {model_digest!r} matches no prefix directory in {disk_dir}"
+                            f"{nothing_done} (`tiercache cache ls` lists the model digests there)")
+    return [(p, tag) for p, tag in found if tag["digest"] in digests]
+
+
+def list_prefix(disk_dir: str, model_digest: Optional[str] = None) -> list:
+    """Every prefix directory of ``disk_dir`` (or of one model digest, as ``clear`` takes it)
+    as a ``PrefixDirInfo`` (read-only)."""
     check_disk_dir(disk_dir)
-    return [describe(path, tag) for path, tag in prefix_dirs(disk_dir)]
+    return [describe(path, tag) for path, tag in of_model(prefix_dirs(disk_dir), model_digest, disk_dir)]
 
 
-def summarize(disk_dir: str) -> dict:
-    """``list_prefix`` added up per model digest, with totals and the sessions/ size."""
-    infos = list_prefix(disk_dir)
+def summarize(disk_dir: str, model_digest: Optional[str] = None) -> dict:
+    """``list_prefix`` added up per model digest (or for one), with totals and the sessions/
+    size (of every model: session folders are not per model)."""
+    infos = list_prefix(disk_dir, model_digest)
     models: dict = {}
     for info in infos:
         m = models.setdefault(info.model_digest, {
@@ -266,20 +289,11 @@ def clear(disk_dir: str, model_digest: Optional[str] = None) -> list:
     of its hex digits will do) and return what was removed.
 
     Every directory's lock is taken first; if another process holds any of them, nothing is
-    removed and ``CacheInUseError`` names the pid in its lock file.
+    removed and ``CacheInUseError`` names the pid in its lock file. A ``model_digest`` that
+    matches no directory is a ``CacheDirError`` (nothing is removed).
     """
     check_disk_dir(disk_dir)
-    found = prefix_dirs(disk_dir)
-    if model_digest is not None:
-        want = model_digest.strip().lower()
-        if not re.fullmatch(r"[0-9a-f]{1,32}", want):
-            raise CacheDirError(f"--model-digest: expected hex digits (as `tiercache cache ls` shows), "
-                                f"got {model_digest!r}")
-        digests = {tag["digest"] for _, tag in found if tag["digest"].startswith(want)}
-        if len(digests) > 1:
-            raise CacheDirError(f"--model-digest: {model_digest!r} matches {len(digests)} models "
-                                f"({', '.join(sorted(d[:12] for d in digests))}); give more digits")
-        found = [(p, tag) for p, tag in found if tag["digest"] in digests]
+    found = of_model(prefix_dirs(disk_dir), model_digest, disk_dir, "; nothing was removed")
     fds: list = []
     try:
         for path, _ in found:

@@ -507,11 +507,11 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from tiercache import cache_admin as admin
 
     if args.action == "ls":
-        infos = admin.list_prefix(args.disk_dir)
+        infos = admin.list_prefix(args.disk_dir, args.model_digest)
         print(json.dumps({"disk_dir": args.disk_dir, "directories": admin.as_json(infos)}) if args.json
               else admin.format_list(args.disk_dir, infos))
     elif args.action == "stats":
-        summary = admin.summarize(args.disk_dir)
+        summary = admin.summarize(args.disk_dir, args.model_digest)
         print(json.dumps(summary) if args.json else admin.format_summary(summary))
     else:
         removed = admin.clear(args.disk_dir, args.model_digest)
@@ -520,9 +520,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(json.dumps({"disk_dir": args.disk_dir, "removed": admin.as_json(removed),
                               "stale_sessions_removed": stale}))
             return 0
-        if not removed:
-            which = f" of model digest {args.model_digest}" if args.model_digest else ""
-            print(f"no prefix cache{which} in {args.disk_dir}; nothing removed")
+        if not removed:  # with --model-digest, one that matched nothing was refused (exit 2)
+            print(f"no prefix cache in {args.disk_dir}; nothing removed")
         else:
             print(f"removed {len(removed)} prefix director{'y' if len(removed) == 1 else 'ies'} "
                   f"({sum(i.num_blocks for i in removed)} blocks, "
@@ -635,8 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["ls", "stats", "clear"], help="ls: one line per prefix directory; "
                        "stats: totals per model digest; clear: remove prefix directories")
     cache.add_argument("--disk-dir", required=True, help="the cache's disk_dir")
-    cache.add_argument("--model-digest", default=None, help="clear: only this model's blocks (hex digest "
-                       "from `cache ls`, or a unique prefix of it)")
+    cache.add_argument("--model-digest", default=None, help="only this model's prefix directories (hex digest "
+                       "from `cache ls`, or a unique prefix of it); one that matches none is an error")
     cache.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
