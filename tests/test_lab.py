@@ -258,6 +258,9 @@ def test_compare_cli_json_and_table(tmp_path):
     (["--policies", "lru,nope"], "unknown eviction policy 'nope'"),
     (["--prefetch-policies", "soon"], "unknown prefetch policy 'soon'"),
     (["--budgets", "12 parsecs"], "--budgets"),
+    # every row skipped and exit 0 (with libCacheSim: its own error, after the replay)
+    (["--budgets", "0"], "--budgets: every budget must be > 0 bytes and < 2**63, got 0 bytes (from '0')"),
+    (["--budgets", "12KiB,0B"], "--budgets: every budget must be > 0 bytes and < 2**63, got 0 bytes"),
     (["--plot", "/nonexistent-dir/x.png"], "--plot: cannot write"),
 ])
 def test_compare_cli_bad_input(tmp_path, args, message):
@@ -267,6 +270,31 @@ def test_compare_cli_bad_input(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_compare_cli_budgets_that_no_policy_can_replay_are_an_error(tmp_path):
+    """Budgets all under what the trace needs (two blocks of a layer here): every row was
+    skipped, and the run printed only the skips and exited 0. Now it is one line naming the
+    least budget, exit 2; a budget under it beside one that fits is still a skipped row."""
+    path = tmp_path / "scan.csv"
+    write_scan_trace(path, layers=2, blocks=2, rounds=2)
+    io = tmp_path / "io.json"
+    io.write_text(json.dumps({"h2d_gbps": 9.0, "d2h_gbps": 9.0, "read_gbps": 1.0, "write_gbps": 1.5}))
+    # the runtime's policies need two blocks of a layer; libCacheSim's, one block
+    for libcsim, least in (("none", "8.0 KiB (8192 bytes)"), ("lru", "4.0 KiB (4096 bytes)")):
+        if libcsim != "none":
+            pytest.importorskip("libcachesim")
+        proc = cli("compare", "--trace", str(path), "--budgets", "1KiB,2KiB", "--libcachesim", libcsim,
+                   "--io-json", str(io), "--json")
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.strip() == ("tiercache: error: --budgets: no policy can replay scan.csv at 1.0 KiB, "
+                                       f"2.0 KiB; the smallest budget that one can is {least}")
+    proc = cli("compare", "--trace", str(path), "--budgets", "1KiB,12KiB", "--libcachesim", "none",
+               "--io-json", str(io), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {r["budget_bytes"] for r in report["results"]} == {12288}
+    assert {s["budget_bytes"] for s in report["skipped"]} == {1024}
 
 
 @pytest.mark.parametrize("io,message", [

@@ -345,6 +345,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         host_budget = None if args.lab_host_budget is None else parse_bytes(args.lab_host_budget, "--lab-host-budget")
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    for budget in budgets or ():  # 0: every row skipped and exit 0 (libCacheSim's own check came after the replay)
+        if not 0 < budget < 1 << 63:
+            raise CLIError(f"--budgets: every budget must be > 0 bytes and < 2**63, got {budget} bytes "
+                           f"(from {args.budgets!r})")
     for flag, path in (("--plot", args.plot), ("--trace-out", args.trace_out)):
         if path:
             check_writable(flag, path)
@@ -372,6 +376,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     bandwidths = lab.load_bandwidths(args.io_json, args.disk_dir)
     report = lab.compare_trace(trace, policies, budgets, prefetches=tuple(prefetches), host_budget=host_budget,
                                bandwidths=bandwidths, libcachesim=tuple(libcsim))
+    if not report["results"]:  # every budget under what the trace needs: a table of skips and exit 0 answered nothing
+        least = min((s["min_budget_bytes"] for s in report["skipped"] if s.get("min_budget_bytes")), default=0)
+        raise CLIError(f"--budgets: no policy can replay {report['label']} at "
+                       f"{', '.join(format_bytes(b) for b in budgets)}; the smallest budget that one can is "
+                       f"{format_bytes(least)} ({least} bytes)")
     if args.live:
         base = config_from_args(args)
         report["live"] = lab.live_runs(prompt, base, policies, budgets, tuple(prefetches), model=model,
