@@ -429,8 +429,9 @@ def run(argv: Optional[list] = None) -> int:
         return 0
     for flag, value, low in (("--context", args.context, 2), ("--turns", args.turns, 0),
                              ("--answer-tokens", args.answer_tokens, 1), ("--block-tokens", args.block_tokens, 1),
-                             ("--threads", args.threads, 1)):
-        if value is not None and value < low:  # --threads -2 was a torch traceback, 0 silently torch's default
+                             ("--prefill-chunk", args.prefill_chunk, 1), ("--threads", args.threads, 1)):
+        # --threads -2 was a torch traceback, 0 silently torch's default; --prefill-chunk 0 silently no chunking
+        if value is not None and value < low:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     work_dir("--dir", args.dir or ".")  # the temporary folder goes here
     from tiercache.models import load_config

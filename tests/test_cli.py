@@ -257,6 +257,12 @@ def test_the_output_file_probe_leaves_everything_as_it_found_it(tmp_path):
     # a torch traceback (-2), silently torch's default (0)
     (["bench", "prefix", "--threads", "-2"], "--threads: must be >= 1, got -2"),
     (["bench", "prefix", "--threads", "0"], "--threads: must be >= 1, got 0"),
+    # bench prefix ran with 0 (silently no chunking) and passed -3 to its workers, after the
+    # model loaded; bench decode refused both. Before the --model check: an unchecked value
+    # fails here on the model, not by running the benchmark
+    (["bench", "prefix", "--prefill-chunk", "0", "--model", "MISSING"], "--prefill-chunk: must be >= 1, got 0"),
+    (["bench", "prefix", "--prefill-chunk", "-3", "--model", "MISSING"], "--prefill-chunk: must be >= 1, got -3"),
+    (["bench", "decode", "--prefill-chunk", "0", "--model", "MISSING"], "--prefill-chunk: must be >= 1, got 0"),
     # parsed by the side-by-side worker, after every set-up had run alone
     (["bench", "decode", "--io-size", "-1"], "--io-size: must not be negative"),
     (["bench", "decode", "--io-size", "0"], "--io-size: must be > 0"),
