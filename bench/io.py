@@ -81,8 +81,8 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
     """Measure the store's tier moves and the raw hardware with ~``total_bytes`` of blocks.
 
     Args:
-        directory: where the disk tier and the raw test file go (a temporary folder inside
-            it is created and removed).
+        directory: an existing directory, where the disk tier and the raw test file go (a
+            temporary folder inside it is created and removed); a missing one is a ValueError.
         block_tokens: tokens per block (a block of the default model is 1536 * T bytes).
         total_bytes: bytes of blocks to move (at least one block).
         workers: the store's ``io_workers``; also the raw tool's requests in flight (fio) or
@@ -114,7 +114,9 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
         rounds = max(2, -(-total_bytes // ROUND_BYTES))
     if rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {rounds}")
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):  # as `bench io --dir` refuses it: a missing one is a typo, not made here
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise ValueError(f"directory: {directory!r} {what} (measure_io makes its folder inside an existing one)")
     _check_free_space(directory, 2 * num_blocks * record_bytes)
     workdir = tempfile.mkdtemp(prefix="tiercache-bench-io-", dir=directory)
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 
@@ -50,6 +51,20 @@ def test_measure_io_reports_every_rate_and_ratio(tmp_path, raw_tool):
     assert result["num_blocks"] == (2 << 20) // (1536 * 16)
     # the store's moves and the raw file are removed afterwards
     assert list(tmp_path.iterdir()) == []
+
+
+def test_measure_io_refuses_a_directory_that_does_not_exist(tmp_path):
+    """Called as a library function, measure_io made a missing ``directory`` (and its parents)
+    and measured there, where ``bench io --dir`` refuses it as a typo; now it refuses it too,
+    by name, and makes nothing. A file in its place was a FileExistsError."""
+    missing = tmp_path / "missing" / "deeper"
+    with pytest.raises(ValueError, match=f"^directory: {re.escape(repr(str(missing)))} does not exist"):
+        measure_io(str(missing), block_tokens=16, total_bytes=2 << 20, workers=2, raw_tool="dd", rounds=2)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"^directory: {re.escape(repr(str(tmp_path / 'file')))} is not a directory"):
+        measure_io(str(tmp_path / "file"), block_tokens=16, total_bytes=2 << 20, workers=2, raw_tool="dd", rounds=2)
+    assert (tmp_path / "file").read_text() == "x"
 
 
 def test_run_json_prints_one_object(tmp_path, capsys):
