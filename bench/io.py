@@ -24,9 +24,7 @@ One measurement (``measure_io``) does, in one fresh directory and one run:
    taking turns gives both the same mix (``_interleaved``). Rates are total bytes over
    total seconds; each ratio is the median of the rounds' ratios
    (``<phase>_round_ratios``). The garbage collector runs once before the phases and is
-   off during them, for the store and the baselines alike. On CPU every host<->device turn
-   starts with the CPU's cache cleared of its bytes (``CacheFlush``, untimed), the store's
-   and the baselines' alike.
+   off during them, for the store and the baselines alike.
 
 The files are fresh in every measurement, for the store and for the raw tool alike (a long
 run's cache grows into new slots, so that is the write the store does most); the raw file
@@ -40,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import glob
 import json
 import os
 import re
@@ -77,7 +74,7 @@ ROUND_BYTES = 64 << 20  # bytes per turn of the store and of its baseline (see _
 
 def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int, *,
                raw_tool: str = "auto", device: Optional[str] = None, rounds: Optional[int] = None,
-               disk_io: str = "auto", flush_bytes: Optional[int] = None) -> dict:
+               disk_io: str = "auto") -> dict:
     """Measure the store's tier moves and the raw hardware with ~``total_bytes`` of blocks.
 
     Args:
@@ -93,8 +90,6 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
             turns slice by slice (default: one per ``ROUND_BYTES``, at least 2).
         disk_io: the store's disk backend (``TierConfig.disk_io``); the result's ``disk_io``
             names the one that ran.
-        flush_bytes: CPU: bytes read before every timed host<->device turn (``CacheFlush``);
-            default ``cache_flush_bytes()``, twice the CPU's last-level cache.
 
     Returns a dict of GB/s rates (``write_gbps``, ``read_gbps``, ``raw_write_gbps``,
     ``raw_read_gbps``, ``d2h_gbps``, ``h2d_gbps``, ``copy_d2h_gbps``, ``copy_h2d_gbps``),
@@ -121,15 +116,14 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
     workdir = tempfile.mkdtemp(prefix="tiercache-bench-io-", dir=directory)
     try:
         result = _measure_in(workdir, geometry, num_blocks, workers, raw_tool, torch.device(device),
-                             min(rounds, num_blocks), disk_io, flush_bytes)
+                             min(rounds, num_blocks), disk_io)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
 def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers: int,
-                raw_tool: str, device: torch.device, rounds: int, disk_io: str = "auto",
-                flush_bytes: Optional[int] = None) -> dict:
+                raw_tool: str, device: torch.device, rounds: int, disk_io: str = "auto") -> dict:
     record_bytes = DiskTier.record_size(geometry)
     config = TierConfig(device_budget=num_blocks * geometry.block_bytes,
                         host_budget=num_blocks * geometry.padded_bytes,
@@ -141,7 +135,6 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
     raw = RawDisk(raw_tool, os.path.join(workdir, "raw.dat"), record_bytes, num_blocks, workers)
     groups = _rounds_of(keys, rounds)
     plain = PlainCopy(payload_bytes, geometry.block_bytes, device)
-    flush = CacheFlush(cache_flush_bytes() if flush_bytes is None else flush_bytes) if device.type == "cpu" else None
     with BlockStore(config, geometry, device=device, persistent=False) as store:
         raw.direct = store.disk.direct_io  # same I/O path as the store (O_DIRECT or not)
         # The host pool is lazily mapped memory: touch it once so that both the store and the
@@ -174,7 +167,7 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
                 seconds = timed(move(group))
                 pool.after(group)
                 return seconds
-            return _interleaved(groups, turn, pool.copy, flat=plain_copy, before_each=flush)
+            return _interleaved(groups, turn, pool.copy, flat=plain_copy)
 
         phases = {}
         with _no_gc(device):
@@ -202,7 +195,6 @@ def _measure_in(workdir: str, geometry: BlockGeometry, num_blocks: int, workers:
         "raw_tool": raw_tool,
         "page_cache_dropped": dropped,
         "rounds": len(groups),
-        "cache_flush_bytes": flush.num_bytes if flush is not None else 0,
     }
     # Rates: total bytes over total seconds. Ratios: the medians of the rounds' ratios (each
     # round: the store and the baseline on the same slice, back to back), so a slow spell
@@ -231,15 +223,13 @@ def _rounds_of(keys: list, rounds: int) -> list:
 
 
 def _interleaved(groups: list, store: Callable[[list], float], raw: Callable[[int, int], tuple],
-                 flat: Optional[Callable[[int, int], tuple]] = None,
-                 before_each: Optional[Callable[[], object]] = None) -> dict:
+                 flat: Optional[Callable[[int, int], tuple]] = None) -> dict:
     """The store and the baseline take turns, slice by slice, on the same blocks: ``store``
     moves a group and returns its seconds; ``raw(first, n)`` does the same requests (blocks
     ``first .. first + n``) and returns (seconds, bytes). Who goes first alternates (store,
     baseline, baseline, store, ...), so a slow spell of the hardware hits both alike.
     ``flat``, a second baseline called as ``raw``, goes right next to it on the side away
-    from the store (store, raw, flat, flat, raw, store, ...): ``flat_s``, ``flat_bytes``.
-    ``before_each`` runs before every turn, untimed (CPU copies: ``CacheFlush``)."""
+    from the store (store, raw, flat, flat, raw, store, ...): ``flat_s``, ``flat_bytes``."""
     out: dict = {"store_s": [], "raw_s": [], "raw_bytes": []}
     baselines = [("raw", raw)] + ([("flat", flat)] if flat is not None else [])
     for name, _ in baselines[1:]:
@@ -248,8 +238,6 @@ def _interleaved(groups: list, store: Callable[[list], float], raw: Callable[[in
     for i, group in enumerate(groups):
         turns = [("store", None)] + baselines
         for name, baseline in (turns if i % 2 == 0 else turns[::-1]):
-            if before_each is not None:
-                before_each()
             if baseline is None:
                 out["store_s"].append(store(group))
             else:
@@ -397,44 +385,6 @@ class PlainCopy:
 
 
 # ---- the raw disk side ---------------------------------------------------------------------
-class CacheFlush:
-    """CPU: before every timed host<->device turn, the store's and the baselines' alike, a read
-    of a buffer of its own, larger than the CPU's last-level cache (untimed), so that every
-    turn starts with none of its bytes in the cache, as a block the store moves mostly is.
-
-    Without it the pool baseline was the only one to copy warm bytes: it copies the group the
-    store has just moved, or, when it goes first, the one it copied itself a turn before with
-    nothing in between. This machine's L3 is 480 MiB, larger than a round's 128 MiB of source
-    and destination. Timed inside the store (a script, not kept), the store's copies took
-    1.02-1.06x the baseline's copies of the same bytes between the same addresses; with
-    this read before every turn, 0.96-1.04x.
-
-    A read, not a copy: a copy leaves the cache full of dirty lines that the next turn would
-    pay to write back."""
-
-    def __init__(self, num_bytes: int) -> None:
-        if num_bytes < 1:
-            raise ValueError(f"flush_bytes: must be > 0, got {num_bytes}")
-        self.num_bytes = num_bytes
-        self._buffer = torch.ones(num_bytes, dtype=torch.uint8)  # resident pages
-
-    def __call__(self) -> None:
-        self._buffer.max()  # reads every byte (torch's intra-op threads, as the copies)
-
-
-def cache_flush_bytes(low: int = 64 << 20, high: int = 1 << 30) -> int:
-    """Twice the CPU's last-level cache (sysfs; 64 MiB where it does not say), within [low, high]."""
-    largest = 0
-    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        try:
-            with open(index) as f:
-                largest = max(largest, parse_bytes(f.read().strip().replace("K", "KiB").replace("M", "MiB"),
-                                                   "cache size"))
-        except (OSError, ValueError):
-            continue
-    return min(high, max(low, 2 * largest))
-
-
 def default_raw_tool() -> str:
     """fio when installed, else dd."""
     return "fio" if shutil.which("fio") else "dd"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiercache import Tier
-from tiercache.bench.io import CacheFlush, PoolCopy, _interleaved, _rounds_of, cache_flush_bytes, measure_io, run
+from tiercache.bench.io import PoolCopy, _interleaved, _rounds_of, measure_io, run
 from tiercache.transfer import wait_all
 
 RATE_KEYS = ("write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps",
@@ -33,7 +33,7 @@ def _tools() -> list:
 @pytest.mark.parametrize("raw_tool", _tools())
 def test_measure_io_reports_every_rate_and_ratio(tmp_path, raw_tool):
     result = measure_io(str(tmp_path), block_tokens=16, total_bytes=2 << 20, workers=2, raw_tool=raw_tool,
-                        rounds=3, flush_bytes=4 << 20)
+                        rounds=3)
     for key in RATE_KEYS + RATIO_KEYS:
         assert result[key] > 0, key
     # every ratio is the median of the three rounds' paired ratios
@@ -46,7 +46,6 @@ def test_measure_io_reports_every_rate_and_ratio(tmp_path, raw_tool):
     assert result["raw_tool"] == raw_tool
     from tiercache.disk import kvikio_status
     assert result["disk_io"] == ("kvikio" if kvikio_status()[0] else "posix")
-    assert result["cache_flush_bytes"] == (4 << 20 if result["device"] == "cpu" else 0)
     assert result["block_bytes"] == 1536 * 16
     assert result["num_blocks"] == (2 << 20) // (1536 * 16)
     # the store's moves and the raw file are removed afterwards
@@ -137,39 +136,6 @@ def test_the_store_and_the_raw_tool_take_turns_on_the_same_requests():
     assert turns == [("store", 0, 2), ("raw", 0, 2), ("flat", 0, 2),
                      ("flat", 2, 3), ("raw", 2, 3), ("store", 2, 3)]
     assert out["flat_s"] == [0.125, 0.125] and out["flat_bytes"] == [200, 300]
-
-
-def test_every_copy_turn_starts_with_the_cache_cleared():
-    """CPU host<->device rounds: the pool baseline copies the group the store has just moved
-    (or the one it copied itself a turn before), bytes still in a large L3, while the store
-    moves a new group. So before every turn, the store's and both baselines', an untimed read
-    of a buffer larger than the cache: each turn starts cold, none ahead of another."""
-    turns = []
-
-    def store(group):
-        turns.append("store")
-        return 0.5
-
-    def raw(first, n):
-        turns.append("raw")
-        return 0.25, n
-
-    def flat(first, n):
-        turns.append("flat")
-        return 0.25, n
-
-    _interleaved([[0], [1]], store, raw, flat, before_each=lambda: turns.append("flush"))
-    assert turns == ["flush", "store", "flush", "raw", "flush", "flat",
-                     "flush", "flat", "flush", "raw", "flush", "store"]
-
-    flush = CacheFlush(1 << 20)
-    flush()
-    assert flush.num_bytes == 1 << 20
-    with pytest.raises(ValueError, match="flush_bytes: must be > 0"):
-        CacheFlush(0)
-    # twice the last-level cache, within bounds; at least 64 MiB where sysfs says nothing
-    assert 64 << 20 <= cache_flush_bytes() <= 1 << 30
-    assert cache_flush_bytes(low=1, high=1) == 1
 
 
 def test_the_pool_baseline_copies_the_very_bytes_the_store_moved(make_store, geometry):
