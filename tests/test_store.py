@@ -19,6 +19,7 @@ from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityErro
 from tiercache.disk import DATA_NAME, HEADER_BYTES, DiskTier
 from tiercache.policies import EVICTION_POLICIES
 from tiercache.store import BlockStore, _MoveFuture
+from tiercache.tiers import BlockGeometry
 from tiercache.transfer import wait_all
 
 from conftest import tiny_config
@@ -2581,3 +2582,61 @@ def test_tiers_by_name_and_keys_as_lists_or_a_clear_error(make_store, geometry):
     store.check()
     for key in (a, b):
         assert torch.equal(store.get(key), data[key])
+
+
+def test_reorder_rows_waits_for_reads_of_other_threads(tmp_path):
+    """Beam search permutes every block's batch rows in place (``reorder_rows``): device and
+    host slots and disk records are rewritten where they lie. A ``get`` on another thread
+    reads outside the store's lock, holding its copy with a reader. Permuted under it, a
+    device block came back half permuted (4 runs of 4 before the fix); a disk record would
+    fail its checksum and be discarded as corrupt. So the rewrite waits until no copy is
+    being read: every read returns the block as it was before a reorder or after it, whole,
+    and nothing is ever reported corrupt."""
+    g = BlockGeometry(batch=2, kv_heads=2, block_tokens=256, head_dim=128, dtype=torch.float32)  # 1 MiB
+    cfg = TierConfig(device_budget=6 * g.block_bytes, host_budget=4 * g.padded_bytes,
+                     disk_budget=16 * DiskTier.record_size(g), disk_dir=str(tmp_path / "kv"),
+                     block_tokens=g.block_tokens)
+    swap = torch.tensor([1, 0])
+    with BlockStore(cfg, g) as store:
+        keys = [BlockKey(0, 0, i) for i in range(6)]
+        blocks = {key: torch.randn(g.shape, generator=torch.Generator().manual_seed(i))
+                  for i, key in enumerate(keys)}
+        for key, block in blocks.items():
+            store.put(key, block)
+        for key in keys[:4]:  # two blocks on disk only, two on the host only, two on the device
+            while store.tiers_of(key)[0] is not (Tier.DISK if key in keys[:2] else Tier.HOST):
+                assert store.demote_now([key]) == []
+        assert [store.tiers_of(key) for key in keys] == [[Tier.DISK]] * 2 + [[Tier.HOST]] * 2 + [[Tier.DEVICE]] * 2
+        # the two states a read may see: rows as put, or swapped
+        allowed = {key: (block, block.index_select(1, swap)) for key, block in blocks.items()}
+        stop = threading.Event()
+        failures: list = []
+
+        def read_all() -> None:
+            while not stop.is_set():
+                for key in keys:
+                    try:
+                        got = store.get(key)
+                    except Exception as exc:  # noqa: BLE001 - reported below
+                        failures.append(f"{key}: {type(exc).__name__}: {exc}")
+                        return
+                    if not any(torch.equal(got, want) for want in allowed[key]):
+                        failures.append(f"{key}: a torn block")
+                        return
+
+        readers = [threading.Thread(target=read_all) for _ in range(2)]
+        for t in readers:
+            t.start()
+        try:
+            for _ in range(100):
+                store.reorder_rows(swap)
+                if failures:
+                    break
+        finally:
+            stop.set()
+            for t in readers:
+                t.join(30)
+        assert failures == []
+        for key in keys:  # 100 swaps: back as put
+            assert torch.equal(store.get(key), blocks[key])
+        store.check()

@@ -1583,13 +1583,16 @@ class BlockStore:
 
     @_starts_work
     def reorder_rows(self, rows: torch.Tensor) -> None:
-        """Permute the batch rows of every block (beam search); lower copies are refreshed."""
+        """Permute the batch rows of every block (beam search); lower copies are refreshed.
+
+        Every copy is permuted where it lies, or dropped, so this first waits until no copy
+        is being read or filled (``_quiet``): a ``get`` on another thread reads outside the
+        lock, and device blocks permuted under it came back half permuted (7 reads in 100
+        reorders in a script). A disk record rewritten under a read would fail its checksum,
+        and the store discards a block that fails it."""
         self.release_views()
-        self.wait_idle()
-        if self._streams is not None:  # disk records are rewritten in place below
-            self._streams.forget()
         rows = rows.to(torch.long).cpu()
-        with self._lock:
+        with self._quiet():
             device_keys = list(self.table.keys_on(Tier.DEVICE))
             self.device_pool.reorder_rows([self.table.copy(k, Tier.DEVICE).slot for k in device_keys], rows)
             for key in list(self.table.keys()):
@@ -1611,6 +1614,22 @@ class BlockStore:
                             block = self._as_block(buf)
                             block.copy_(block.index_select(1, rows))
                             self.disk.write(slot, key, buf, self._tokens.get(key, 0), self._token_ids.get(key, b""))
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Hold the lock at a moment when no move is in flight and no copy of a live block
+        is being read (a reader counted on it) or filled: nothing can start one until the
+        lock is let go, since reads and moves begin under it. Reads outside the lock are
+        short, so it looks again every millisecond until then."""
+        while True:
+            self.wait_idle()
+            if self._streams is not None:  # disk reads into attention's buffers
+                self._streams.forget()
+            with self._lock:
+                if not self._inflight and not self._streaming and not self.table.any_in_use():
+                    yield
+                    return
+            time.sleep(0.001)
 
     @_ends_work
     def flush(self) -> int:

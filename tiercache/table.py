@@ -253,6 +253,10 @@ class BlockTable:
             return True
         return any(t != tier and o.state is CopyState.READY for t, o in entry.copies.items())
 
+    def any_in_use(self) -> bool:
+        """True when a copy of a live block is being read (a reader holds it) or filled."""
+        return any(entry.in_flight() for entry in self._blocks.values())
+
     def is_movable(self, key: Hashable, tier: Tier) -> bool:
         """True when the copy on ``tier`` may be the source of a demotion."""
         entry = self.get(key)
