@@ -262,6 +262,8 @@ def test_compare_cli_json_and_table(tmp_path):
     (["--budgets", "0"], "--budgets: every budget must be > 0 bytes and < 2**63, got 0 bytes (from '0')"),
     (["--budgets", "12KiB,0B"], "--budgets: every budget must be > 0 bytes and < 2**63, got 0 bytes"),
     (["--plot", "/nonexistent-dir/x.png"], "--plot: cannot write"),
+    # no --io-json: the link rates are measured in --disk-dir (a FileNotFoundError traceback)
+    (["--disk-dir", "/nonexistent-dir"], "--disk-dir: '/nonexistent-dir' does not exist"),
 ])
 def test_compare_cli_bad_input(tmp_path, args, message):
     path = tmp_path / "scan.csv"

@@ -373,6 +373,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     trace = load_trace(trace_path)
     if budgets is None:
         budgets = default_budgets(trace)
+    if args.io_json is None:  # the link rates are measured there: a missing one was a traceback
+        work_dir("--disk-dir", args.disk_dir)
     bandwidths = lab.load_bandwidths(args.io_json, args.disk_dir)
     report = lab.compare_trace(trace, policies, budgets, prefetches=tuple(prefetches), host_budget=host_budget,
                                bandwidths=bandwidths, libcachesim=tuple(libcsim))
