@@ -112,7 +112,7 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
     if not os.path.isdir(directory):  # as `bench io --dir` refuses it: a missing one is a typo, not made here
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise ValueError(f"directory: {directory!r} {what} (measure_io makes its folder inside an existing one)")
-    _check_free_space(directory, 2 * num_blocks * record_bytes)
+    _check_free_space(directory, 2 * num_blocks * record_bytes, "directory", "total_bytes")
     workdir = tempfile.mkdtemp(prefix="tiercache-bench-io-", dir=directory)
     try:
         result = _measure_in(workdir, geometry, num_blocks, workers, raw_tool, torch.device(device),
@@ -485,11 +485,13 @@ def drop_page_cache() -> bool:
         return False
 
 
-def _check_free_space(directory: str, num_bytes: int) -> None:
+def _check_free_space(directory: str, num_bytes: int, name: str = "--dir", size: str = "--size") -> None:
+    """ValueError naming ``name`` (the folder's flag or argument) when ``directory`` has less
+    than ``num_bytes`` (+10%) free; ``size`` names what to lower."""
     free = shutil.disk_usage(directory).free
     if free < num_bytes * 1.1:
-        raise ValueError(f"--dir: {directory!r} has {format_bytes(free)} free; this run needs about "
-                         f"{format_bytes(num_bytes)} (lower --size)")
+        raise ValueError(f"{name}: {directory!r} has {format_bytes(free)} free; this run needs about "
+                         f"{format_bytes(num_bytes)} (lower {size})")
 
 
 def _gbps(num_bytes: int, seconds: float) -> float:

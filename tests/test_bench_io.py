@@ -64,6 +64,9 @@ def test_measure_io_refuses_a_directory_that_does_not_exist(tmp_path):
     with pytest.raises(ValueError, match=f"^directory: {re.escape(repr(str(tmp_path / 'file')))} is not a directory"):
         measure_io(str(tmp_path / "file"), block_tokens=16, total_bytes=2 << 20, workers=2, raw_tool="dd", rounds=2)
     assert (tmp_path / "file").read_text() == "x"
+    # too little room: named as the library's arguments (it said --dir and --size, the CLI's)
+    with pytest.raises(ValueError, match=r"^directory: .* free; this run needs about .* \(lower total_bytes\)"):
+        measure_io(str(tmp_path), block_tokens=16, total_bytes=1 << 60, workers=2, raw_tool="dd", rounds=2)
 
 
 def test_run_json_prints_one_object(tmp_path, capsys):
