@@ -38,6 +38,30 @@ def test_async_put_demote_get_and_aiofiles_read(make_store, geometry):
     assert store.table.is_ready(BlockKey(0, 0, 0), Tier.DEVICE)
 
 
+def test_async_put_takes_the_stores_arguments_and_delete_forgets(make_store, geometry):
+    """The coroutines mirror the store's calls: ``put`` takes the tokens written, the token
+    ids a disk record keeps and the tier to land on (it took the block alone), and ``delete``
+    exists (the async API had none: a caller had to reach for the store from the loop)."""
+    store = make_store(device_blocks=2, host_blocks=2)
+    astore = AsyncStore(store)
+    key, other = BlockKey(0, 0, 0), BlockKey(0, 0, 1)
+    block = torch.randn(geometry.shape)
+    ids = bytes(range(3 * geometry.block_tokens))  # packed 3-byte token ids, one per token
+
+    async def scenario():
+        await astore.put(key, block, num_tokens=geometry.block_tokens, token_ids=ids, tier=Tier.HOST)
+        await astore.put(other, block)
+        await astore.delete(other)
+        await astore.delete(BlockKey(9, 9, 9))  # unknown: a no-op, as the store's
+        return await astore.get(key)
+
+    assert torch.equal(asyncio.run(scenario()), block)
+    assert store.tiers_of(key) == [Tier.HOST] and store.token_ids_of(key) == ids
+    assert other not in store
+    with pytest.raises(KeyError):
+        store.get(other)
+
+
 def test_async_read_of_a_flipped_record_raises(make_store, geometry, tmp_path):
     store = make_store(device_blocks=1, host_blocks=1)
     key = BlockKey(0, 0, 0)

@@ -98,11 +98,16 @@ class AsyncStore:
                 await settle(fut.result())
             raise
 
-    async def put(self, key: Hashable, block: torch.Tensor) -> None:
-        """``BlockStore.put``. Cancelled once a thread has started it, the cancellation waits
-        for it to end, and the block may have landed (``key in store``); before, it never
-        runs and reserves nothing."""
-        await self._call(self.store.put, key, block)
+    async def put(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int] = None,
+                  token_ids: bytes = b"", tier: Optional[Tier] = None) -> None:
+        """``BlockStore.put``, with its arguments. Cancelled once a thread has started it, the
+        cancellation waits for it to end, and the block may have landed (``key in store``);
+        before, it never runs and reserves nothing."""
+        await self._call(self.store.put, key, block, num_tokens, token_ids, tier)
+
+    async def delete(self, key: Hashable) -> None:
+        """``BlockStore.delete``: forget ``key`` (an unknown key is a no-op, as there)."""
+        await self._call(self.store.delete, key)
 
     async def get(self, key: Hashable) -> torch.Tensor:
         """``BlockStore.get``: a copy of the block's bytes. An unknown key is a ``KeyError``."""
