@@ -363,3 +363,44 @@ def test_a_cancelled_ensure_device_with_pin_leaves_no_pin(make_store, geometry, 
     for key, block in blocks.items():
         assert torch.equal(store.get(key), block)
     store.check()
+
+
+def test_a_disk_write_that_fails_while_its_record_is_awaited_reads_as_no_copy(make_store, geometry):
+    """``read_disk_record`` of a block whose disk copy is being written waits for the write.
+    When that write failed (EIO here, raised by the disk tier's own ``pwritev`` for the
+    record), it raised the write's error, which is not this read's: the move rolled back and
+    the block is whole on the host. It now looks again, as ``get`` does, and answers what is
+    there: no disk copy (None); the block still reads back from the host."""
+    store = make_store(device_blocks=2, host_blocks=2)
+    astore = AsyncStore(store)
+    key = BlockKey(0, 0, 0)
+    block = torch.randn(geometry.shape)
+    store.put(key, block, tier=Tier.HOST)
+    entered, release = threading.Event(), threading.Event()
+    real = os.pwritev
+
+    def failing_write(fd, buffers, offset, *args):
+        entered.set()
+        release.wait(30)
+        raise OSError(5, os.strerror(5))  # EIO
+
+    async def scenario():
+        demote = asyncio.ensure_future(astore.demote(key))
+        assert await asyncio.to_thread(entered.wait, 30)  # the record's write has begun
+        read = asyncio.ensure_future(astore.read_disk_record(key))
+        await asyncio.sleep(0.05)  # the read finds the disk copy FILLING and waits for it
+        assert not read.done()
+        release.set()
+        got = await asyncio.wait_for(read, 30)
+        with pytest.raises(Exception):  # the demotion's own failure is the demote's to report
+            await asyncio.wait_for(demote, 30)
+        return got
+
+    os.pwritev = failing_write
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        os.pwritev = real
+        release.set()
+    assert got is None
+    assert store.tiers_of(key) == [Tier.HOST] and torch.equal(store.get(key), block)
