@@ -613,11 +613,15 @@ def test_ctrl_c_while_queueing_a_move_gives_its_queue_room_back():
         engine.close()
 
 
-def test_ctrl_c_after_the_job_reached_the_queue_keeps_the_worker_alive():
+def test_ctrl_c_after_the_job_reached_the_queue_keeps_the_worker_alive(monkeypatch):
     """The first fix above gave the room back on any Ctrl-C in ``submit``, also one landing
-    inside ``queue.put`` after the job was stored: the worker then gave the same room back
-    when it took the job, its semaphore raised, and the worker thread died (every later
-    move waited for good). The room now goes back only for a job that is not queued."""
+    after the job was stored: the worker then gave the same room back when it took the job,
+    its semaphore raised, and the worker thread died (every later move waited for good).
+    The room now goes back only for a job that is not queued, and the queued one runs."""
+    import heapq as real_heapq
+    import types
+
+    from tiercache import transfer
     from tiercache.transfer import Priority, TransferEngine
 
     gate = threading.Event()
@@ -625,26 +629,93 @@ def test_ctrl_c_after_the_job_reached_the_queue_keeps_the_worker_alive():
     try:
         engine.submit(gate.wait, Priority.DEMAND)  # the worker is busy
         time.sleep(0.1)
-        put = engine._queue._put
         armed = [True]
 
-        def put_then_interrupt(item):
-            put(item)  # the job is in the queue ...
+        def push_then_interrupt(heap, item):
+            real_heapq.heappush(heap, item)  # the job is in the queue ...
             if armed[0]:
                 armed[0] = False
-                raise KeyboardInterrupt  # ... and Ctrl-C lands before put() returns
+                raise KeyboardInterrupt  # ... and Ctrl-C lands before submit() returns
 
-        engine._queue._put = put_then_interrupt
+        monkeypatch.setattr(transfer, "heapq", types.SimpleNamespace(heappush=push_then_interrupt,
+                                                                     heappop=real_heapq.heappop))
         ran: list = []
         with pytest.raises(KeyboardInterrupt):
             engine.submit(lambda: ran.append("queued"), Priority.DEMAND)
-        engine._queue._put = put
+        monkeypatch.setattr(transfer, "heapq", real_heapq)
         gate.set()
         assert engine.submit(lambda: "later", Priority.DEMAND).result(timeout=10) == "later"
         assert ran == ["queued"] and all(t.is_alive() for t in engine._threads)
+        assert engine._room.qsize() == 2  # every room back, none twice
     finally:
         gate.set()
         engine.close()
+
+
+@pytest.mark.timeout(120)  # the engine before this fix deadlocked in submit: a hang
+def test_ctrl_c_anywhere_in_submit_leaves_the_engine_working():
+    """Ctrl-C reaches the model's thread when it enters a function (Python checks for
+    signals there). Here a KeyboardInterrupt is raised on the entry of each Python function
+    ``submit`` runs, directly or below, one run each, with the queue full so that
+    ``submit`` waits for room. With a ``threading.BoundedSemaphore`` for the room, the one
+    on the entry of ``Condition.__exit__`` left the semaphore's lock held: the worker that
+    gave room back waited for it for good, and so did every later move. Now after each
+    interrupt the engine still runs jobs, every room comes back, and no job runs twice."""
+    import sys
+
+    from tiercache.transfer import Priority, TransferEngine
+
+    def run_with_interrupt_at(n: int) -> tuple:
+        """Submit with the n-th Python call inside it raising; returns (interrupted, ran)."""
+        gate = threading.Event()
+        engine = TransferEngine(1, 1)
+        ran: list = []
+        try:
+            started = threading.Event()
+            engine.submit(lambda: (started.set(), gate.wait()), Priority.DEMAND)
+            assert started.wait(10)  # the worker is busy with it
+            engine.submit(lambda: None, Priority.DEMAND)  # the queue is full
+            threading.Timer(0.05, gate.set).start()
+            calls = [0]
+
+            def tracer(frame, event, arg):
+                if event == "call":
+                    calls[0] += 1
+                    if calls[0] == n:
+                        raise KeyboardInterrupt
+                return None
+
+            interrupted = False
+            sys.settrace(tracer)
+            try:
+                engine.submit(lambda: ran.append(1), Priority.DEMAND)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                sys.settrace(None)
+            # the engine goes on: a job after it runs, and the room is one job, as made
+            done = engine.submit(lambda: "after", Priority.DEMAND).result(timeout=10)
+            assert done == "after"
+            held, busy = threading.Event(), threading.Event()
+            engine.submit(lambda: (busy.set(), held.wait(10)), Priority.DEMAND)
+            assert busy.wait(10)
+            assert engine.submit(lambda: None, Priority.DEMAND, blocking=False) is not None
+            assert engine.submit(lambda: None, Priority.DEMAND, blocking=False) is None, \
+                f"interrupt at call {n}: a room given back twice"
+            held.set()
+            assert ran in ([], [1]) and (ran == [1] or interrupted)
+            return interrupted, len(ran)
+        finally:
+            gate.set()
+            closer = threading.Thread(target=engine.close, daemon=True)
+            closer.start()
+            closer.join(10)
+            assert not closer.is_alive(), f"interrupt at call {n}: the engine hung"
+
+    n = 1
+    while run_with_interrupt_at(n)[0]:  # until submit runs fewer Python calls than n
+        n += 1
+    assert n > 1  # at least one call was interrupted
 
 
 def test_a_submit_waiting_for_room_when_the_engine_closes_is_refused():

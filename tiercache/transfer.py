@@ -7,6 +7,7 @@ worker waits on the copy's event, so completion callbacks only run once bytes ar
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import queue
 import threading
@@ -22,12 +23,25 @@ class Priority(enum.IntEnum):
 
 
 class TransferEngine:
-    """Runs move jobs on ``num_workers`` threads; at most ``queue_depth`` jobs queued."""
+    """Runs move jobs on ``num_workers`` threads; at most ``queue_depth`` jobs queued.
+
+    Ctrl-C lands on the model's thread, the one that queues most jobs, at any function call
+    it makes. So ``submit`` touches only primitives written in C: a lock (``_thread``'s),
+    ``heapq`` and ``queue.SimpleQueue``. With ``threading.BoundedSemaphore`` and
+    ``queue.PriorityQueue``, both Python over a ``threading.Condition``, an interrupt on
+    the entry of ``Condition.__exit__`` left the condition's lock held, and every worker
+    that gave room back or took a job waited for it for good (a helper's random
+    ``interrupt_main`` runs hung twice; ``test_ctrl_c_anywhere_in_submit_leaves_the_engine_working``).
+    """
 
     def __init__(self, num_workers: int, queue_depth: int, name: str = "tiercache-io",
                  on_wait: Optional[Callable[[float], None]] = None) -> None:
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._room = threading.BoundedSemaphore(queue_depth)
+        self._jobs: list = []  # heap of [priority, seq, job, future, taken]
+        self._mutex = threading.Lock()  # guards _jobs and each entry's ``taken``
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # a token per job queued (or spare)
+        self._room: queue.SimpleQueue = queue.SimpleQueue()  # queue_depth tokens; a queued job holds one
+        for _ in range(queue_depth):
+            self._room.put(None)
         self._seq = itertools.count()
         self._closed = False
         self._closing = threading.Lock()  # close() against a submit queueing its job
@@ -46,24 +60,30 @@ class TransferEngine:
             raise RuntimeError("transfer engine is closed")
         future: Future = Future()
         t0 = None
-        if not self._room.acquire(blocking=False):
+        try:
+            self._room.get_nowait()
+        except queue.Empty:
             if not blocking:
                 return None
             t0 = time.perf_counter()
-            self._room.acquire()
+            self._room.get()  # interrupted, it took no room
+        entry = [int(priority), next(self._seq), job, future, False]
         try:
             if t0 is not None and self._on_wait is not None and threading.current_thread() not in self._workers:
                 self._on_wait(time.perf_counter() - t0)
             with self._closing:  # close() between the wait and here: behind the stop markers it never runs
                 if self._closed:
                     raise RuntimeError("transfer engine is closed")
-                self._queue.put((int(priority), next(self._seq), job, future))
-        except BaseException:  # (Ctrl-C) the room goes back unless the job reached the queue:
-            # a worker gives it back when it takes the job (twice: a worker killed by the semaphore)
-            with self._queue.mutex:
-                queued = any(entry[3] is future for entry in self._queue.queue)
-            if not queued:
-                self._room.release()
+                with self._mutex:
+                    heapq.heappush(self._jobs, entry)
+            self._wake.put(None)
+        except BaseException:  # (Ctrl-C) the room goes back unless the job reached the queue
+            with self._mutex:  # (a worker gives it back when it takes the job)
+                queued = entry[4] or any(e is entry for e in self._jobs)
+            if queued:
+                self._wake.put(None)  # its token may not have gone in: a spare one is harmless
+            else:
+                self._room.put(None)
             raise
         return future
 
@@ -74,10 +94,17 @@ class TransferEngine:
 
         torch.set_num_threads(1)
         while True:
-            _, _, job, future = self._queue.get()
+            with self._mutex:  # a job whose token an interrupt kept out still runs: the heap decides
+                entry = heapq.heappop(self._jobs) if self._jobs else None
+                if entry is not None:
+                    entry[4] = True
+            if entry is None:
+                self._wake.get()
+                continue
+            _, _, job, future, _ = entry
             if job is None:
                 return
-            self._room.release()
+            self._room.put(None)
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -90,8 +117,11 @@ class TransferEngine:
             if self._closed:
                 return
             self._closed = True
+            with self._mutex:  # behind every job (priority 99), one per worker
+                for _ in self._threads:
+                    heapq.heappush(self._jobs, [99, next(self._seq), None, None, False])
             for _ in self._threads:
-                self._queue.put((99, next(self._seq), None, None))
+                self._wake.put(None)
         for t in self._threads:
             t.join()
 
