@@ -2655,6 +2655,7 @@ def test_tiers_by_name_and_keys_as_lists_or_a_clear_error(make_store, geometry):
         assert torch.equal(store.get(key), data[key])
 
 
+@pytest.mark.timeout(120)
 def test_reorder_rows_waits_for_reads_of_other_threads(tmp_path):
     """Beam search permutes every block's batch rows in place (``reorder_rows``): device and
     host slots and disk records are rewritten where they lie. A ``get`` on another thread
@@ -2662,7 +2663,9 @@ def test_reorder_rows_waits_for_reads_of_other_threads(tmp_path):
     device block came back half permuted (4 runs of 4 before the fix); a disk record would
     fail its checksum and be discarded as corrupt. So the rewrite waits until no copy is
     being read: every read returns the block as it was before a reorder or after it, whole,
-    and nothing is ever reported corrupt."""
+    and nothing is ever reported corrupt. While it waits, new reads wait for it: with four
+    threads reading in a loop there was hardly ever a moment with no reader, and a reorder
+    waited 30 s and more (the timeout here catches that)."""
     g = BlockGeometry(batch=2, kv_heads=2, block_tokens=256, head_dim=128, dtype=torch.float32)  # 1 MiB
     cfg = TierConfig(device_budget=6 * g.block_bytes, host_budget=4 * g.padded_bytes,
                      disk_budget=16 * DiskTier.record_size(g), disk_dir=str(tmp_path / "kv"),
@@ -2695,7 +2698,7 @@ def test_reorder_rows_waits_for_reads_of_other_threads(tmp_path):
                         failures.append(f"{key}: a torn block")
                         return
 
-        readers = [threading.Thread(target=read_all) for _ in range(2)]
+        readers = [threading.Thread(target=read_all) for _ in range(4)]
         for t in readers:
             t.start()
         try:
@@ -2711,3 +2714,57 @@ def test_reorder_rows_waits_for_reads_of_other_threads(tmp_path):
         for key in keys:  # 100 swaps: back as put
             assert torch.equal(store.get(key), blocks[key])
         store.check()
+
+
+@pytest.mark.timeout(60)
+def test_a_pending_reorder_holds_new_reads_off(tmp_path):
+    """A reorder waits for the reads under way; reads that start meanwhile wait for it, so
+    that readers taking turns cannot keep it waiting for good. Staged: a ``get`` held in the
+    middle of its device read (the pool's ``read_block`` paused), a reorder started behind
+    it, then a second ``get`` of another block: before, it went ahead at once (and so would
+    a third, and a fourth: the reorder waited 30 s and more with four threads reading in a
+    loop); now it waits until the reorder is done, and sees the block reordered."""
+    g = BlockGeometry(batch=2, kv_heads=2, block_tokens=4, head_dim=8, dtype=torch.float32)
+    cfg = TierConfig(device_budget=4 * g.block_bytes, host_budget=0, block_tokens=g.block_tokens)
+    swap = torch.tensor([1, 0])
+    with BlockStore(cfg, g) as store:
+        first, second = BlockKey(0, 0, 0), BlockKey(0, 0, 1)
+        blocks = {key: torch.randn(g.shape) for key in (first, second)}
+        for key, block in blocks.items():
+            store.put(key, block)
+        in_read, go_on = threading.Event(), threading.Event()
+        read_block = store.device_pool.read_block
+
+        def paused_read(slot, out, non_blocking=False):
+            if threading.current_thread().name == "held-reader":
+                in_read.set()
+                go_on.wait(30)
+            read_block(slot, out, non_blocking)
+
+        store.device_pool.read_block = paused_read
+        got: dict = {}
+        try:
+            _reorder_behind_a_held_read(store, first, second, swap, in_read, go_on, got)
+        finally:
+            go_on.set()
+        assert torch.equal(got["held"], blocks[first])  # read before the reorder, whole
+        assert torch.equal(got["late"], blocks[second].index_select(1, swap))  # after it
+
+
+def _reorder_behind_a_held_read(store, first, second, swap, in_read, go_on, got) -> None:
+    """The staging of the test above: ``got`` receives the two reads."""
+    held = threading.Thread(target=lambda: got.setdefault("held", store.get(first)), name="held-reader")
+    held.start()
+    assert in_read.wait(10)  # the first get holds its block's copy, mid-read
+    reorder = threading.Thread(target=store.reorder_rows, args=(swap,))
+    reorder.start()
+    time.sleep(0.2)  # the reorder waits for that read
+    assert reorder.is_alive()
+    late = threading.Thread(target=lambda: got.setdefault("late", store.get(second)))
+    late.start()
+    time.sleep(0.2)
+    assert late.is_alive(), "a read that started while the reorder waited went ahead of it"
+    go_on.set()
+    for t in (held, reorder, late):
+        t.join(10)
+        assert not t.is_alive()

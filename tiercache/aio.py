@@ -168,6 +168,10 @@ class AsyncStore:
         while True:
             if store.closed:
                 raise RuntimeError("AsyncStore.read_disk_record: the store is closed")
+            gate = store._reads_gate  # reorder_rows holds new reads off: after it
+            if gate is not None:
+                await asyncio.wrap_future(gate)
+                continue
             with store._lock:
                 entry = store.table.get(key)
                 if entry is None:

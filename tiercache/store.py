@@ -226,6 +226,7 @@ class BlockStore:
             # (``read_layer(hold=True)``), and key -> the future of such a read in flight.
             self._streams: Optional[DiskStreams] = DiskStreams(self) if self._reads_both and self.disk else None
             self._streaming: dict = {}
+            self._reads_gate: Optional[_Gate] = None  # set while reorder_rows holds new reads off (``_quiet``)
             self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
             # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
             self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
@@ -496,6 +497,7 @@ class BlockStore:
         failed its integrity check.
         """
         while True:
+            self._past_reorder()
             with self._lock:
                 if self.table.get(key) is None:
                     self.events.miss()
@@ -577,6 +579,7 @@ class BlockStore:
                                  f"{g.shape} {g.dtype} on cpu")
         errors: list = [None] * len(keys)
         held, slow = [], []  # held: (i, key, entry, copy, tier)
+        self._past_reorder()
         with self._lock:
             for i, key in enumerate(keys):
                 entry = self.table.get(key)
@@ -1620,16 +1623,42 @@ class BlockStore:
         """Hold the lock at a moment when no move is in flight and no copy of a live block
         is being read (a reader counted on it) or filled: nothing can start one until the
         lock is let go, since reads and moves begin under it. Reads outside the lock are
-        short, so it looks again every millisecond until then."""
-        while True:
-            self.wait_idle()
-            if self._streams is not None:  # disk reads into attention's buffers
-                self._streams.forget()
-            with self._lock:
-                if not self._inflight and not self._streaming and not self.table.any_in_use():
-                    yield
-                    return
-            time.sleep(0.001)
+        short, so it looks again every millisecond until then.
+
+        Meanwhile new reads (``get``, ``read_into``, ``AsyncStore.read_disk_record``) wait
+        (``_reads_gate``, ``_past_reorder``): with four threads calling ``get`` in a loop
+        there was hardly ever a moment with no reader, and a reorder waited 30 s and more
+        (a helper's script)."""
+        gate: Optional[_Gate] = None
+        try:
+            while True:
+                self.wait_idle()
+                if self._streams is not None:  # disk reads into attention's buffers
+                    self._streams.forget()
+                with self._lock:
+                    other = self._reads_gate
+                    if gate is None and other is None:
+                        gate = self._reads_gate = _Gate()
+                    if gate is not None and not self._inflight and not self._streaming and not self.table.any_in_use():
+                        yield
+                        return
+                if gate is None:  # another thread's reorder: after it
+                    other.result()
+                else:
+                    time.sleep(0.001)
+        finally:
+            if gate is not None:
+                with self._lock:
+                    self._reads_gate = None
+                gate.set_result(None)
+
+    def _past_reorder(self) -> None:
+        """A read about to start waits while ``reorder_rows`` holds new reads off (``_quiet``).
+        Not under the lock: a read that slips past as the gate closes is waited for there."""
+        gate = self._reads_gate
+        while gate is not None:
+            gate.result()
+            gate = self._reads_gate
 
     @_ends_work
     def flush(self) -> int:
@@ -2860,6 +2889,15 @@ class _Work(collections.deque):
         """Block until every move of the batch is settled."""
         with self._latch:  # each waiter takes the open latch and hands it on
             pass
+
+
+class _Gate(Future):
+    """``_quiet``'s hold on new reads: done when the reorder is. Never cancelled: it is
+    shared by every read waiting on it (an asyncio task's cancellation of one,
+    through ``asyncio.wrap_future``, would cancel it for all)."""
+
+    def cancel(self) -> bool:
+        return False
 
 
 class _MoveFuture(Future):
