@@ -98,6 +98,22 @@ def test_a_warm_request_loads_the_prefix_and_computes_only_the_rest(tmp_path, fa
     assert s2["published_blocks"] == 0  # nothing new: the answer's blocks were stored by run 1
 
 
+def test_attend_in_place_with_no_prefix_host_tier_still_reuses(tmp_path, caplog):
+    """The prefix cache's own store copied the user's config with ``reuse_host_budget`` as
+    its host tier; with ``attend_in_place=True`` and ``reuse_host_budget=0`` that copy was
+    refused (in-place attention with no host tier to read) and the prefix cache went off
+    for the run with a warning that named the wrong budget. Attention never reads that
+    store, so its copy now has attend_in_place off: the second request loads its prefix."""
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path, attend_in_place=True, reuse_host_budget=0)
+    first, _ = run(model, ids, cfg)
+    with caplog.at_level("WARNING", logger="tiercache"):
+        second, stats = run(model, ids, cfg)
+    assert stats["reused_tokens"] == 28 and stats["prefill_tokens"] == PROMPT - 28
+    assert "prefix cache off" not in caplog.text
+    assert torch.equal(first.sequences, second.sequences)
+
+
 def test_a_model_whose_kv_are_not_one_per_input_id_publishes_nothing(tmp_path, caplog):
     """CPM-Ant prepends 32 prompt positions to the K/V of its input ids, and names its head
     size ``dim_head`` (its config's usual fields say 16 dims where its K/V have 32).

@@ -374,8 +374,10 @@ class PrefixCache:
         self.salt = hashlib.blake2b(tag.encode(), digest_size=16).digest()
         eviction = prefix_eviction(config.eviction)
         try:  # checks the directory: a file or an unwritable folder in its place is a CacheDirError
+            # (attention never reads this store: attend_in_place off, or reuse_host_budget=0
+            # with it on was refused as a host tier it cannot read, and the cache went off)
             store_cfg = replace(config, device_budget=2 * g.block_bytes, host_budget=config.reuse_host_budget,
-                                disk_dir=self.directory, prefetch="none", eviction=eviction)
+                                disk_dir=self.directory, prefetch="none", eviction=eviction, attend_in_place=False)
         except ValueError as exc:
             raise CacheDirError(str(exc)) from None
         self.events = Events(eviction)
