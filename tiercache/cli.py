@@ -380,8 +380,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                bandwidths=bandwidths, libcachesim=tuple(libcsim))
     if not report["results"]:  # every budget under what the trace needs: a table of skips and exit 0 answered nothing
         least = min((s["min_budget_bytes"] for s in report["skipped"] if s.get("min_budget_bytes")), default=0)
+        # ``least``: what the first step that failed needed; a later step may need more
         raise CLIError(f"--budgets: no policy can replay {report['label']} at "
-                       f"{', '.join(format_bytes(b) for b in budgets)}; the smallest budget that one can is "
+                       f"{', '.join(format_bytes(b) for b in budgets)}; it needs at least "
                        f"{format_bytes(least)} ({least} bytes)")
     if args.live:
         base = config_from_args(args)
