@@ -1527,10 +1527,10 @@ def test_moves_started_together_run_in_chunks_and_none_is_freed_in_flight(make_s
     for _ in range(2):
         store.engine.submit(gate.wait, Priority.DEMAND)
     deadline = time.monotonic() + 10
-    while store.engine._queue.qsize() and time.monotonic() < deadline:  # both workers hold a gate
+    while store.engine.queued() and time.monotonic() < deadline:  # both workers hold a gate
         time.sleep(0.01)
     futures = store.demote_many(keys)
-    assert store.engine._queue.qsize() == 1, "12 adjacent copies should be one job, not 12"
+    assert store.engine.queued() == 1, "12 adjacent copies should be one job, not 12"
     assert all(store.table.copy(k, Tier.HOST) is not None for k in keys)  # all in flight
     store.delete(keys[0])  # its slots are freed only when its move completes
     store.check()

@@ -87,6 +87,11 @@ class TransferEngine:
             raise
         return future
 
+    def queued(self) -> int:
+        """Jobs waiting for a worker (tests)."""
+        with self._mutex:
+            return sum(entry[2] is not None for entry in self._jobs)
+
     def _run(self) -> None:
         # Copies run on these threads: one intra-op thread each (torch's pool started from a
         # worker thread made block copies ~3x slower) leaves the cores to the model.
