@@ -99,12 +99,12 @@ class TransferEngine:
 
         torch.set_num_threads(1)
         while True:
-            with self._mutex:  # a job whose token an interrupt kept out still runs: the heap decides
+            self._wake.get()  # one token per job (a spare one, from an interrupted submit, finds none)
+            with self._mutex:
                 entry = heapq.heappop(self._jobs) if self._jobs else None
                 if entry is not None:
                     entry[4] = True
             if entry is None:
-                self._wake.get()
                 continue
             _, _, job, future, _ = entry
             if job is None:
