@@ -278,7 +278,8 @@ def test_compare_cli_budgets_that_no_policy_can_replay_are_an_error(tmp_path):
     """Budgets all under what the trace needs (two blocks of a layer here): every row was
     skipped, and the run printed only the skips and exited 0. Now it is one line naming the
     least budget (at least: what the first step that failed needed; a later step may need
-    more, so it does not say that budget is enough), exit 2; a budget under it beside one that fits is still a skipped row."""
+    more, so it does not say that budget is enough), exit 2; a budget under it beside one
+    that fits is still a skipped row."""
     path = tmp_path / "scan.csv"
     write_scan_trace(path, layers=2, blocks=2, rounds=2)
     io = tmp_path / "io.json"

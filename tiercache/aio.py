@@ -161,8 +161,9 @@ class AsyncStore:
 
         A read, as ``get``: a key the store does not hold (never stored, or deleted, also
         while its disk copy was waited for) is a ``KeyError``. A disk copy still being
-        written is waited for (if that write fails, there is no disk copy: None). Raises ``BlockCorruptedError`` when the record fails its
-        checks, and ``RuntimeError`` once the store is closed.
+        written is waited for (if that write fails, there is no disk copy: None). Raises
+        ``BlockCorruptedError`` when the record fails its checks, and ``RuntimeError``
+        once the store is closed. While ``reorder_rows`` holds new reads off, it waits.
         """
         store, disk = self.store, self.store.disk
         while True:
