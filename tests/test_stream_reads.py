@@ -77,7 +77,10 @@ def test_a_decode_step_reads_from_disk_only_the_blocks_in_no_memory_tier(tmp_pat
             out = model(nxt, cache=cache, use_cache=True).logits
             want = model(nxt, cache=ref, use_cache=True).logits
             assert (out - want).abs().max().item() == 0.0, f"step {step}: logits differ"
-            _reads_done(store)
+            # Every move this step started lands before it is counted: a write-behind
+            # (host->disk) still running landed in the next step's count, on a loaded
+            # machine (3 exact steps where 4 are, in a clean clone's suite).
+            store.wait_idle()
             moves = cache.stats()["moves"]
             moved = {name: m["blocks"] - before.get(name, {}).get("blocks", 0) for name, m in moves.items()}
             moved = {name: n for name, n in moved.items() if n}
