@@ -226,7 +226,7 @@ class BlockStore:
             # (``read_layer(hold=True)``), and key -> the future of such a read in flight.
             self._streams: Optional[DiskStreams] = DiskStreams(self) if self._reads_both and self.disk else None
             self._streaming: dict = {}
-            self._reads_gate: Optional[_Gate] = None  # set while reorder_rows holds new reads off (``_quiet``)
+            self._reads_gate: Optional[_ReadsGate] = None  # set while reorder_rows holds new reads off (``_quiet``)
             self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
             # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
             self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
@@ -1629,7 +1629,7 @@ class BlockStore:
         (``_reads_gate``, ``_past_reorder``): with four threads calling ``get`` in a loop
         there was hardly ever a moment with no reader, and a reorder waited 30 s and more
         (a helper's script)."""
-        gate: Optional[_Gate] = None
+        gate: Optional[_ReadsGate] = None
         try:
             while True:
                 self.wait_idle()
@@ -1638,7 +1638,7 @@ class BlockStore:
                 with self._lock:
                     other = self._reads_gate
                     if gate is None and other is None:
-                        gate = self._reads_gate = _Gate()
+                        gate = self._reads_gate = _ReadsGate()
                     if gate is not None and not self._inflight and not self._streaming and not self.table.any_in_use():
                         yield
                         return
@@ -2891,7 +2891,7 @@ class _Work(collections.deque):
             pass
 
 
-class _Gate(Future):
+class _ReadsGate(Future):
     """``_quiet``'s hold on new reads: done when the reorder is. Never cancelled: it is
     shared by every read waiting on it (an asyncio task's cancellation of one,
     through ``asyncio.wrap_future``, would cancel it for all)."""
