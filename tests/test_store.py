@@ -2655,6 +2655,37 @@ def test_tiers_by_name_and_keys_as_lists_or_a_clear_error(make_store, geometry):
         assert torch.equal(store.get(key), data[key])
 
 
+def test_a_move_of_a_block_the_store_does_not_hold_is_a_key_error(make_store, geometry):
+    """A user moves a block by a key the store does not hold (a typo, a block deleted
+    before). ``get`` and ``pin`` said KeyError; ``promote`` to the host, ``demote``,
+    ``demote_many`` and ``demote_now`` did nothing and said nothing, and ``promote`` to the
+    device returned a future failed with "corrupted". Now each raises KeyError naming the
+    key, and a batch naming one unknown key among known ones moves none of them."""
+    store = make_store()
+    data = blocks(geometry, 2)
+    for key, block in data.items():
+        store.put(key, block)
+    store.wait_idle()
+    a, b = data
+    unknown = BlockKey(9, 9, 9)
+    where = {key: store.tiers_of(key) for key in data}
+    for name, call in [("promote to the device", lambda: store.promote(unknown, "device")),
+                       ("promote to the host", lambda: store.promote(unknown, "host")),
+                       ("demote", lambda: store.demote(unknown)),
+                       ("demote_many", lambda: store.demote_many([a, unknown, b])),
+                       ("demote_now", lambda: store.demote_now([a, b, unknown]))]:
+        with pytest.raises(KeyError, match=r"BlockKey\(seq=9, layer=9, index=9\)"):
+            call()
+        store.wait_idle()
+        assert {key: store.tiers_of(key) for key in data} == where, name  # nothing moved
+    store.delete(a)
+    with pytest.raises(KeyError):
+        store.demote(a)  # deleted before: the store does not hold it
+    assert store.demote_now([b]) == [] and store.tiers_of(b) != where[b]  # a known block still moves
+    store.check()
+    assert torch.equal(store.get(b), data[b])
+
+
 @pytest.mark.timeout(120)
 def test_reorder_rows_waits_for_reads_of_other_threads(tmp_path):
     """Beam search permutes every block's batch rows in place (``reorder_rows``): device and

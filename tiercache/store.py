@@ -784,10 +784,21 @@ class BlockStore:
                 if key in count:
                     self.table.unpin(key)
 
+    def _check_held(self, keys: Iterable[Hashable]) -> None:
+        """A move named a block the store does not hold: a KeyError, as ``get`` and ``pin``
+        raise (``BlockCorruptedError`` if it was lost to a failed check). Moves of such
+        keys did nothing and said nothing, and only ``promote`` to the device raised."""
+        with self._lock:
+            for key in keys:
+                if self.table.get(key) is None:
+                    raise self._missing(key) if key in self._lost else KeyError(key)
+
     @_starts_work
     def promote(self, key: Hashable, dst: Tier = Tier.DEVICE) -> Future:
-        """Copy ``key`` up to ``dst`` asynchronously (the lower copy stays)."""
+        """Copy ``key`` up to ``dst`` asynchronously (the lower copy stays). A key the store
+        does not hold is a KeyError."""
         dst = as_tier(dst, "promote")
+        self._check_held((key,))
         if dst is Tier.DEVICE:
             return _done_future(lambda: self.ensure_device([key], pin=False))
 
@@ -800,7 +811,13 @@ class BlockStore:
 
     @_starts_work
     def demote(self, key: Hashable) -> Future:
-        """Move the fastest copy of ``key`` one tier down asynchronously."""
+        """Move the fastest copy of ``key`` one tier down asynchronously. A key the store
+        does not hold is a KeyError."""
+        self._check_held((key,))
+        return self._demote_when_room(key)
+
+    def _demote_when_room(self, key: Hashable) -> Future:
+        """``demote`` without the check: a block deleted since its caller looked does nothing."""
         return self._move_when_room(key, lambda: self._demote_plan(key))
 
     @_starts_work
@@ -808,8 +825,10 @@ class BlockStore:
         """``demote`` for many blocks: one future per key, in order. The moves that have
         room below start together (on CPU, host<->device copies in chunks: see
         ``_submit_all``); the rest go one by one as ``demote``, waiting for room. A key
-        given twice moves one tier, once; both places get that move's future."""
+        given twice moves one tier, once; both places get that move's future. All or none: a
+        key the store does not hold is a KeyError, and nothing moves."""
         given = _key_list(keys, "demote_many")
+        self._check_held(given)
         keys = list(dict.fromkeys(given))
         futures: list = [_done()] * len(keys)  # in the order of keys
         with self._lock:
@@ -818,7 +837,7 @@ class BlockStore:
                 futures[i] = self._future(move)
         self._submit_all(moves, Priority.WRITEBACK)
         for i in later:
-            futures[i] = self.demote(keys[i])
+            futures[i] = self._demote_when_room(keys[i])
         of = dict(zip(keys, futures))
         return [of[key] for key in given]
 
@@ -831,15 +850,17 @@ class BlockStore:
         own evictions do. On CPU a future per block cost ~0.5 ms per round of 43 blocks of
         1.5 MiB, 10% of the copy (``bench io``'s device->host rounds, which use this). A
         block with no room below waits for room as ``demote`` does, and raises
-        ``TierIOError`` as it does when the storage cannot give any."""
+        ``TierIOError`` as it does when the storage cannot give any. A key the store does not
+        hold is a KeyError, and nothing moves."""
         keys = list(dict.fromkeys(_key_list(keys, "demote_now")))
+        self._check_held(keys)
         with self._lock:
             moves, _, later = self._plan_demotions(keys)
         mine: list = []
         futures = self._submit_all(moves, Priority.WRITEBACK, mine)
         self._help(mine)
         errors = wait_all(futures) + self._wait_works(mine)
-        errors.extend(wait_all([self.demote(keys[i]) for i in later]))
+        errors.extend(wait_all([self._demote_when_room(keys[i]) for i in later]))
         for exc in errors:
             if not isinstance(exc, Exception):  # Ctrl-C on a thread that helped copy
                 raise exc
