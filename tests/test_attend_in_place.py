@@ -91,7 +91,9 @@ def test_generate_in_place_matches_dynamic_cache_with_every_tier_in_use(family, 
     """generate() with attend_in_place on tiny budgets (device: one step's working set + 1
     block; host: 3 blocks; the rest on disk): the same tokens as DynamicCache, logits within
     float rounding. Every family but Gemma2 (eager attention with softcapping: gathered as
-    before, so exact to 1e-5) attends in place on its decode steps after the first."""
+    before, so exact to 1e-5) attends in place on its decode steps after the first. Disk
+    blocks are read into attention's buffer and attended there, never through a host slot
+    (they were brought up to the host, evicting blocks the next step reads again)."""
     model = tiny_model(family)
     batch, kwargs, ids, mask = 1, dict(max_new_tokens=NEW), prompt_ids(), None
     if mode == "batch2+beam":
@@ -117,6 +119,9 @@ def test_generate_in_place_matches_dynamic_cache_with_every_tier_in_use(family, 
         assert steps == layers * (NEW - 1) - 1, steps
         assert diff <= IN_PLACE_ATOL, f"{family}/{mode}: max abs logit difference {diff:.3g}"
     assert moved(stats, dst="disk") > 0 and stats["hits"]["host"] + stats["hits"]["disk"] > 0, stats
+    assert moved(stats, src="disk", dst="host") == 0, stats["moves"]
+    if stats["hits"]["disk"]:  # (whether a block is still only on disk when read depends on timing)
+        assert moved(stats, src="disk", dst="device") > 0, stats["moves"]
 
 
 def test_a_padded_row_prefilled_one_token_at_a_time_stays_finite(tmp_path):

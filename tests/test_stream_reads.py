@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from tiercache import BlockCorruptedError, BlockKey, Tier, TierConfig, TieredCache
+from tiercache import BlockCorruptedError, BlockKey, Tier, TieredCache
 from tiercache.disk import HEADER_BYTES
 from tiercache.store import BlockStore
 from tiercache.tiers import BlockGeometry
@@ -154,11 +154,22 @@ def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
         store.check()
 
 
+def _read(store: BlockStore, how: str, keys: list, num_tokens: int, start_token: int = 0, ahead=()) -> tuple:
+    """A layer's K and V as ``read_layer(hold=True)`` gives them, or as ``read_segments``
+    (attend_in_place) gives them, concatenated; the caller releases the views."""
+    if how == "gathered":
+        return store.read_layer(keys, num_tokens, start_token, hold=True, ahead=ahead)
+    segments = store.read_segments(keys, num_tokens, start_token, ahead=ahead)
+    return torch.cat([k for k, _ in segments], dim=-2), torch.cat([v for _, v in segments], dim=-2)
+
+
+@pytest.mark.parametrize("how", ["gathered", "segments"])
 @pytest.mark.parametrize("ahead", [False, True], ids=["read-now", "read-ahead"])
-def test_a_record_that_fails_its_check_is_never_used(tmp_path, ahead):
+def test_a_record_that_fails_its_check_is_never_used(tmp_path, ahead, how):
     """A disk-only block whose record is damaged on disk, read straight into the buffer (now,
-    or ahead of its layer): the read is refused (``BlockCorruptedError``, the block's only
-    copy is gone), never served; the layer's other blocks are unharmed."""
+    or ahead of its layer), for a gather or for attention in place: the read is refused
+    (``BlockCorruptedError``, the block's only copy is gone), never served; the layer's
+    other blocks are unharmed."""
     geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
     with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
                     persistent=False) as store:
@@ -171,20 +182,52 @@ def test_a_record_that_fails_its_check_is_never_used(tmp_path, ahead):
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x40]))
         if ahead:
-            store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
+            _read(store, how, a, 4 * BT, 0, ahead=b)
             store.release_views()
         with pytest.raises(BlockCorruptedError, match="integrity"):
-            store.read_layer(b, 4 * BT, 0, hold=True)
+            _read(store, how, b, 4 * BT)
         assert store.stats()["integrity_errors"] >= 1
         assert bad not in store
         good = [key for key in b if key != bad]
-        k, _ = store.read_layer(good, 3 * BT, 0, hold=True)
+        k, _ = _read(store, how, good, 3 * BT)
         assert torch.equal(k, torch.cat([data[key][0] for key in good], dim=-2))
         store.release_views()
         store.check()
 
 
-@pytest.mark.parametrize("plan", ["in-order", "reversed", "repeated", "later-blocks"])
+def test_attention_in_place_sees_disk_blocks_in_the_buffer_and_the_rest_where_they_lie(tmp_path):
+    """``read_segments`` (attend_in_place) on a layer whose blocks lie on the device, on the
+    host and only on disk, read from a token inside the first block to one inside the last:
+    the segments, in order, hold exactly the layer's tokens. The disk blocks were read into
+    attention's buffer (a ``disk->device`` move each), ahead with the layer before or now,
+    and took no host slot; the others are views of their pools, held until released."""
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
+                    persistent=False) as store:
+        a, b, data = _two_layers_on_disk(store, torch.Generator().manual_seed(5))
+        store.ensure_device([b[0]], pin=False)  # b: device, host, disk, disk
+        store.promote(b[1], Tier.HOST).result(30)
+        before = dict(store.stats()["moves"])
+        _read(store, "segments", a, 4 * BT, 0, ahead=b)
+        store.release_views()
+        segments = store.read_segments(b, 4 * BT - 3, 1)
+        with store._lock:
+            held = {key for key in b if any(c.readers for c in store.table.get(key).copies.values())}
+        assert held == {b[0], b[1]}  # the blocks in memory, for their views
+        k = torch.cat([k for k, _ in segments], dim=-2)
+        v = torch.cat([v for _, v in segments], dim=-2)
+        want = [torch.cat([data[key][i] for key in b], dim=-2)[:, :, 1:4 * BT - 2] for i in (0, 1)]
+        assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+        assert len(segments) == 3  # the device block, the host block, the run of two in the buffer
+        store.release_views()
+        moves = store.stats()["moves"]
+        done = {name: moves.get(name, {}).get("blocks", 0) - before.get(name, {}).get("blocks", 0)
+                for name in ("disk->device", "disk->host")}
+        assert done == {"disk->device": 4 + 2, "disk->host": 0}
+        store.check()
+
+
+@pytest.mark.parametrize("plan", ["in-order", "reversed", "repeated", "later-blocks", "middle-blocks", "first-block"])
 def test_a_plan_in_any_order_is_read_once_into_a_layer_sized_buffer(tmp_path, plan):
     """A plug-in prefetch plan may name the next layer's blocks in any order, more than once,
     or only some of them. Each block is read ahead once, into the position its index gives,
@@ -192,12 +235,15 @@ def test_a_plan_in_any_order_is_read_once_into_a_layer_sized_buffer(tmp_path, pl
     repeated 20 times made the buffers 301 blocks wide and read every block 20 times, and a
     reversed one threw every read-ahead away (a review). A plan that leaves out the layer's
     first blocks placed the others where a read from the first block cannot use them: they
-    are read again, and the read-ahead counts as unused."""
+    were read again, and the read-ahead counted as unused; so were those of a plan too short
+    for the layer (the buffer grew under them). The read now moves them where it wants
+    them (a copy in memory) and uses them."""
     geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
     with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
                     persistent=False) as store:
         a, b, data = _two_layers_on_disk(store, torch.Generator().manual_seed(4))
-        ahead = {"in-order": b, "reversed": b[::-1], "repeated": b * 20, "later-blocks": b[2:]}[plan]
+        ahead = {"in-order": b, "reversed": b[::-1], "repeated": b * 20, "later-blocks": b[2:],
+                 "middle-blocks": [b[2], b[1]], "first-block": b[:1]}[plan]
         store.read_layer(a, 4 * BT, 0, hold=True, ahead=ahead)
         store.release_views()
         _reads_done(store)
@@ -210,13 +256,9 @@ def test_a_plan_in_any_order_is_read_once_into_a_layer_sized_buffer(tmp_path, pl
         assert torch.equal(v, torch.cat([data[key][1] for key in b], dim=-2))
         store.release_views()
         stats = store.stats()
-        if plan == "later-blocks":
-            assert stats["moves"]["disk->device"]["blocks"] == 8 + read_ahead
-            assert stats["prefetch"]["unused"] == read_ahead
-        else:
-            assert stats["moves"]["disk->device"]["blocks"] == 8  # nothing read twice
-            assert stats["prefetch"]["used"] + stats["prefetch"]["late"] == read_ahead
-            assert stats["prefetch"]["unused"] == 0
+        assert stats["moves"]["disk->device"]["blocks"] == 8  # nothing read twice
+        assert stats["prefetch"]["used"] + stats["prefetch"]["late"] == read_ahead
+        assert stats["prefetch"]["unused"] == 0
         store.check()
 
 
@@ -237,6 +279,7 @@ def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path):
     def run(store, a, b):
         store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
         store.read_layer(b, 4 * BT, 0, hold=True, ahead=a)
+        store.read_segments(a, 4 * BT, 0)  # attend_in_place's read
         store.release_views()
 
     def tracer(target):

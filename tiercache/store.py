@@ -1293,11 +1293,14 @@ class BlockStore:
         """CPU: K and V of ``keys`` where they lie, as ``[(k, v)]`` views ([B, H, t, D] each)
         of the device and host pools, in order, no copy: one per run of adjacent device
         slots and one per host block; the ``t`` sum to ``num_tokens``, from ``start_token``
-        of the first block. Disk blocks are read up to the host first. Held like
-        ``read_layer(hold=True)``: valid until ``release_views`` or the next held read."""
+        of the first block. Disk blocks are read into a buffer (``DiskStreams``: one view per
+        run of them there). Held like ``read_layer(hold=True)``: valid until
+        ``release_views`` or the next held read."""
         if not self._reads_both:
             raise RuntimeError("read_segments: only for a CPU store with a host tier")
         self.release_views()
+        if self._streams is not None:
+            return self._streams.read(keys, num_tokens, start_token, ahead, segments=True)
         held = self._hold_in_memory(keys, ahead)
         with self._lock:
             self._views.extend(held)

@@ -23,7 +23,8 @@ read again the usual way, through the host tier, which drops a bad record and ta
 copy, or names the problem (``BlockCorruptedError``, ``TierIOError``).
 
 These reads are counted as ``disk->device`` moves: the buffer is the model's device memory.
-``attend_in_place`` (``BlockStore.read_segments``) still reads disk blocks up to the host.
+``attend_in_place`` (``BlockStore.read_segments``) reads the same way, and attends to the
+disk blocks in the buffer and to the others where they lie (no gather).
 """
 from __future__ import annotations
 
@@ -261,26 +262,37 @@ class DiskStreams:
         if rest:
             store._prefetch_ahead(rest, set(keys), Tier.HOST)
 
-    def read(self, keys: list, num_tokens: int, start_token: int, ahead: Sequence[Hashable]) -> tuple:
+    def read(self, keys: list, num_tokens: int, start_token: int, ahead: Sequence[Hashable],
+             segments: bool = False):
         """``BlockStore.read_layer(keys, num_tokens, start_token, hold=True, ahead=ahead)``
-        on a CPU store with host and disk tiers (the caller has let go of the last views)."""
+        on a CPU store with host and disk tiers (the caller has let go of the last views).
+        With ``segments``, ``BlockStore.read_segments`` instead: no gather; the blocks in
+        memory are views of their pools, held until ``release_views``, and the disk blocks
+        views of the buffer they were read into."""
         store = self.store
         bt = store.geometry.block_tokens
         pending, self._pending = self._pending, None
         b = self._read_buf = pending.buf if pending is not None else 1 - self._last
         # Was each prefetched read done before this read wanted it (a prefetch "used"), or not ("late")?
-        early = {p for p, r in pending.reads.items() if r.done.done()} if pending is not None else set()
+        early = {r for r in pending.reads.values() if r.done.done()} if pending is not None else set()
         self._plan_ahead(keys, ahead)  # the next layer's reads go first, into the other buffer
         stall = self._settle(b)  # this layer's prefetched reads
         # Where keys[0] lies in the planned layer's buffer (a run of consecutive indices).
-        base, usable = 0, {}
+        # A read ahead at position p of the buffer belongs at p + shift of this read's result.
+        base, usable, shift = 0, {}, 0
         where = _where(keys[0]) if keys and pending is not None else None
-        if where is not None and where[0] == pending.seq_layer and where[1] >= pending.first:
-            base, usable = where[1] - pending.first, pending.reads
+        if where is not None and where[0] == pending.seq_layer:
+            usable, shift = pending.reads, pending.first - where[1]
         have = self._bufs[b]
-        if have is None or have[0][0].shape[1] < base + len(keys):
-            base, usable = 0, {}  # the buffer grows: what was read into it is gone
-        k_buf, v_buf = self._buffer(b, base + len(keys))
+        if usable and shift <= 0 and have[0][0].shape[1] >= len(keys) - shift:
+            base = -shift  # where this read wants them: the result starts at position -shift
+            k_buf, v_buf = have[0]
+        else:
+            # A plan that left out the layer's first blocks read the others too low, or the
+            # buffer grows: the reads ahead move (a copy of checked bytes, not a second read).
+            k_buf, v_buf = self._buffer(b, len(keys))
+            if usable:
+                usable = _moved(have[0], (k_buf, v_buf), usable, shift, len(keys))
         group = _Group(b, (), 0)  # this read's own reads, at the positions it reads (not a plan)
         used: dict = {}  # position -> _Read whose bytes this read takes
         memory: list = []  # indices into ``keys`` read from the device and host tiers
@@ -302,11 +314,12 @@ class DiskStreams:
             _uninterrupted(lambda: self._cancel(group))
             raise
         if pending is not None:
-            unused = sum(1 for p, r in pending.reads.items() if used.get(p) is not r)
+            taken = set(used.values())  # by identity: a shifted read sits at another position
+            unused = sum(1 for r in pending.reads.values() if r not in taken)
             if unused:
                 store.events.prefetch("unused", unused)
             if used:
-                late = sum(1 for p in used if p not in early)
+                late = sum(1 for r in used.values() if r not in early)
                 if late:
                     store.events.prefetch("late", late)
                 if len(used) > late:
@@ -314,7 +327,8 @@ class DiskStreams:
         held: list = []
         try:
             held = store._hold_in_memory([keys[j] for j in memory])
-            if not used and not group.reads and held and store._views_of(held):  # on the device, in order
+            # on the device, in order: views of the pool
+            if not segments and not used and not group.reads and held and store._views_of(held):
                 store._stalled(stall)
                 self._last = b
                 k, v = store.device_pool.view(held[0][1].slot, len(held), num_tokens, start_token)
@@ -330,6 +344,13 @@ class DiskStreams:
                 by_index.update(zip(again, more))
                 memory = sorted(by_index)
                 held = [by_index[j] for j in memory]
+            if segments:
+                out = self._segments(len(keys), dict(zip(memory, held)), base, num_tokens, start_token, (k_buf, v_buf))
+                with store._lock:  # held for the views, until release_views
+                    store._views.extend(held)
+                    held = []
+                self._last = b
+                return out
             t0 = time.perf_counter()
             k, v = store._gather_mixed(held, num_tokens, base * bt + start_token, into=(k_buf, v_buf),
                                        at=[base + j for j in memory])
@@ -338,6 +359,46 @@ class DiskStreams:
             store._let_go(held)
         self._last = b
         return k, v
+
+    def _segments(self, n: int, memory: dict, base: int, num_tokens: int, start_token: int, buf: tuple) -> list:
+        """``read_segments``' answer: [(k, v)] views ([B, H, t, D]) covering ``num_tokens``
+        from ``start_token`` of the first of ``n`` blocks, in order: one per run of adjacent
+        device slots, one per host block, one per run of buffer positions. ``memory``: index
+        -> the held (entry, copy) of each block read from the device or host tier; the others
+        lie in ``buf`` (K, V) at ``base`` + their index."""
+        store = self.store
+        g = store.geometry
+        runs: list = []  # [tier (None: the buffer), first slot or position, count]
+        for j in range(n):
+            held = memory.get(j)
+            if held is None:
+                tier, at = None, base + j
+            else:
+                entry, copy = held
+                tier, at = (Tier.DEVICE if copy is entry.copies.get(Tier.DEVICE) else Tier.HOST), copy.slot
+            last = runs[-1] if runs else None
+            if last is not None and last[0] is tier and tier is not Tier.HOST and at == last[1] + last[2]:
+                last[2] += 1
+            else:
+                runs.append([tier, at, 1])
+        out = []
+        skip, left = start_token, num_tokens
+        for tier, at, count in runs:
+            if left <= 0:
+                break
+            t = min(left, count * g.block_tokens - skip)
+            if tier is Tier.DEVICE:
+                k, v = store.device_pool.view(at, count, t, skip)
+            elif tier is Tier.HOST:
+                block = store.host_pool.view(at)
+                k, v = block[0][:, :, skip:skip + t], block[1][:, :, skip:skip + t]
+            else:
+                shape = (g.batch, g.kv_heads, count * g.block_tokens, g.head_dim)
+                k, v = (x[:, at:at + count].view(shape)[:, :, skip:skip + t] for x in buf)
+            out.append((k, v))
+            left -= t
+            skip = 0
+        return out
 
     def _check(self, used: dict, base: int) -> list:
         """The reads of ``used`` have finished: count those that read their block (a disk
@@ -357,6 +418,22 @@ class DiskStreams:
                 store.events.hit(Tier.DISK.label, len(good))
                 store.policies[Tier.DISK].touch_many(good)  # a read is a use
         return sorted(again)
+
+
+def _moved(src: tuple, dst: tuple, reads: dict, shift: int, width: int) -> dict:
+    """The reads of ``reads`` (position -> _Read, all finished) that read their block, copied
+    from position p of ``src`` to p + ``shift`` of ``dst`` (K and V, [rows, capacity, T*D]
+    each; ``dst`` may be ``src``), those that land in [0, ``width``). Position -> _Read after
+    the move. Within one buffer the copies go in the order that copies every source before
+    anything overwrites it."""
+    moved = {}
+    for p in sorted(reads, reverse=shift > 0):
+        read = reads[p]
+        if read.error is None and 0 <= p + shift < width:
+            for s, d in zip(src, dst):
+                d[:, p + shift].copy_(s[:, p])
+            moved[p + shift] = read
+    return moved
 
 
 def _finish(done: Future) -> None:
