@@ -1968,7 +1968,8 @@ def test_slot_runs_cut_where_a_single_copy_could_not_do_the_moves():
 
 def test_read_segments_gives_views_of_every_block_where_it_lies_and_holds_them(make_store, geometry):
     """read_segments (CPU attention in place) returns K/V views, no copies: one per run of
-    adjacent device slots and one per host block, disk blocks read up to the host first.
+    adjacent device slots, one per host block, one per run of disk blocks read into
+    attention's buffer (tiercache/streamread.py).
     From token 3 of the first block to 2 tokens short of the end, the segments are exactly
     the stored tokens in order. While held, a deleted block's bytes stay put; release_views
     lets them go."""
@@ -1993,6 +1994,8 @@ def test_read_segments_gives_views_of_every_block_where_it_lies_and_holds_them(m
     pools = [(store.device_pool.k.untyped_storage().data_ptr(), store.device_pool.k.untyped_storage().nbytes()),
              (store.device_pool.v.untyped_storage().data_ptr(), store.device_pool.v.untyped_storage().nbytes()),
              (store.host_pool.buffer.untyped_storage().data_ptr(), store.host_pool.buffer.untyped_storage().nbytes())]
+    pools += [(kv[0].untyped_storage().data_ptr(), kv[0].untyped_storage().nbytes())
+              for kv, _ in filter(None, store._streams._bufs)]  # the disk blocks' buffer
     for seg_k, seg_v in segments:  # views into the pools, not copies
         for x in (seg_k, seg_v):
             assert any(lo <= x.data_ptr() < lo + n for lo, n in pools)
