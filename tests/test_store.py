@@ -19,7 +19,7 @@ from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityErro
 from tiercache.disk import DATA_NAME, HEADER_BYTES, DiskTier
 from tiercache.policies import EVICTION_POLICIES
 from tiercache.store import BlockStore, _MoveFuture
-from tiercache.tiers import BlockGeometry
+from tiercache.tiers import BlockGeometry, aligned_buffer
 from tiercache.transfer import wait_all
 
 from conftest import tiny_config
@@ -324,6 +324,126 @@ def test_deleted_blocks_do_not_come_back_after_reopen(tmp_path, geometry):
         store.delete(BlockKey(0, 0, 0))
     with BlockStore(cfg, geometry) as store:
         assert BlockKey(0, 0, 0) not in store and len(store) == 7
+
+
+def test_a_smaller_disk_budget_cuts_the_records_past_it_and_they_never_come_back(tmp_path, geometry, caplog):
+    """A user reopens a cache directory with a smaller disk_budget, then a larger one again.
+    The records past the smaller budget were neither seen nor erased: in the session with
+    the small budget a block stored there was put again and deleted, and the third session
+    (room again) served the old bytes of the deleted block (a review). Now the records past
+    the budget are dropped at open, with a warning, and the data file is cut to the budget:
+    the deleted block stays deleted, the blocks within the budget stay exact."""
+    def open_with(disk_blocks: int) -> BlockStore:
+        return BlockStore(tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=2, disk_blocks=disk_blocks),
+                          geometry)
+
+    data = blocks(geometry, 8)
+    with open_with(8) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+        slot = {key: store.table.copy(key, Tier.DISK).slot for key in data}
+    assert sorted(slot.values()) == list(range(8))
+    low = [key for key in data if slot[key] < 4]
+    far = next(key for key in data if slot[key] >= 4)
+    with caplog.at_level("WARNING", logger="tiercache"), open_with(4) as store:
+        assert "held 4 saved blocks past disk_budget (4 blocks here); they were dropped" in caplog.text
+        assert store.dropped_on_open == 4 and sorted(store.table.keys()) == sorted(low)
+        assert os.path.getsize(store.disk.path) <= 4 * store.disk.record_bytes
+        store.put(far, torch.full(geometry.shape, 2.0))  # stored again with other bytes ...
+        store.flush()
+        store.delete(far)  # ... and deleted
+    with open_with(8) as store:
+        assert far not in store
+        assert sorted(store.table.keys()) == sorted(low)
+        for key in low:
+            assert torch.equal(store.get(key), data[key])
+
+
+def test_a_store_that_forgets_refuses_a_directory_of_saved_blocks(tmp_path, geometry):
+    """``persistent=False`` deletes its data file when it closes, and never reads the
+    records in it: opened on a directory where a store saved blocks, it overwrote them and
+    then deleted them, without a word (a review). It is refused now, naming the directory,
+    and the saved blocks are still there for a store that keeps them."""
+    data = blocks(geometry, 3)
+    cfg = tiny_config(tmp_path, geometry)
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+    with pytest.raises(CacheDirError, match=r"holds saved blocks \(blocks.dat, \d+ bytes\); a store with "
+                                            r"persistent=False would overwrite them"):
+        BlockStore(cfg, geometry, persistent=False)
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            assert torch.equal(store.get(key), block)
+
+
+def test_a_refused_directory_of_another_model_is_left_as_it_was(tmp_path, geometry):
+    """A directory holding another model's records is refused, and the message says that
+    nothing was changed. It was not true: the records scanned before the foreign one had
+    already been erased (a duplicate record of a block, here). The whole file is scanned
+    now before anything in it changes: the file is byte for byte as it was."""
+    import hashlib
+
+    directory = str(tmp_path / "kv")
+    os.makedirs(directory, mode=0o700)
+    block, _owner = aligned_buffer(geometry.padded_bytes)  # a record's payload: page-aligned bytes
+    block[:geometry.block_bytes] = 7
+    tier = DiskTier(directory, geometry, 8, model_digest=b"A" * 16)
+    tier.write(0, BlockKey(0, 0, 0), block, 4)
+    tier.write(1, BlockKey(0, 0, 0), block, 4)  # a second record of the block (a lost tombstone)
+    tier.close()
+    tier = DiskTier(directory, geometry, 8, model_digest=b"B" * 16)
+    tier.write(2, BlockKey(0, 0, 5), block, 4)  # another model's record
+    tier.close()
+
+    def digest() -> str:
+        with open(os.path.join(directory, DATA_NAME), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    before = digest()
+    cfg = tiny_config(tmp_path, geometry, disk_blocks=8)
+    with pytest.raises(CacheDirError, match="another model or dtype; nothing was changed"):
+        BlockStore(cfg, geometry, model_digest=b"A" * 16)
+    assert digest() == before
+
+
+def test_a_disk_tier_that_fails_to_open_leaves_no_descriptor_or_lock(tmp_path, geometry):
+    """Two ways a disk tier failed to open after taking its directory's lock or a file: an
+    unknown ``io`` backend left the lock held (the right call on the same directory was then
+    refused as "in use by another tiercache store"), and a refused O_DIRECT open left the
+    plain descriptor open. Both let go of everything now."""
+    import resource
+
+    directory = str(tmp_path / "kv")
+    os.makedirs(directory, mode=0o700)
+    with pytest.raises(ValueError, match="disk_io: unknown backend 'posx'"):
+        DiskTier(directory, geometry, 4, io="posx")
+    DiskTier(directory, geometry, 4).close()  # the lock is free
+
+    def open_fds() -> list:
+        return sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+
+    probe = DiskTier(directory, geometry, 4)
+    direct = probe.direct_io
+    probe.close()
+    if not direct:
+        pytest.skip("no O_DIRECT on this filesystem: the second descriptor is never opened")
+    lowest = os.open(os.devnull, os.O_RDONLY)
+    os.close(lowest)
+    before = open_fds()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # the lock takes `lowest`, the direct-I/O probe and then the data file `lowest + 1`, and
+    # the O_DIRECT descriptor would be `lowest + 2`: refused (too many open files)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest + 2, hard))
+    try:
+        with pytest.raises(CacheDirError, match="cannot create the data file"):
+            DiskTier(directory, geometry, 4)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert open_fds() == before
+    DiskTier(directory, geometry, 4).close()
 
 
 def _flip(path, offset):

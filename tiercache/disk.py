@@ -351,23 +351,38 @@ class DiskTier(RecordCodec):
         """``io_fallback``: ``io`` is what ``disk_io="auto"`` chose; if kvikio cannot open
         the file, the tier warns and uses posix instead of failing."""
         super().__init__(geometry, model_digest)
+        if io not in ("posix", "kvikio"):  # before the lock and files are taken: nothing to undo
+            raise ValueError(f"disk_io: unknown backend {io!r}; known: posix, kvikio")
         self.directory = directory
         self.num_slots = num_slots
         self.persistent = persistent
         self.record_bytes = HEADER_BYTES + align_up(self.payload_bytes)
         ensure_private_dir(directory, allow_shared_dir)
         self._lock_fd = self._take_lock()
+        self.path = os.path.join(directory, DATA_NAME)
+        if not persistent:
+            try:
+                size = os.stat(self.path).st_size
+            except OSError:
+                size = 0
+            if size:  # a store's saved blocks: this tier would overwrite them, and delete the file
+                self._release_lock()
+                raise CacheDirError(f"disk_dir: {directory!r} holds saved blocks ({DATA_NAME}, {size} bytes); a store "
+                                    f"with persistent=False would overwrite them and delete the file when it "
+                                    f"closes: use an empty directory, or persistent=True")
         supported = probe_direct_io(directory)
         if direct_io == "on" and not supported:
             self._release_lock()
             raise ValueError(f"direct_io: 'on' but the filesystem under {directory!r} does not support O_DIRECT")
         self.direct_io = supported and direct_io != "off"
-        self.path = os.path.join(directory, DATA_NAME)
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self._fd = None
         try:
             self._fd = os.open(self.path, flags, 0o600)
             self._fd_direct = os.open(self.path, flags | os.O_DIRECT) if self.direct_io else None
         except OSError as exc:
+            if self._fd is not None:  # the direct descriptor failed: the plain one goes too
+                os.close(self._fd)
             self._release_lock()
             raise CacheDirError(f"disk_dir: cannot create the data file in {directory!r} ({exc.strerror})") from None
         # kvikio: record payloads go through a cuFile handle on the same file (headers,
@@ -389,8 +404,6 @@ class DiskTier(RecordCodec):
                 self.closed = False
                 self.close()
                 raise
-        elif io != "posix":
-            raise ValueError(f"disk_io: unknown backend {io!r}; known: posix, kvikio")
         self._local = threading.local()
         self._grow_lock = threading.Lock()
         self._allocated = os.fstat(self._fd).st_size
@@ -619,6 +632,15 @@ class DiskTier(RecordCodec):
             raise RecordError("payload checksum mismatch")
         return num_tokens
 
+    def cut_to_budget(self) -> None:
+        """Cut the data file to the budget's slots: a file written under a larger budget
+        held records past it, which no store under this one sees, erases or overwrites:
+        they came back, deleted blocks among them, when a later store had room again."""
+        end = self.num_slots * self.record_bytes
+        if os.fstat(self._fd).st_size > end:
+            os.ftruncate(self._fd, end)
+            self._allocated = min(self._allocated, end)
+
     def tombstone(self, slot: int) -> None:
         """Invalidate the record in ``slot`` (only needed when the tier persists)."""
         if self.persistent:
@@ -627,16 +649,20 @@ class DiskTier(RecordCodec):
     SCAN_THREADS = 8  # header reads in flight while scanning (they are small and random)
     SCAN_CHUNK = 32  # slots per read job
 
-    def scan(self, with_token_ids: bool = False) -> Iterator[tuple]:
+    def scan(self, with_token_ids: bool = False, whole_file: bool = False) -> Iterator[tuple]:
         """Yield (slot, key, num_tokens) of every valid header, plus its token ids (bytes)
-        when ``with_token_ids``; a header that fails its checks gives key None.
+        when ``with_token_ids``; a header that fails its checks gives key None. The slots
+        of the budget, or with ``whole_file`` every slot the file holds (a file written
+        under a larger budget holds more).
 
         Only headers are checked here; payloads are checked when read. The headers are read
         by a few threads at once (a header is one 4 KiB read per record: serial reads wait
         on the disk's latency), with direct I/O where available (no readahead of payloads).
         """
         size = os.fstat(self._fd).st_size
-        last = min(self.num_slots, size // self.record_bytes + (1 if size % self.record_bytes else 0))
+        last = size // self.record_bytes + (1 if size % self.record_bytes else 0)
+        if not whole_file:
+            last = min(self.num_slots, last)
         for slot, head in self._read_headers(last):
             if len(head) < _HEADER.size + 4 or head[:4] != MAGIC:
                 continue

@@ -326,8 +326,16 @@ class BlockStore:
             raise failures[0]
 
     def _adopt_disk_records(self) -> None:
-        dropped = 0
-        for slot, key, num_tokens, token_ids in self.disk.scan(with_token_ids=True):
+        """Adopt the valid records of the data file; erase the bad and duplicate ones, and
+        cut away those past the budget (a smaller one than they were written under), with
+        a warning. The whole file is scanned first, so that a file of another model's
+        records is refused (``CacheDirError``) before anything in it changes."""
+        records = list(self.disk.scan(with_token_ids=True, whole_file=True))
+        dropped = past = 0
+        for slot, key, num_tokens, token_ids in records:
+            if slot >= self.disk.num_slots:
+                past += key is not None
+                continue
             if key is None or key in self.table:
                 dropped += 1
                 if key is None:
@@ -339,7 +347,11 @@ class BlockStore:
             self._tokens[key] = num_tokens
             if token_ids:
                 self._token_ids[key] = token_ids
-        self.dropped_on_open = dropped
+        self.disk.cut_to_budget()
+        if past:
+            log.warning("tiercache: %s held %d saved blocks past disk_budget (%d blocks here); they were dropped",
+                        self.disk.path, past, self.disk.num_slots)
+        self.dropped_on_open = dropped + past
 
     # ---- queries ---------------------------------------------------------------------
     @property
