@@ -315,6 +315,67 @@ def test_a_damaged_index_is_reported_not_fatal_and_rebuilt_by_the_next_run(kv):
     assert d["state"] == "ok" and d["num_blocks"] == BLOCKS
 
 
+@pytest.mark.parametrize("value", [1e300, "garbage"], ids=["far-future", "text"])
+def test_an_index_value_that_is_not_a_time_is_damage_not_a_traceback(kv, value):
+    """SQLite keeps no checksum of values: an index whose ``last_used`` went bad (a flipped
+    bit, a foreign writer) still passes ``quick_check``. ``cache ls`` and ``cache stats``
+    then died with an OverflowError or a TypeError traceback (a review). The directory is
+    reported as damaged now, as an unreadable index is, and both exit 0."""
+    import sqlite3
+
+    run(tiny_model(), kv)
+    close_all()
+    (d,) = ls(kv)
+    db = sqlite3.connect(os.path.join(d["path"], admin.INDEX_NAME))
+    db.execute("UPDATE blocks SET last_used = ? WHERE rowid = (SELECT min(rowid) FROM blocks)", (value,))
+    db.commit()
+    assert db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+    db.close()
+    (d,) = ls(kv)
+    assert d["state"] == "damaged" and "is not a time" in d["error"], d
+    for action in ("ls", "stats"):
+        proc = cli("cache", action, "--disk-dir", kv)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (action, proc.stderr)
+        assert "damaged" in proc.stdout, proc.stdout
+
+
+def test_an_index_this_user_may_not_read_is_unreadable_not_damaged(kv):
+    """A shared cache (``shared_dir=True``) of another user: its folders open to all, its
+    files 0600. ``cache ls`` said the index was "damaged ... the next open rebuilds it",
+    with 0 blocks: it is intact, and nothing rebuilds what one may not read. It says
+    "unreadable (index.sqlite: permission denied)" now, and counts it apart."""
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("as root, needs setpriv to drop the right to read any file")
+        as_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    else:
+        as_user = []
+    run(tiny_model(), kv)
+    close_all()
+    (d,) = ls(kv)
+    for folder, _, files in os.walk(kv):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o600)
+            if os.geteuid() == 0:
+                os.chown(os.path.join(folder, name), 65534, 65534)  # another user's files
+            else:
+                os.chmod(os.path.join(folder, name), 0)
+    try:
+        for action, want in (("ls", "unreadable (index.sqlite: permission denied)"), ("stats", "(1 unreadable)")):
+            proc = subprocess.run(as_user + [sys.executable, "-m", "tiercache.cli", "cache", action, "--disk-dir", kv],
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0 and "Traceback" not in proc.stderr, (action, proc.stderr)
+            assert want in proc.stdout and "rebuilds" not in proc.stdout and "damaged" not in proc.stdout, proc.stdout
+    finally:
+        for folder, _, files in os.walk(kv):
+            for name in files:
+                os.chown(os.path.join(folder, name), os.geteuid(), os.getegid())
+                os.chmod(os.path.join(folder, name), 0o600)
+    (d,) = ls(kv)
+    assert d["state"] == "ok" and d["num_blocks"] == BLOCKS  # nothing was wrong with it
+
+
 def test_ls_leaves_no_files_behind(kv):
     """Reading a closed index read-only creates no -wal/-shm files beside it."""
     run(tiny_model(), kv)

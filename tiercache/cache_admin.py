@@ -35,6 +35,7 @@ INDEX_NAME = "index.sqlite"
 DATA_NAME = "blocks.dat"
 LOCK_NAME = "tiercache.lock"
 HEADER_BYTES = 4096
+_LATEST = 1e11  # seconds since the epoch (the year 5138): a later last_used is damage, not a time
 ALIGN = 4096
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _TAG = re.compile(r"^(?P<digest>[0-9a-f]{32})-t(?P<t>\d+)-h(?P<h>\d+)-d(?P<d>\d+)-(?P<dtype>[a-z0-9]+)$")
@@ -53,8 +54,9 @@ class PrefixDirInfo:
     """One prefix directory as its index describes it.
 
     ``state`` is "ok", "damaged" (the index cannot be read: the next process that opens the
-    directory rebuilds it from the record headers) or "no index" (likewise). Block counts
-    are 0 unless the state is "ok".
+    directory rebuilds it from the record headers), "no index" (likewise) or "unreadable"
+    (this user may not read it: nothing is wrong with it). Block counts are 0 unless the
+    state is "ok".
     """
 
     path: str
@@ -179,6 +181,8 @@ def describe(path: str, tag: re.Match) -> PrefixDirInfo:
     index = os.path.join(path, INDEX_NAME)
     if not os.path.exists(index):
         return PrefixDirInfo(**{**fields, "state": "no index", "error": "index.sqlite is missing"})
+    if not os.access(index, os.R_OK):  # SQLite says only "unable to open database file"
+        return PrefixDirInfo(**{**fields, "state": "unreadable", "error": "index.sqlite: permission denied"})
     try:
         db = _open_index(index)
         try:
@@ -194,6 +198,11 @@ def describe(path: str, tag: re.Match) -> PrefixDirInfo:
                 "(SELECT parent FROM blocks WHERE layers > 0 AND parent IS NOT NULL)").fetchone()
         finally:
             db.close()
+        # SQLite keeps no checksum of values: a damaged one passes quick_check
+        if not all(isinstance(n, int) and n >= 0 for n in (num_blocks, num_seen, records, hits, num_prefixes)):
+            raise sqlite3.DatabaseError("a block count is not a count")
+        if last_used is not None and not (isinstance(last_used, (int, float)) and 0 <= last_used < _LATEST):
+            raise sqlite3.DatabaseError(f"last_used {last_used!r} is not a time")
     except sqlite3.Error as exc:
         return PrefixDirInfo(**{**fields, "state": "damaged", "error": f"index.sqlite: {exc}"})
     layers = meta.get("layers")
@@ -239,17 +248,18 @@ def summarize(disk_dir: str, model_digest: Optional[str] = None) -> dict:
     for info in infos:
         m = models.setdefault(info.model_digest, {
             "directories": 0, "geometries": [], "num_blocks": 0, "num_seen_only": 0, "num_prefixes": 0,
-            "stored_bytes": 0, "file_bytes": 0, "hits": 0, "last_used": None, "damaged": 0})
+            "stored_bytes": 0, "file_bytes": 0, "hits": 0, "last_used": None, "damaged": 0, "unreadable": 0})
         m["directories"] += 1
         m["geometries"].append(info.geometry)
         for key in ("num_blocks", "num_seen_only", "num_prefixes", "stored_bytes", "file_bytes", "hits"):
             m[key] += getattr(info, key)
-        m["damaged"] += info.state != "ok"
+        m["damaged"] += info.state in ("damaged", "no index")
+        m["unreadable"] += info.state == "unreadable"
         if info.last_used is not None:
             m["last_used"] = max(m["last_used"] or 0.0, info.last_used)
     totals = {key: sum(m[key] for m in models.values())
               for key in ("directories", "num_blocks", "num_seen_only", "num_prefixes", "stored_bytes",
-                          "file_bytes", "hits", "damaged")}
+                          "file_bytes", "hits", "damaged", "unreadable")}
     sessions = os.path.join(disk_dir, SESSIONS_DIR)
     try:
         num_sessions = len(os.listdir(sessions)) if os.path.isdir(sessions) else 0
@@ -352,7 +362,9 @@ def _when(epoch: Optional[float]) -> str:
 
 
 def _state(info: PrefixDirInfo) -> str:
-    if info.state != "ok":
+    if info.state == "unreadable":
+        text = f"unreadable ({info.error})"
+    elif info.state != "ok":
         text = f"{info.state} ({info.error}; the next open rebuilds it)"
     else:
         text = "ok"
@@ -387,6 +399,8 @@ def format_summary(summary: dict) -> str:
         rows = list(summary["models"].items()) + [("total", summary["totals"])]
         for digest, m in rows:
             damaged = f"  ({m['damaged']} damaged)" if m["damaged"] else ""
+            if m["unreadable"]:
+                damaged += f"  ({m['unreadable']} unreadable)"
             last = _when(m.get("last_used")) if digest != "total" else ""
             lines.append(f"{digest:<34}{m['directories']:>5}{m['num_blocks']:>8}{format_bytes(m['stored_bytes']):>12}"
                          f"{format_bytes(m['file_bytes']):>12}{m['num_prefixes']:>10}{m['hits']:>8}  {last}{damaged}")
