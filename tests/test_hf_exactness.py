@@ -15,6 +15,7 @@ is exceeded by the prompt alone.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import re
@@ -902,6 +903,27 @@ def _all_sliding_model(window: int = 8):
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def test_min_device_budget_of_a_cache_built_from_a_config(tmp_path):
+    """``TieredCache(model.config, cfg)`` serves generate() as one built from the model, but
+    its ``min_device_budget`` raised AttributeError ('NoneType' object has no attribute
+    'parameters'): it looked for the model's dtype (a review). It takes the dtype the config
+    names, else torch's default (what a model built from that config computes in), and
+    after a forward pass the store's: the same bytes as the model-built cache gives, for
+    fp32 and for a config that says bfloat16."""
+    model = tiny_model("llama")
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=64)
+    with tiercache.TieredCache(model, cfg) as probe:
+        want = probe.min_device_budget(PROMPT, NEW, 4)
+    with tiercache.TieredCache(model.config, cfg) as cache:
+        assert cache.min_device_budget(PROMPT, NEW, 4) == want > 0
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=2)
+        assert cache.min_device_budget(PROMPT, NEW, 4) == want  # from the store's geometry now
+    config = copy.deepcopy(model.config)
+    config.dtype = torch.bfloat16
+    with tiercache.TieredCache(config, cfg) as cache:
+        assert cache.min_device_budget(PROMPT, NEW, 4) == want // 2
 
 
 def test_min_device_budget_of_a_model_whose_every_layer_slides(tmp_path):

@@ -403,13 +403,16 @@ class TieredCache(Cache):
             return
         self._token_ids.extend(ids[0].tolist())
 
-    def _geometry_of_model(self) -> tuple:
+    def _kv_shape(self) -> tuple:
+        """(KV heads, head dim) as the config names them."""
         text = self._text_config
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads
+
+    def _geometry_of_model(self) -> tuple:
         param = next(self._model.parameters())
-        return kv_heads, head_dim, param.dtype, param.device
+        return *self._kv_shape(), param.dtype, param.device
 
     def _open_prefix(self, geometry: BlockGeometry) -> Optional["PrefixCache"]:
         from tiercache.errors import CacheDirError
@@ -639,8 +642,24 @@ class TieredCache(Cache):
         widest = self._widest_blocks(prompt_tokens, new_tokens, prefill_chunk, loaded)
         if widest is None:
             return 0
-        kv_heads, head_dim, dtype, _ = self._geometry_of_model()
+        if self._model is not None:
+            kv_heads, head_dim, dtype, _ = self._geometry_of_model()
+        else:  # built from a config: the K/V dtype is the store's, once open, else the config's
+            g = self.store.geometry if self.store is not None else None
+            kv_heads, head_dim, dtype = (g.kv_heads, g.head_dim, g.dtype) if g is not None else self._config_kv()
         return widest * BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype).block_bytes
+
+    def _config_kv(self) -> tuple:
+        """(KV heads, head dim, dtype) from the config alone (a cache built from a config,
+        before its first forward). The dtype the config names, else torch's default dtype,
+        which is what a model built from such a config computes in."""
+        text = self._text_config
+        dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.get_default_dtype()
+        return *self._kv_shape(), dtype
 
     def _widest_blocks(self, prompt_tokens: int, new_tokens: int, prefill_chunk: Optional[int],
                        loaded: int) -> Optional[int]:
