@@ -128,6 +128,11 @@ def test_config_names_every_bad_remote_setting(tmp_path):
         with pytest.raises(ValueError, match=f"remote_url: {message}") as err:
             TierConfig(**{**good, "remote_url": url})
         assert "secret" not in str(err.value) and "s3cr" not in str(err.value)
+    # redis-py options go in the URL's query; one that decodes replies as text made every
+    # lookup fail on the binary records, counted as a server fault every 5 s (a review)
+    for url in ("redis://127.0.0.1:6379/0?decode_responses=true", "unix:///tmp/r.sock?decode_responses=1"):
+        with pytest.raises(ValueError, match="remote_url: the option 'decode_responses' .* cannot be used"):
+            TierConfig(**{**good, "remote_url": url})
     assert redact_url("redis://u:secret@127.0.0.1:notaport/0") == "redis://u:***@127.0.0.1:notaport/0"
     assert redact_url("redis://team:s3cr/et#?@h:6379/0") == "redis://team:***@h:6379/0"  # not percent-encoded
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
@@ -499,6 +504,113 @@ def test_bad_budget_keys_are_reset_not_fatal(tmp_path, model, server, damage):
     out, stats_b, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
     assert loaded == 28
     assert_same(reference(model, ids), out)
+
+
+# ---- the remote tier on its own (RemoteTier: 2 layers of 4-token blocks) -------------------
+_LAYERS = 2
+
+
+def _remote_tier(tmp_path, url: str, **kw):
+    from tiercache.remote import RemoteTier
+    from tiercache.tiers import BlockGeometry
+
+    config = TierConfig(disk_dir=str(tmp_path / f"kv-{uuid.uuid4().hex[:8]}"), remote_url=url,
+                        remote_namespace=f"t{uuid.uuid4().hex[:10]}", **kw)
+    return RemoteTier(config, RecordCodec(BlockGeometry(1, 2, 4, 8, torch.float32), b"D" * 16), "tag-abab", _LAYERS)
+
+
+def _chain(n: int, seed: int) -> list:
+    from tiercache.prefix import chain
+
+    ids = torch.randint(0, 1000, (n * 4,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return chain(ids, 4, b"salt" + bytes([seed]))
+
+
+def _publish(tier, blocks: list) -> list:
+    """Put every layer of ``blocks`` (in order, as the prefix cache does); what put answered."""
+    said = [tier.put(b, layer, torch.full((2, 1, 2, 4, 8), float(10 * b.index + layer)))
+            for b in blocks for layer in range(_LAYERS)]
+    tier.flush(10)
+    return said
+
+
+def _held(client, tier) -> int:
+    """Bytes of the values the namespace holds (the budget's count and list aside)."""
+    prefix = tier.bytes_key[:-len("}:bytes")]  # every key of the namespace: "<ns>:{<version>-<tag>...}:..."
+    keys = [k for k in client.scan_iter(f"{prefix}*") if k.decode() not in (tier.bytes_key, tier.lru_key)]
+    return sum(client.strlen(k) for k in keys)
+
+
+@needs_binary
+def test_a_block_sent_again_after_its_eviction_is_counted_again(tmp_path, server):
+    """remote_budget: a block this process wrote, evicted to make room, then recomputed and
+    published again (a long-lived worker) was remembered as counted: it went in uncounted,
+    the namespace outgrew the budget, and each later eviction of it took off bytes never
+    added (a review). Every write of a block the server does not list is counted now: after
+    each step the namespace holds no more than the budget, and the count is what it holds."""
+    probe = _remote_tier(tmp_path, server.url)
+    budget = 2 * probe.block_bytes
+    probe.close()
+    tier = _remote_tier(tmp_path, server.url, remote_budget=budget)
+    client = server.client()
+    a, b, c = _chain(3, seed=1)
+    try:
+        for step, blocks in (("a, b", [a, b]), ("c", [c]), ("b again", [b]), ("a again", [a])):
+            assert all(_publish(tier, blocks)), step
+            held = _held(client, tier)
+            assert held <= budget and int(client.get(tier.bytes_key)) == held, (step, held, budget)
+        assert tier.stats()["evicted_blocks"] >= 2
+    finally:
+        tier.close()
+
+
+@needs_binary
+def test_a_block_whose_write_was_dropped_is_sent_when_published_again(tmp_path, server, monkeypatch):
+    """A record dropped while the server was down marked its block for the life of the
+    process: once the server was back, every later publish of it was refused by put(),
+    silently, uncounted (a review). The mark now lasts for that publish only (a block's
+    publish begins with layer 0); every refused record counts as dropped."""
+    import tiercache.remote as remote
+
+    monkeypatch.setattr(remote, "RETRY_SECONDS", 0.5)  # the wait before trying the server again
+    tier = _remote_tier(tmp_path, server.url)
+    try:
+        a, b = _chain(1, seed=2)[0], _chain(1, seed=3)[0]
+        server.stop()
+        _publish(tier, [a])
+        stats = tier.stats()  # each record refused by put() or dropped by the writer
+        assert stats["writes_dropped"] == _LAYERS and stats["blocks_written"] == 0
+        server.start()
+        time.sleep(0.6)
+        assert all(_publish(tier, [b]))  # the server answers again
+        assert all(_publish(tier, [a]))  # published again: sent
+        assert tier.lookup([a]) == 1 and tier.lookup([b]) == 1
+        assert tier.stats()["blocks_written"] == 2
+    finally:
+        tier.close()
+
+
+@needs_binary
+def test_records_close_throws_away_are_counted_dropped(tmp_path, server):
+    """close() waits a bounded time for queued writes and then discards the rest: those
+    records were neither sent nor counted, and ``queued_bytes`` kept them for good (a
+    review). Every record put is now written or counted dropped, and nothing stays queued."""
+    tier = _remote_tier(tmp_path, server.url, remote_timeout=0.5)
+    time.sleep(0.3)  # connected
+    server.pause()
+    try:
+        put = sum(_publish_no_wait(tier, [_chain(1, seed=10 + i)[0] for i in range(10)]))
+        tier.close(timeout=0.1)
+        tier._writer.join(10)  # its write to the paused server times out
+        stats = tier.stats()
+        assert stats["bytes_written"] // tier.record_bytes + stats["writes_dropped"] == put == 2 * 10
+        assert stats["queued_bytes"] == 0
+    finally:
+        server.resume()
+
+
+def _publish_no_wait(tier, blocks: list) -> list:
+    return [tier.put(b, layer, torch.zeros(2, 1, 2, 4, 8)) for b in blocks for layer in range(_LAYERS)]
 
 
 @needs_binary

@@ -6,7 +6,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES, SELECTION_POLICIES
 
@@ -65,6 +65,18 @@ def _check_remote_address(url: str, scheme: str) -> None:
     db = parts.path.strip("/")
     if db and not (db.isascii() and db.isdigit()):
         raise ValueError(f"remote_url: the database index must be a number (redis://host:port/0), got {db!r}")
+
+
+# redis-py options in remote_url's query that the tier cannot work with: replies decoded as
+# text (records are bytes: every lookup failed to decode, counted as a server fault every 5 s)
+_REMOTE_OPTIONS_REFUSED = {"decode_responses": "records are bytes; leave it out (the tier reads bytes)"}
+
+
+def _check_remote_options(url: str) -> None:
+    for name, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        why = _REMOTE_OPTIONS_REFUSED.get(name.lower())
+        if why is not None:
+            raise ValueError(f"remote_url: the option {name!r} in {redact_url(url)} cannot be used: {why}")
 
 
 def remote_credentials(url: str) -> tuple:
@@ -276,6 +288,7 @@ class TierConfig:
         if self.remote_cluster and scheme == "unix":
             raise ValueError("remote_cluster: a cluster is reached over TCP (redis:// or rediss://), not unix://")
         _check_remote_address(url, scheme)
+        _check_remote_options(url)
         if not self.reuse_enabled:
             raise ValueError("remote_url: the remote tier shares prefix-cache blocks; it needs the prefix cache "
                              "(set disk_dir with a disk_budget > 0, and reuse not False)")

@@ -94,9 +94,11 @@ class RemoteTier:
         self._inflight = 0
         self._busy = False
         self._pending: dict = {}  # h -> layers queued for a block whose manifest is not queued yet
-        self._poisoned: set = set()  # blocks with a dropped or failed record: never get a manifest
-        self._reserved: set = set()  # blocks whose bytes the budget counter already includes (writer thread)
-        self._unlisted: set = set()  # reserved blocks whose manifest is not written yet (writer thread)
+        # blocks with a dropped or failed record in the current publish of them (it began with
+        # layer 0): its later records are dropped and it gets no manifest (insertion ordered)
+        self._poisoned: dict = {}
+        self._unlisted: set = set()  # blocks counted in the budget whose manifest is not written yet (writer)
+        self._evicted: set = set()  # blocks the writer's evictions deleted in the batch it is writing
         self._writer: Optional[threading.Thread] = None
         self.closed = False
         self._counts = {"lookups": 0, "hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0,
@@ -344,13 +346,15 @@ class RemoteTier:
         with self._cv:
             if self.closed:
                 return False
+            if layer == 0:  # a new publish of the block: a record dropped in an earlier one is past
+                self._poisoned.pop(block.h, None)
             if block.h in self._poisoned:
+                self._counts["writes_dropped"] += 1
                 return False
             if self._state == "down" and time.monotonic() < self._down_until \
                     or self._inflight + self.record_bytes > self.max_inflight:
                 self._counts["writes_dropped"] += 1
-                self._poisoned.add(block.h)
-                self._pending.pop(block.h, None)
+                self._poison(block.h)
                 return False
             self._inflight += self.record_bytes
             self._queue.append(("record", block, layer, kv))
@@ -452,26 +456,32 @@ class RemoteTier:
         not written (its records are dropped and counted). Returns the items to write."""
         if self.budget is None:
             return items
-        fresh = list(dict.fromkeys(it[1].h for it in items if it[0] == "record" and it[1].h not in self._reserved))
-        if fresh:  # a block already on the server (another worker wrote it) is rewritten, not counted again
+        blocks = list(dict.fromkeys(it[1].h for it in items if it[0] == "record"))
+        # Counted already: blocks whose records this process is writing (``_unlisted``), and
+        # blocks listed on the server (written by another worker, or by this one before),
+        # which are rewritten in place. Not those that left it: a block written, evicted and
+        # then written again was never counted again, and the namespace outgrew the budget.
+        fresh = [h for h in blocks if h not in self._unlisted]
+        on_server: set = set()
+        if fresh:
             # GET, not EXISTS: the README's ACL grants GET (manifests are small); a key of
             # another type reads as empty (_pipeline_get): that block is counted, SET replaces it
             there = self._pipeline_get(client, [self.manifest_key(h) for h in fresh])
-            for h, value in zip(fresh, there):
-                if value:
-                    self._reserved.add(h)
+            on_server = {h for h, value in zip(fresh, there) if value}
+        todo = [h for h in fresh if h not in on_server]
         refused: set = set()
-        for kind, block, _layer, _kv in items:
-            if kind != "record" or block.h in self._reserved or block.h in refused:
-                continue
-            self._unlisted.add(block.h)
+        self._evicted = set()
+        while todo:
+            h = todo.pop(0)
+            self._unlisted.add(h)
             used = self._count_bytes(client, self.block_bytes)
             if used > self.budget and not self._evict(client):
                 client.decrby(self.bytes_key, self.block_bytes)
-                self._unlisted.discard(block.h)
-                refused.add(block.h)
-                continue
-            self._reserved.add(block.h)
+                self._unlisted.discard(h)
+                refused.add(h)
+            gone = on_server & self._evicted  # rewritten here, deleted to make room: counted anew
+            on_server -= gone
+            todo.extend(gone)
         if not refused:
             return items
         kept = [it for it in items if it[0] == "touch" or it[1].h not in refused]
@@ -483,8 +493,16 @@ class RemoteTier:
             for kind, block, _layer, _kv in batch:
                 if kind == "record":
                     self._counts["writes_dropped"] += 1
-                    self._poisoned.add(block.h)
-                    self._pending.pop(block.h, None)
+                    self._poison(block.h)
+
+    _POISON_KEPT = 1 << 16  # blocks remembered: far more than the queue holds records of
+
+    def _poison(self, h: int) -> None:
+        """Under the lock: block ``h`` lost a record; it gets no manifest in this publish."""
+        self._pending.pop(h, None)
+        self._poisoned[h] = None
+        while len(self._poisoned) > self._POISON_KEPT:  # the oldest left the queue long ago
+            self._poisoned.pop(next(iter(self._poisoned)))
 
     def _count_bytes(self, client: Any, delta: int) -> int:
         """Add ``delta`` (a block's bytes, the block already in ``_unlisted``) to the
@@ -559,6 +577,7 @@ class RemoteTier:
             pipe.delete(*keys[1:])
             pipe.decrby(self.bytes_key, self.block_bytes)
             pipe.execute()
+            self._evicted.add(h)
             self._count(evicted_blocks=1)
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -591,6 +610,9 @@ class RemoteTier:
         with self._cv:
             self.closed = True
             left = len(self._queue)
+            unsent = sum(1 for item in self._queue if item[0] == "record")
+            self._counts["writes_dropped"] += unsent  # records not sent, as every other drop
+            self._inflight -= unsent * self.record_bytes
             self._queue.clear()
             self._cv.notify_all()
         if not drained and left:
