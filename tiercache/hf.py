@@ -1194,8 +1194,8 @@ class TieredCache(Cache):
         if store is None or store.closed or self.closed:
             return
         on_device = [k for k in self._layer_keys_now(layer_idx) if Tier.DEVICE in store.tiers_of(k)]
-        if on_device:
-            store.demote_many(on_device)
+        if on_device:  # generate() on another thread may drop some of them meanwhile
+            store.demote_many(on_device, missing_ok=True)
 
     def _prefetch_layer(self, layer_idx: int) -> None:
         store = self.store

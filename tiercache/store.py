@@ -833,14 +833,16 @@ class BlockStore:
         return self._move_when_room(key, lambda: self._demote_plan(key))
 
     @_starts_work
-    def demote_many(self, keys: Iterable[Hashable]) -> list:
+    def demote_many(self, keys: Iterable[Hashable], missing_ok: bool = False) -> list:
         """``demote`` for many blocks: one future per key, in order. The moves that have
         room below start together (on CPU, host<->device copies in chunks: see
         ``_submit_all``); the rest go one by one as ``demote``, waiting for room. A key
         given twice moves one tier, once; both places get that move's future. All or none: a
-        key the store does not hold is a KeyError, and nothing moves."""
+        key the store does not hold is a KeyError, and nothing moves (``missing_ok``: such
+        keys are skipped, for a caller whose keys another thread may delete meanwhile)."""
         given = _key_list(keys, "demote_many")
-        self._check_held(given)
+        if not missing_ok:
+            self._check_held(given)
         keys = list(dict.fromkeys(given))
         futures: list = [_done()] * len(keys)  # in the order of keys
         with self._lock:
