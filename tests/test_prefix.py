@@ -291,6 +291,25 @@ def test_weights_changed_through_data_are_named_again(tmp_path):
     assert_same(reference(model, ids), out)
 
 
+def test_a_config_changed_in_place_is_named_again(tmp_path):
+    """The model's name covers its config, but it was kept per model object while no
+    weight changed: Mistral's ``sliding_window`` (read at every forward) set from 64 to 6 in
+    place kept the old name, and the next request was served 28 tokens of KV computed under
+    the old window: other tokens than a cold run, logits 7.07 apart (a review). The config
+    is part of what is kept now: nothing reused, tokens exact; the same config again hits."""
+    model, ids = tiny_model(family="mistral"), prompt()
+    model.config.sliding_window = 64
+    run(model, ids, config(tmp_path))
+    _, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] > 0
+    model.config.sliding_window = 6
+    out, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(model, ids), out)
+    _, stats = run(model, ids, config(tmp_path))
+    assert stats["reused_tokens"] > 0
+
+
 def test_weights_offloaded_to_the_meta_device_turn_reuse_off(tmp_path):
     """accelerate leaves offloaded weights on the meta device. They named nothing, so two
     models that differed only there shared a digest, and the second was served the first's

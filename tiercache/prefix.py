@@ -166,8 +166,13 @@ def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
     if meta:
         raise UnsupportedModelError(f"{type(model).__name__}: the prefix cache cannot name weights on the meta device "
                                     f"({len(meta)} tensors, such as {meta[0]!r}: offloaded by accelerate?)")
-    with torch.no_grad():
-        state = (tuple((name, t.data_ptr(), t._version) for name, t in tensors), _weights_sample(tensors))
+    config = getattr(model, "config", None)
+    # where the model was loaded from does not name it: machines differ
+    config_text = json.dumps(_naming_fields(config.to_dict()), sort_keys=True, default=str) if config is not None \
+        else ""
+    with torch.no_grad():  # the config too: one changed in place (a sliding window) computes other KV
+        state = (tuple((name, t.data_ptr(), t._version) for name, t in tensors), _weights_sample(tensors),
+                 config_text)
     with _DIGESTS_LOCK:
         try:
             known = _DIGESTS.get(model)
@@ -177,9 +182,7 @@ def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
         return known[2]
     h = hashlib.blake2b(digest_size=16)
     h.update(type(model).__name__.encode())
-    config = getattr(model, "config", None)
-    if config is not None:  # where the model was loaded from does not name it: machines differ
-        h.update(json.dumps(_naming_fields(config.to_dict()), sort_keys=True, default=str).encode())
+    h.update(config_text.encode())
     h.update(str(dtype or (tensors[0][1].dtype if tensors else "")).encode())
     with torch.no_grad():
         for name, t in tensors:
