@@ -13,6 +13,7 @@ import functools
 import logging
 import operator
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -1202,27 +1203,34 @@ class BlockStore:
                 return out
             finally:
                 self.unpin(keys)
-        held = self._hold_in_memory(keys, ahead)
-        if hold and self._views_of(held):
-            return self.device_pool.view(held[0][1].slot, len(held), num_tokens, start_token)
+        # A held read takes its readers straight into the views' list (empty now): whatever
+        # point a Ctrl-C lands at, what it took is listed there, and the next release_views
+        # lets each go once. (Taken into a list of its own and handed over, a copy was let
+        # go twice, or kept for good, by an interrupt around the hand-over: a review.)
+        held: list = self._views if hold else []
         try:
+            self._hold_in_memory(keys, ahead, into=held)
+            first = self._views_of(held) if hold else None
+            if first is not None:
+                return self.device_pool.view(first, len(keys), num_tokens, start_token)
             t0 = time.perf_counter()
             out = self._gather_mixed(held, num_tokens, start_token, reuse=hold)
             self._count_gather(num_tokens * (self.geometry.block_bytes // self.geometry.block_tokens), t0)
-            return out
-        finally:
-            self._let_go(held)
+        except BaseException:
+            _uninterrupted(lambda: self._let_go(held))
+            raise
+        _uninterrupted(lambda: self._let_go(held))  # gathered: nothing to keep
+        return out
 
-    def _views_of(self, held: list) -> bool:
+    def _views_of(self, held: list) -> Optional[int]:
         """CPU: if the held copies ([(entry, copy)]) all lie on the device in adjacent slots,
-        in order, keep them held for views of the device pool (``release_views``) and say so."""
-        if not all(c is e.copies.get(Tier.DEVICE) for e, c in held) \
+        in order, the first slot (views of the device pool can be read; the copies stay
+        held until ``release_views``); else None."""
+        if not held or not all(c is e.copies.get(Tier.DEVICE) for e, c in held) \
                 or not DevicePool.consecutive([c.slot for _, c in held]):
-            return False
-        with self._lock:
-            self._views.extend(held)
+            return None
         self.read_stats["views"] += 1
-        return True
+        return held[0][1].slot
 
     @_starts_work
     def hold_resident(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = ()) -> Optional[int]:
@@ -1315,9 +1323,8 @@ class BlockStore:
         self.release_views()
         if self._streams is not None:
             return self._streams.read(keys, num_tokens, start_token, ahead, segments=True)
-        held = self._hold_in_memory(keys, ahead)
-        with self._lock:
-            self._views.extend(held)
+        # held in the views' list (see read_layer): read below, let go by release_views
+        held = self._hold_in_memory(keys, ahead, into=self._views)[:]
         g = self.geometry
         segments = []
         skip, left = start_token, num_tokens
@@ -1336,10 +1343,14 @@ class BlockStore:
         return segments
 
     def _let_go(self, held: list) -> None:
-        """Drop the readers ``held`` took ([(entry, copy)]); free what was deleted meanwhile."""
+        """Drop the readers ``held`` took ([(entry, copy)]), emptying ``held``; free what was
+        deleted meanwhile. Each copy is taken off the list in the statement after its reader
+        is dropped, with no call between (where a signal's exception could land): run again
+        after a Ctrl-C, it goes on where it stopped, and no copy is let go twice."""
         with self._lock:
-            for entry, copy in held:
-                copy.readers -= 1
+            while held:
+                entry, copy = held[-1]
+                copy.readers, held[-1:] = copy.readers - 1, []  # one statement, no call in it
                 if entry.deleted:
                     for t, slot in self.table._collect(entry):
                         self._released(entry.key, t, slot)
@@ -1347,14 +1358,16 @@ class BlockStore:
     def release_views(self) -> None:
         """Attention is done with the views ``read_layer(hold=True)`` returned: let their
         blocks go (they may be written, moved or freed again)."""
-        if self._views:
-            held, self._views = self._views, []
-            self._let_go(held)
+        if self._views:  # emptied as they go: after a Ctrl-C the rest are still listed here
+            _uninterrupted(lambda: self._let_go(self._views))
 
-    def _hold_in_memory(self, keys: list, ahead: Sequence[Hashable] = ()) -> list:
+    def _hold_in_memory(self, keys: list, ahead: Sequence[Hashable] = (), into: Optional[list] = None) -> list:
         """CPU path: wait until every key has a READY device or host copy; hold each such
         copy with a reader so nothing frees it. Returns [(entry, copy)] in key order.
-        ``ahead`` is prefetched to the host once the reads of ``keys`` are queued."""
+        ``ahead`` is prefetched to the host once the reads of ``keys`` are queued. ``into``:
+        a list of the caller's (empty) that is filled as the readers are taken, so that the
+        caller's cleanup lets them go whatever point a Ctrl-C lands at (even as this returns);
+        an interrupt inside lets go of what it took."""
         counted: set = set()
         stall = 0.0
         io_failures = 0
@@ -1404,14 +1417,17 @@ class BlockStore:
                         self._abandon(submit)
                         raise
                 if not missing and not waits:
-                    held = []
-                    for key in keys:
-                        entry = self.table.get(key)
-                        tier = Tier.DEVICE if self.table.is_ready(key, Tier.DEVICE) else Tier.HOST
-                        copy = entry.copies[tier]
-                        copy.readers += 1
-                        held.append((entry, copy))
-                        self.policies[tier].touch(key)  # a read where it lies is a use all the same
+                    held = into if into is not None else []
+                    try:
+                        for key in keys:
+                            entry = self.table.get(key)
+                            tier = Tier.DEVICE if self.table.is_ready(key, Tier.DEVICE) else Tier.HOST
+                            copy = entry.copies[tier]
+                            copy.readers, held[_END:] = copy.readers + 1, [(entry, copy)]  # no call between
+                            self.policies[tier].touch(key)  # a read where it lies is a use all the same
+                    except BaseException:
+                        _uninterrupted(lambda: self._let_go(held))
+                        raise
                     break
                 if not submit and not waits:
                     raise CapacityError(f"the host tier holds {self.table.num_slots(Tier.HOST)} blocks but this "
@@ -1431,10 +1447,10 @@ class BlockStore:
             io_failures = self._count_io(errors, io_failures)
         try:
             self._prefetch_ahead(ahead, set(keys), Tier.HOST)
+            self._stalled(stall)
         except BaseException:
-            self._let_go(held)
+            _uninterrupted(lambda: self._let_go(held))
             raise
-        self._stalled(stall)
         return held
 
     _IO_RETRIES = 3
@@ -2746,6 +2762,7 @@ class BlockStore:
         return buf[:g.block_bytes].view(g.dtype).view(g.shape)
 
 
+_END = sys.maxsize  # lst[_END:] = [x] appends, in a statement with no call (where a signal's exception lands)
 _LOST_KEPT = 4096  # blocks lost to failed checks whose reason a later read can still name
 
 

@@ -324,39 +324,42 @@ class DiskStreams:
                     store.events.prefetch("late", late)
                 if len(used) > late:
                     store.events.prefetch("used", len(used) - late)
-        held: list = []
+        # The readers go straight into the store's views list (empty: the caller let the last
+        # views go), so that a Ctrl-C anywhere leaves each listed once, for the next
+        # release_views (see BlockStore.read_layer); a gather lets them go at once.
+        held = store._views
         try:
-            held = store._hold_in_memory([keys[j] for j in memory])
-            # on the device, in order: views of the pool
-            if not segments and not used and not group.reads and held and store._views_of(held):
+            store._hold_in_memory([keys[j] for j in memory], into=held)
+            # on the device, in order: views of the pool (held for them, until release_views)
+            first = None if segments or used or group.reads else store._views_of(held)
+            if first is not None:
                 store._stalled(stall)
                 self._last = b
-                k, v = store.device_pool.view(held[0][1].slot, len(held), num_tokens, start_token)
-                held = []  # held for the views, until release_views
-                return k, v
+                return store.device_pool.view(first, len(keys), num_tokens, start_token)
             stall += self._settle(b)  # this layer's own reads
             store._stalled(stall)
             used.update(group.reads)
             again = self._check(used, base)
+            in_order = list(held)
             if again:  # read the usual way: through the host tier, where errors are named
-                more = store._hold_in_memory([keys[j] for j in again])
-                by_index = dict(zip(memory, held))
-                by_index.update(zip(again, more))
+                taken = len(held)
+                store._hold_in_memory([keys[j] for j in again], into=held)
+                by_index = dict(zip(memory, in_order))
+                by_index.update(zip(again, held[taken:]))
                 memory = sorted(by_index)
-                held = [by_index[j] for j in memory]
-            if segments:
-                out = self._segments(len(keys), dict(zip(memory, held)), base, num_tokens, start_token, (k_buf, v_buf))
-                with store._lock:  # held for the views, until release_views
-                    store._views.extend(held)
-                    held = []
+                in_order = [by_index[j] for j in memory]
+            if segments:  # held for the views, until release_views
                 self._last = b
-                return out
+                return self._segments(len(keys), dict(zip(memory, in_order)), base, num_tokens, start_token,
+                                      (k_buf, v_buf))
             t0 = time.perf_counter()
-            k, v = store._gather_mixed(held, num_tokens, base * bt + start_token, into=(k_buf, v_buf),
+            k, v = store._gather_mixed(in_order, num_tokens, base * bt + start_token, into=(k_buf, v_buf),
                                        at=[base + j for j in memory])
-            store._count_gather(len(held) * store.geometry.block_bytes, t0)
-        finally:
-            store._let_go(held)
+            store._count_gather(len(in_order) * store.geometry.block_bytes, t0)
+        except BaseException:
+            _uninterrupted(lambda: store._let_go(held))
+            raise
+        _uninterrupted(lambda: store._let_go(held))  # gathered: nothing to keep
         self._last = b
         return k, v
 
