@@ -539,6 +539,141 @@ def test_a_corrupted_record_is_recomputed_never_served(tmp_path):
     assert_same(reference(model, ids), out)
 
 
+def _prefix_of(model, cfg):
+    """The process's prefix cache for ``model`` under ``cfg`` (opened by a TieredCache)."""
+    with TieredCache(model, cfg) as cache:
+        return cache._ensure_prefix()
+
+
+def _orphans(pc) -> list:
+    """Index rows of stored blocks whose parent is not stored: they could never be served."""
+    rows = pc.index.rows()
+    return [h for h, r in rows.items() if r[4] and r[2] is not None and not (r[2] in rows and rows[r[2]][4])]
+
+
+def test_forgetting_a_damaged_prefix_forgets_the_blocks_that_extend_it(tmp_path):
+    """Prompts X and Y share blocks 0-1; block 1's record is damaged. Loading X forgot
+    block 1 and X's own later blocks, but Y's blocks 2-3 stayed stored and indexed with
+    their parent gone: never servable, holding budget, and (their link gone) eviction could
+    take the republished block 1 while they stayed (a review). Every block that extends a
+    forgotten one is forgotten with it now; tokens stay exact, and Y is served again once
+    X has published block 1 anew and Y ran once more."""
+    from tiercache.disk import DATA_NAME, HEADER_BYTES
+    from tiercache.prefix import chain
+    from tiercache.table import BlockKey, Tier
+
+    model, cfg = tiny_model(), config(tmp_path)
+    base = prompt(seed=7, length=8)
+    x, y = (torch.cat([base, prompt(seed=s, length=8)], 1) for s in (11, 12))
+    run(model, x, cfg)
+    run(model, y, cfg)
+    pc = _prefix_of(model, cfg)
+    shared = chain(x[0].tolist(), BT, pc.salt)[1]
+    slot = pc.store.table.copy(BlockKey(shared.h, 0, 1), Tier.DISK).slot
+    offset = slot * pc.store.disk.record_bytes + HEADER_BYTES + 7
+    path = os.path.join(pc.directory, DATA_NAME)
+    close_all()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out, stats = run(model, x, cfg)
+    assert_same(reference(model, x), out)
+    pc = _prefix_of(model, cfg)
+    y_blocks = chain(y[0].tolist(), BT, pc.salt)
+    assert _orphans(pc) == []
+    assert not any(BlockKey(b.h, 0, b.index) in pc.store for b in y_blocks[2:])  # gone with their prefix
+    out, _ = run(model, y, cfg)
+    assert_same(reference(model, y), out)
+    _, stats = run(model, y, cfg)
+    assert stats["reused_tokens"] > 2 * BT
+
+
+def test_a_reopened_prefix_cache_drops_blocks_whose_prefix_was_lost(tmp_path, caplog):
+    """An eviction writes extensions to disk before their prefixes, so a process killed
+    before it closed could leave on disk a block whose prefix was only in its memory. The
+    reopened cache kept such blocks (indexed, counted in stats, never servable: a review's
+    kill -9 runs). Here the first block's records go and the index is left as it was: at
+    the next open every block of that chain is dropped, with the usual warning."""
+    from tiercache.prefix import chain
+    from tiercache.table import BlockKey
+
+    model, cfg, ids = tiny_model(), config(tmp_path), prompt()
+    run(model, ids, cfg)
+    pc = _prefix_of(model, cfg)
+    first = chain(ids[0].tolist(), BT, pc.salt)[0]
+    for layer in range(pc.num_layers):
+        pc.store.delete(BlockKey(first.h, layer, 0))  # its records only; the index still names it
+    pc.store.flush()
+    close_all()
+    with caplog.at_level("WARNING", logger="tiercache"):
+        pc = _prefix_of(model, cfg)
+        assert "dropped" in caplog.text
+    stats = pc.stats()
+    assert stats["blocks"] == stats["prefixes"] == stats["records"] == 0 and _orphans(pc) == []
+    out, stats = run(model, ids, cfg)
+    assert stats["reused_tokens"] == 0
+    assert_same(reference(model, ids), out)
+
+
+def test_clear_of_one_tier_forgets_the_blocks_that_went_with_it(tmp_path, caplog):
+    """``clear("disk")`` drops the disk copies, and a block whose only copy was there goes
+    whole. Its index row stayed: stats counted blocks that were gone, the next open called
+    the difference damage ("dropped ... a process was killed"), and a block extending one
+    that went stayed, never servable (a review). Now the index forgets them, and their
+    extensions too."""
+    model, cfg, ids = tiny_model(), config(tmp_path), prompt()
+    run(model, ids, cfg)
+    close_all()
+    pc = _prefix_of(model, cfg)  # a fresh process's view: every block only on disk
+    assert pc.stats()["blocks"] > 0
+    pc.clear(tiercache.Tier.DISK)
+    stats = pc.stats()
+    assert stats["blocks"] == stats["records"] == 0 and _orphans(pc) == []
+    close_all()
+    with caplog.at_level("WARNING", logger="tiercache"):
+        pc = _prefix_of(model, cfg)
+    assert "dropped" not in caplog.text and pc.stats()["blocks"] == 0
+
+
+def test_first_sightings_are_remembered_within_a_bound(tmp_path):
+    """With ``reuse_admission="reused"`` every block seen once got an index row, kept for
+    good: a service that saw many distinct prompts grew the index past the disk budget
+    (48,660 rows, 3 MiB, over 160 KiB of records; a review), and every lookup read it all.
+    First sightings are bounded now (the least recently seen go first), and a lookup reads
+    only the prompt's own rows."""
+    from tiercache.prefix import chain
+
+    model = tiny_model()
+    pc = _prefix_of(model, config(tmp_path, reuse_admission="reused"))
+    bound = pc._max_sightings
+    for seed in range(bound * 3 // 2 // 8):
+        ids = torch.randint(1, 64, (8 * BT,), generator=torch.Generator().manual_seed(1000 + seed)).tolist()
+        for block in chain(ids, BT, pc.salt):
+            assert pc.admit(block) is False  # a first sighting: remembered, not stored
+    assert pc.index.sightings() <= bound * 5 // 4
+    seen = chain(torch.randint(1, 64, (2 * BT,), generator=torch.Generator().manual_seed(5)).tolist(), BT, pc.salt)
+    assert [pc.admit(b) for b in seen] == [False, False] and [pc.admit(b) for b in seen] == [True, True]
+
+
+def test_a_block_is_served_only_after_the_block_it_was_stored_after(tmp_path):
+    """A lookup checked each block's tokens and place, not its parent: two blocks with the
+    same tokens at the same place after different prefixes, whose 63-bit names collided,
+    would have been served for each other. The parent recorded in the index must be the
+    previous block of the lookup's chain."""
+    from tiercache.prefix import chain
+
+    model, cfg, ids = tiny_model(), config(tmp_path), prompt()
+    run(model, ids, cfg)
+    pc = _prefix_of(model, cfg)
+    blocks = chain(ids[0].tolist(), BT, pc.salt)
+    assert len(pc.match(ids[0].tolist())) == len(blocks) > 3
+    # the row of a colliding block: block 2's name and tokens, stored after block 0
+    pc.index._execute("writing", "UPDATE blocks SET parent = ? WHERE h = ?", (blocks[0].h, blocks[2].h))
+    assert len(pc.match(ids[0].tolist())) == 2
+
+
 def test_admission_stores_a_block_only_once_it_was_seen_before(tmp_path):
     model, ids = tiny_model(), prompt()
     cfg = config(tmp_path, reuse_admission="reused")

@@ -59,6 +59,8 @@ CREATE TABLE IF NOT EXISTS blocks (
     created REAL NOT NULL,
     last_used REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS blocks_parent ON blocks (parent);
+CREATE INDEX IF NOT EXISTS blocks_sightings ON blocks (layers, last_used);
 """
 
 
@@ -309,8 +311,38 @@ class PrefixIndex:
             except sqlite3.Error as exc:
                 raise self._io("reading", exc) from None
 
-    def rows(self) -> dict:
-        return {r[0]: r for r in self._fetch("SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks")}
+    def rows(self, hs: Optional[Sequence[int]] = None) -> dict:
+        """h -> (h, idx, parent, tokens, layers, hits, seen) of every block, or of ``hs``."""
+        sql = "SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks"
+        if hs is None:
+            return {r[0]: r for r in self._fetch(sql)}
+        out: dict = {}
+        hs = list(hs)
+        for lo in range(0, len(hs), 500):  # SQLite's limit on bound parameters
+            part = hs[lo:lo + 500]
+            out.update({r[0]: r for r in self._fetch(f"{sql} WHERE h IN ({','.join('?' * len(part))})", part)})
+        return out
+
+    def descendants(self, hs: Sequence[int]) -> dict:
+        """h -> idx of every block that extends one of ``hs``, directly or not."""
+        out: dict = {}
+        hs = list(hs)
+        for lo in range(0, len(hs), 500):
+            part = hs[lo:lo + 500]
+            out.update(self._fetch(
+                f"WITH RECURSIVE d(h) AS (SELECT h FROM blocks WHERE parent IN ({','.join('?' * len(part))}) "
+                f"UNION SELECT b.h FROM blocks b JOIN d ON b.parent = d.h) "
+                f"SELECT b.h, b.idx FROM blocks b JOIN d ON b.h = d.h", part))
+        return out
+
+    def sightings(self) -> int:
+        """Rows of blocks seen once and not stored (``reuse_admission="reused"``)."""
+        return self._fetch("SELECT count(*) FROM blocks WHERE layers = 0", one=True)[0]
+
+    def trim_sightings(self, n: int) -> None:
+        """Forget the ``n`` least recently seen first sightings."""
+        self._execute("writing", "DELETE FROM blocks WHERE h IN "
+                                 "(SELECT h FROM blocks WHERE layers = 0 ORDER BY last_used LIMIT ?)", (n,))
 
     def upsert(self, block: ChainBlock, layers: int, seen: int = 1) -> None:
         now = time.time()
@@ -393,6 +425,11 @@ class PrefixCache:
                                 f"of this model needs {num_layers} (one per layer); raise disk_budget to at least "
                                 f"{num_layers * self.store.disk.record_bytes} bytes, or pass reuse=False")
         self.admission = config.reuse_admission
+        # First sightings remembered (admission "reused"): four times the blocks the disk
+        # holds. Kept for good, they grew the index past the disk budget with every distinct
+        # block a service saw, and every lookup read them all.
+        self._max_sightings = max(4096, 4 * (self.store.num_slots(Tier.DISK) // num_layers))
+        self._sightings = 0
         self._lock = threading.RLock()
         self._filling: dict = {}  # (h, index) of blocks stored with some of their layers -> who stores them
         self.remote: Optional["RemoteTier"] = None
@@ -406,6 +443,7 @@ class PrefixCache:
                 self.index.set_meta("model_digest", digest.hex())
                 self.index.set_meta("layers", str(num_layers))
                 self._reconcile()
+                self._sightings = self.index.sightings()
             except TierIOError as exc:  # a full disk, say: the prefix cache cannot open (reuse=None: off)
                 self.index.close()
                 raise CacheDirError(str(exc)) from None
@@ -442,10 +480,19 @@ class PrefixCache:
         parents = self._parents_of([(h, i, ids) for h, i, ids, _ in recovered], rows, set(stale))
         for h, index, ids, layers in recovered:
             self.index.upsert(ChainBlock(h, index, parents.get(h), ids), layers)
+        # Blocks whose chain does not reach a first block could never be served: an eviction
+        # writes extensions down before their prefixes, so a process killed before it closed
+        # left some on disk whose prefix was only in its memory.
+        rows, servable = self.index.rows(), set()
+        for h, row in sorted(rows.items(), key=lambda item: item[1][1]):
+            if row[4] >= self.num_layers and (row[1] == 0 or row[2] in servable):
+                servable.add(h)
+        orphans = [ChainBlock(h, row[1], None, b"") for h, row in rows.items() if row[4] and h not in servable]
+        self.forget(orphans)
         added = len(recovered)
-        self.dropped_incomplete = len(stale)
+        self.dropped_incomplete = len(stale) + len(orphans)
         self.recovered = added
-        dropped = self.store.dropped_on_open + len(stale)
+        dropped = self.store.dropped_on_open + len(stale) + len(orphans)
         if dropped:
             log.warning("prefix cache %s: dropped %d damaged or incomplete records on open (a process "
                         "was killed while writing, or the files were damaged); their tokens will be "
@@ -490,12 +537,15 @@ class PrefixCache:
         """The longest run of full blocks of ``token_ids``, from the first, stored for every
         layer with exactly these tokens. With a remote tier, the run goes on with the blocks
         the server holds; those are fetched, checked and promoted into the local tiers."""
-        rows = self.index.rows()
         wanted = chain(token_ids, self.geometry.block_tokens, self.salt)
+        rows = self.index.rows([b.h for b in wanted])  # the prompt's own: not every row of the index
         hits = []
         for block in wanted:
             row = rows.get(block.h)
-            if row is None or row[3] != block.token_ids or row[1] != block.index or row[4] < self.num_layers:
+            # the same tokens, at the same place, after the same block (a 63-bit hash collision
+            # between blocks with the same tokens after different prefixes is not served)
+            if row is None or row[3] != block.token_ids or row[1] != block.index or row[2] != block.parent \
+                    or row[4] < self.num_layers:
                 break
             if not all(k in self.store for k in self._keys(block.h, block.index)):
                 break
@@ -575,6 +625,10 @@ class PrefixCache:
         with self._lock:
             if self.index.get(block.h) is None:
                 self.index.upsert(block, 0, seen=1)
+                self._sightings += 1
+                if self._sightings > self._max_sightings * 5 // 4:  # in batches: a count is a scan
+                    self.index.trim_sightings(self._sightings - self._max_sightings)
+                    self._sightings = self.index.sightings()
                 return False
             return True
 
@@ -677,12 +731,18 @@ class PrefixCache:
         return len(gone)
 
     def forget(self, blocks: list) -> None:
+        """Drop ``blocks`` and every block that extends them: a lookup walks from the first
+        block, so an extension whose prefix is gone could never be served (and, its parent
+        link gone, an eviction took a prefix while such an extension stayed)."""
         with self._lock:
-            for b in blocks:
-                self._filling.pop((b.h, b.index), None)
-                for key in self._keys(b.h, b.index):
+            gone = {b.h: b.index for b in blocks}
+            if gone:
+                gone.update(self.index.descendants(list(gone)))
+            for h, index in gone.items():
+                self._filling.pop((h, index), None)
+                for key in self._keys(h, index):
                     self.store.delete(key)
-            self.index.delete([b.h for b in blocks])
+            self.index.delete(list(gone))
 
     def clear(self, tier: Optional[Tier] = None) -> int:
         """Drop every prefix block (``tier`` None) or only their copies on ``tier``."""
@@ -691,7 +751,12 @@ class PrefixCache:
             if tier is None:
                 self.forget([ChainBlock(h, r[1], None, b"") for h, r in rows.items()])
                 return len(rows)
-            return self.store.drop_copies(tier)
+            dropped = self.store.drop_copies(tier)
+            # a block whose only copy was on ``tier`` went whole: its index row (and the blocks
+            # that extend it, which could not be served any more) go too
+            self.forget([ChainBlock(h, r[1], None, b"") for h, r in rows.items()
+                         if r[4] and not all(k in self.store for k in self._keys(h, r[1]))])
+            return dropped
 
     @property
     def forked(self) -> bool:
