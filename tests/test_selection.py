@@ -308,3 +308,35 @@ def test_the_default_budget_is_rounded_to_whole_blocks():
     assert tiercache.TierConfig(selection="quest", block_tokens=1024).selection_budget == 4096
     with pytest.raises(ValueError, match="use 4080 or 4128"):
         tiercache.TierConfig(selection="quest", block_tokens=48, selection_budget=4100)
+
+
+def test_gpt2s_upcast_attention_stays_its_own_under_the_hook(tmp_path):
+    """GPT-2 with ``reorder_and_upcast_attn`` computes attention in fp32, a path it takes
+    only when its attention implementation is named "eager". The hook (installed for
+    selection, retention, scores or attention in place) renames it, and GPT-2 took the
+    plain eager path: in fp16 with large q and k the logits were NaN, with a lossless
+    selection budget, and stayed NaN for DynamicCache runs after the cache closed (a
+    review). The hook now runs GPT-2's own upcast path there: the same tokens and logits
+    as DynamicCache, before and after."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=128,
+                                     initializer_range=0.2, reorder_and_upcast_attn=True, pad_token_id=PAD,
+                                     eos_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, :128] *= 60.0  # q and k large: their fp16 product overflows
+    model = model.half()
+    model.generation_config.eos_token_id = None
+    ids = prompt_ids(length=12, seed=3)
+    ref = generate(model, ids, max_new_tokens=6)
+    assert not any(step.isnan().any() for step in ref.logits)
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=64, selection="quest", selection_budget=64)
+    with TieredCache(model, cfg) as cache:
+        out = generate(model, ids, cache=cache, max_new_tokens=6)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) == 0.0
+    after = generate(model, ids, max_new_tokens=6)
+    assert torch.equal(ref.sequences, after.sequences) and not any(step.isnan().any() for step in after.logits)

@@ -59,12 +59,24 @@ def _inner_name(config: Any) -> str:
     return getattr(config, _INNER, None) or "sdpa"
 
 
+def _upcast_and_reordered(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], **kwargs: Any):
+    """GPT-2 with ``reorder_and_upcast_attn``: its attention in fp32 (``_upcast_and_reordered_attn``),
+    which the model takes only when its attention implementation is named "eager". Routed
+    through the hook (named "tiercache") it got the plain eager path instead: in fp16, q.k
+    overflowed to NaN logits (a review)."""
+    return module._upcast_and_reordered_attn(query, key, value, attention_mask)
+
+
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor], **kwargs: Any):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     inner = _inner_name(module.config)
-    if inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS:
+    if inner == "eager" and getattr(module, "reorder_and_upcast_attn", False) \
+            and hasattr(module, "_upcast_and_reordered_attn"):
+        fn = _upcast_and_reordered  # GPT-2's own eager path, which it takes only under "eager"
+    elif inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS:
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
     else:
         fn = ALL_ATTENTION_FUNCTIONS[inner]
