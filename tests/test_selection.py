@@ -340,3 +340,27 @@ def test_gpt2s_upcast_attention_stays_its_own_under_the_hook(tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) == 0.0
     after = generate(model, ids, max_new_tokens=6)
     assert torch.equal(ref.sequences, after.sequences) and not any(step.isnan().any() for step in after.logits)
+
+
+def test_a_left_padded_row_chooses_its_pages_as_it_would_alone(tmp_path):
+    """Quest keeps a row's first page (the attention sink) and picks the rest by score. A
+    left-padded row was offered its pages of padding too: its forced first page was pure
+    padding at every step, one page of its budget spent on what attention never sees, and
+    its tokens depended on the rest of the batch (a review: 8 of 12 differed from the row
+    alone). Each row now chooses among the pages it sees: with padding of whole blocks the
+    row's pages line up with its pages alone, and it generates the same tokens."""
+    model = tiny_model("llama")
+    pad, length, new = 2 * BT, 40, 12
+    row = prompt_ids(length=length, seed=7)
+    other = prompt_ids(length=length + pad, seed=8)
+    ids = torch.cat([other, torch.cat([torch.full((1, pad), PAD), row], 1)], 0)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    budget = dict(selection="quest", selection_budget=3 * BT)
+    with TieredCache(model, tight_config(model, tmp_path / "b", batch=2, device_blocks=128, **budget)) as cache:
+        batch = generate(model, ids, cache=cache, mask=mask, max_new_tokens=new)
+        stats = cache.attention_stats()["selection"]
+    assert stats["pages_read"] < stats["pages_total"]  # selection did leave pages out
+    with TieredCache(model, tight_config(model, tmp_path / "a", batch=1, device_blocks=128, **budget)) as cache:
+        alone = generate(model, row, cache=cache, max_new_tokens=new)
+    assert batch.sequences[1, -new:].tolist() == alone.sequences[0, -new:].tolist()
