@@ -105,8 +105,9 @@ class SelectionPlan:
         num_pages = len(self.keys)
         kmin, kmax = sel.bounds.get(self.layer_idx, 0, num_pages)
         grouped = query[:, :, -1].reshape(b, hkv, hq // hkv, d)  # [B, H_kv, R, D]
+        seen = visible(mask, q_len, self.num_tokens, query.device)  # [B|1, 1|Hq, q, N]
         with torch.no_grad():
-            chosen = self._choose(sel, grouped, kmin, kmax, mask, q_len, num_pages, bt)  # [B, H_kv, P]
+            chosen = self._choose(sel, grouped, kmin, kmax, seen, num_pages, bt)  # [B, H_kv, P]
         pages = chosen.any(dim=1).any(dim=0).nonzero().flatten().tolist()
         lengths = [min(bt, self.num_tokens - p * bt) for p in pages]
         keys = [self.keys[p] for p in pages]
@@ -122,19 +123,20 @@ class SelectionPlan:
             return k, v, mask  # every page, every head: exactly the full read
         per_head = chosen[:, :, pages][:, :, page_of]  # [B, H_kv, n]
         per_head = per_head.repeat_interleave(hq // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, n]
-        vis = visible(mask, q_len, self.num_tokens, device)[..., cols] & per_head
+        vis = seen[..., cols] & per_head
         return k, v, as_mask(vis, eager, query.dtype)
 
     def _choose(self, sel: Any, grouped: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                mask: Optional[torch.Tensor], q_len: int, num_pages: int, bt: int) -> torch.Tensor:
+                seen: torch.Tensor, num_pages: int, bt: int) -> torch.Tensor:
         """The policy's pages, each row choosing among the pages where it sees a token: a
         left-padded row's leading pages of padding are not offered (its first visible page
         is its first page, the sink Quest keeps). Offered every page, such a row spent its
         forced first page, and with it one page of its budget, on padding at every step,
-        and its tokens depended on the rest of the batch (a review)."""
+        and its tokens depended on the rest of the batch (a review). ``seen``: the step's
+        visibility (``visible``)."""
         first = None
-        if mask is not None and mask.shape[0] > 1:
-            seen = visible(mask, q_len, self.num_tokens, grouped.device)[:, :, -1].any(dim=1)  # [B, N]
+        if seen.shape[0] > 1:  # per row (a padding mask): the keys the step's last query sees
+            seen = seen[:, :, -1].any(dim=1)  # [B, N]
             seen = torch.nn.functional.pad(seen, (0, num_pages * bt - seen.shape[-1]))
             pages_seen = seen.view(seen.shape[0], num_pages, bt).any(dim=-1)  # [B, P]
             first = pages_seen.to(torch.int8).argmax(dim=-1).tolist()  # first page a row sees (0 if none)

@@ -1325,18 +1325,29 @@ class BlockStore:
             return self._streams.read(keys, num_tokens, start_token, ahead, segments=True)
         # held in the views' list (see read_layer): read below, let go by release_views
         held = self._hold_in_memory(keys, ahead, into=self._views)[:]
+        runs = [(Tier.DEVICE if on_device else Tier.HOST, slot, count) for on_device, slot, count, _ in _runs(held)]
+        return self._segment_views(runs, num_tokens, start_token)
+
+    def _segment_views(self, runs: list, num_tokens: int, start_token: int, buf: Optional[tuple] = None) -> list:
+        """[(k, v)] views ([B, H, t, D]) of ``runs`` — (Tier.DEVICE, first slot, count) for
+        adjacent device slots, (Tier.HOST, slot, 1) for a host block, (None, first position,
+        count) for blocks in ``buf`` (K, V, [rows, capacity, T*D]) — covering ``num_tokens``
+        from ``start_token`` of the first block."""
         g = self.geometry
         segments = []
         skip, left = start_token, num_tokens
-        for on_device, slot, count, _ in _runs(held):
+        for tier, at, count in runs:
             if left <= 0:
                 break
             t = min(left, count * g.block_tokens - skip)
-            if on_device:
-                k, v = self.device_pool.view(slot, count, t, skip)
-            else:
-                block = self.host_pool.view(slot)
+            if tier is Tier.DEVICE:
+                k, v = self.device_pool.view(at, count, t, skip)
+            elif tier is Tier.HOST:
+                block = self.host_pool.view(at)
                 k, v = block[0][:, :, skip:skip + t], block[1][:, :, skip:skip + t]
+            else:
+                shape = (g.batch, g.kv_heads, count * g.block_tokens, g.head_dim)
+                k, v = (x[:, at:at + count].view(shape)[:, :, skip:skip + t] for x in buf)
             segments.append((k, v))
             left -= t
             skip = 0

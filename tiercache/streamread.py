@@ -370,7 +370,6 @@ class DiskStreams:
         -> the held (entry, copy) of each block read from the device or host tier; the others
         lie in ``buf`` (K, V) at ``base`` + their index."""
         store = self.store
-        g = store.geometry
         runs: list = []  # [tier (None: the buffer), first slot or position, count]
         for j in range(n):
             held = memory.get(j)
@@ -384,24 +383,7 @@ class DiskStreams:
                 last[2] += 1
             else:
                 runs.append([tier, at, 1])
-        out = []
-        skip, left = start_token, num_tokens
-        for tier, at, count in runs:
-            if left <= 0:
-                break
-            t = min(left, count * g.block_tokens - skip)
-            if tier is Tier.DEVICE:
-                k, v = store.device_pool.view(at, count, t, skip)
-            elif tier is Tier.HOST:
-                block = store.host_pool.view(at)
-                k, v = block[0][:, :, skip:skip + t], block[1][:, :, skip:skip + t]
-            else:
-                shape = (g.batch, g.kv_heads, count * g.block_tokens, g.head_dim)
-                k, v = (x[:, at:at + count].view(shape)[:, :, skip:skip + t] for x in buf)
-            out.append((k, v))
-            left -= t
-            skip = 0
-        return out
+        return store._segment_views(runs, num_tokens, start_token, buf)
 
     def _check(self, used: dict, base: int) -> list:
         """The reads of ``used`` have finished: count those that read their block (a disk
