@@ -13,6 +13,8 @@ from tiercache import BlockCorruptedError, BlockKey, Tier
 from tiercache.aio import AsyncStore
 from tiercache.disk import DATA_NAME, HEADER_BYTES
 from tiercache.policies import EVICTION_POLICIES
+from tiercache.store import BlockStore
+from tiercache.tiers import BlockGeometry
 from tiercache.transfer import Priority
 
 
@@ -404,3 +406,45 @@ def test_a_disk_write_that_fails_while_its_record_is_awaited_reads_as_no_copy(ma
         release.set()
     assert got is None
     assert store.tiers_of(key) == [Tier.HOST] and torch.equal(store.get(key), block)
+
+
+def test_a_reorder_on_a_one_thread_default_executor_does_not_starve_a_disk_read(tmp_path):
+    """An asyncio program that runs the store's blocking calls on a default executor of one
+    thread: ``reorder_rows`` (beam search) goes there while ``read_disk_record`` holds a
+    reader on a record. The reorder waits until no copy is being read; the read's file
+    calls went to the same default executor, queued behind the reorder, so neither ever
+    finished (the program hung). The read now does its file I/O on threads of its own, and
+    both finish: the read returns the record as it was, the reorder then permutes it."""
+    from conftest import tiny_config
+    geometry = BlockGeometry(batch=2, kv_heads=1, block_tokens=4, head_dim=8, dtype=torch.float32)
+    store = BlockStore(tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=2), geometry, persistent=False)
+    key, block = BlockKey(0, 0, 0), torch.randn(geometry.shape)
+    store.put(key, block)
+    assert store.flush() == 1
+    swap = torch.tensor([1, 0])
+    go = threading.Event()
+
+    def reorder_when_told() -> None:  # the default executor's only thread, busy until go
+        go.wait(30)
+        store.reorder_rows(swap)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        reorder = loop.run_in_executor(None, reorder_when_told)
+        read = asyncio.create_task(AsyncStore(store).read_disk_record(key))
+        while not store.table.any_in_use():  # the read holds its reader: the reorder may start
+            await asyncio.sleep(0.001)
+        go.set()
+        try:
+            return await asyncio.wait_for(asyncio.gather(read, reorder), 30)
+        except asyncio.TimeoutError:
+            pytest.fail("read_disk_record and reorder_rows waited for each other (deadlock)")
+
+    try:
+        got, _ = asyncio.run(scenario())
+        assert torch.equal(got, block)  # read before the reorder
+        assert torch.equal(store.get(key), block.index_select(1, swap))
+        store.check()
+    finally:
+        store.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Hashable, Iterable, Optional
 
 import aiofiles
@@ -76,10 +77,25 @@ class AsyncStore:
     ``CancelledError``. So a caller that sees ``CancelledError`` sees the store settled:
     the call never happened or it has happened (a cancelled ``put`` may have landed:
     ``key in store`` says which), never one still under way.
+
+    ``read_disk_record`` does its file I/O on two threads of its own, not on the loop's
+    default executor: it holds a reader on the record while it reads, and a
+    ``reorder_rows`` running on a one-thread default executor waits for that reader, so a
+    read queued behind it would never come.
     """
+
+    FILE_THREADS = 2
 
     def __init__(self, store: BlockStore) -> None:
         self.store = store
+        self._files: Optional[ThreadPoolExecutor] = None  # read_disk_record's, made on first use
+        self._files_lock = threading.Lock()
+
+    def _file_executor(self) -> ThreadPoolExecutor:
+        with self._files_lock:
+            if self._files is None:
+                self._files = ThreadPoolExecutor(self.FILE_THREADS, thread_name_prefix="tiercache-aio-files")
+            return self._files
 
     async def _call(self, fn: Callable, *args, settle: Optional[Callable] = None):
         """``fn(*args)`` on the executor, with the cancellation of the class docstring.
@@ -114,15 +130,15 @@ class AsyncStore:
         return await self._call(self.store.get, key)
 
     async def promote(self, key: Hashable, tier: Tier = Tier.DEVICE) -> None:
-        """``BlockStore.promote``, waited for. As there, an unknown key raises
-        ``BlockCorruptedError`` ("not in the cache") to the device and does nothing to the host."""
+        """``BlockStore.promote``, waited for. As there, a key the store does not hold is a
+        ``KeyError``."""
         # Starting a move can wait (for room on the tier, for a slot in the I/O queue, or, to
         # the device, for the whole fetch): on the executor, not on the loop.
         await self._wait_move(await self._call(self.store.promote, key, tier, settle=self._land))
 
     async def demote(self, key: Hashable) -> None:
-        """``BlockStore.demote``, waited for. As there, an unknown key (or a block with
-        nowhere lower to go) is a no-op."""
+        """``BlockStore.demote``, waited for. As there, a key the store does not hold is a
+        ``KeyError``, and a block with nowhere lower to go stays where it is."""
         await self._wait_move(await self._call(self.store.demote, key, settle=self._land))
 
     async def ensure_device(self, keys: Iterable[Hashable], pin: bool = False) -> float:
@@ -197,21 +213,28 @@ class AsyncStore:
         raw = torch.empty(HEADER_BYTES + disk.payload_bytes, dtype=torch.uint8)
         view = memoryview(raw.numpy())
         got = 0
+        files = self._file_executor()
+        f = None
         try:
-            async with aiofiles.open(disk.path, "rb", buffering=0) as f:
-                await f.seek(slot * disk.record_bytes)
-                while got < len(view):
-                    n = await f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+            # Not ``async with``: aiofiles' __aexit__ closes on the default executor.
+            f = await aiofiles.open(disk.path, "rb", buffering=0, executor=files)
+            await f.seek(slot * disk.record_bytes)
+            while got < len(view):
+                n = await f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
         except OSError:
             if store.closed:
                 raise RuntimeError("AsyncStore.read_disk_record: the store was closed during the read") from None
             raise
         finally:
-            store._let_go([(entry, copy)])  # frees the copy if the block was deleted meanwhile
-        await aiofiles.os.wrap(self._verify)(key, view, got)
+            try:
+                if f is not None and await _outlast(asyncio.ensure_future(f.close())):
+                    raise asyncio.CancelledError  # cancelled while the file closed
+            finally:
+                store._let_go([(entry, copy)])  # frees the copy if the block was deleted meanwhile
+        await aiofiles.os.wrap(self._verify)(key, view, got, executor=files)
         g = store.geometry
         return raw[HEADER_BYTES:].view(g.dtype).view(g.shape)
 
