@@ -2922,3 +2922,156 @@ def _reorder_behind_a_held_read(store, first, second, swap, in_read, go_on, got)
     for t in (held, reorder, late):
         t.join(10)
         assert not t.is_alive()
+
+
+# ---- a review of the store's core (2026-12-06): races and arguments --------------------
+def _paused_writes(store) -> tuple:
+    """Make the next ``put``'s copy into its device slot wait: returns (entered, go)."""
+    entered, go = threading.Event(), threading.Event()
+    write_block = store.device_pool.write_block
+
+    def paused(slot, block):
+        entered.set()
+        assert go.wait(30), "the test never let the write go on"
+        return write_block(slot, block)
+    store.device_pool.write_block = paused
+    return entered, go
+
+
+def test_a_block_deleted_while_its_put_copies_in_leaves_no_slot_behind(make_store, geometry):
+    """A put copies its bytes into a FILLING slot outside the lock. Another thread deletes
+    the key meanwhile, then puts a new block under it. The first put used to look its slot
+    up by key when it finished: it found no block (a bare KeyError, and its slot leaked for
+    good: a 3-slot device later refused a put into an empty store) or the newer block,
+    whose half-written copy it marked READY. Now it finishes on the block it began: the
+    put returns (it landed, then went), its slot is free, and the newer block is intact."""
+    store = make_store(device_blocks=3, host_blocks=3)
+    key = BlockKey(0, 0, 0)
+    old, new = torch.randn(geometry.shape), torch.randn(geometry.shape)
+    entered, go = _paused_writes(store)
+    outcome: list = []
+
+    def put_old() -> None:
+        try:
+            store.put(key, old)
+            outcome.append("returned")
+        except Exception as exc:  # noqa: BLE001 - the outcome is the assertion
+            outcome.append(exc)
+
+    putter = threading.Thread(target=put_old)
+    putter.start()
+    assert entered.wait(30)
+    store.delete(key)                  # the block being put is gone ...
+    store.device_pool.write_block = type(store.device_pool).write_block.__get__(store.device_pool)
+    store.put(key, new)                # ... and its key names another block
+    go.set()
+    putter.join(30)
+    assert outcome == ["returned"]
+    assert torch.equal(store.get(key), new)
+    assert store.tier_stats()["device"]["blocks"] == 1 and len(store) == 1
+    store.check()
+    store.delete(key)
+    for i in range(6):  # every slot usable again: three on the device, three on the host
+        store.put(BlockKey(0, 0, i), torch.randn(geometry.shape))
+    assert store.tier_stats()["device"]["blocks"] == 3
+    store.check()
+
+
+def test_begin_write_refuses_a_block_with_no_device_copy_and_changes_nothing(make_store, geometry):
+    """``begin_write`` drops the copies other than the device's before an append. For a
+    block with no device copy it dropped every copy (a bare KeyError after that), and the
+    block's ``get`` then spun forever on a key with no copies. Now it refuses, by name."""
+    store = make_store(device_blocks=2, host_blocks=2)
+    key, block = BlockKey(0, 0, 0), torch.randn(geometry.shape)
+    store.put(key, block, tier=Tier.HOST)
+    with pytest.raises(ValueError, match="no copy on the device"):
+        store.begin_write(key)
+    assert store.tiers_of(key) == [Tier.HOST] and torch.equal(store.get(key), block)
+    with pytest.raises(KeyError):
+        store.begin_write(BlockKey(9, 9, 9))
+    with pytest.raises(KeyError, match="no copy on the device"):
+        store.device_slots([key])
+    store.check()
+
+
+def test_ensure_device_unpins_the_blocks_it_pinned_not_their_keys(make_store, geometry):
+    """``ensure_device(pin=False)`` pins what is already on the device while the rest
+    comes, then unpins. A block deleted and put anew under its key meanwhile (another
+    thread) made that unpin fail with "not pinned" (the new block never was), and the
+    call's other pins stayed for good. It now lets go of the blocks it pinned."""
+    store = make_store(device_blocks=3, host_blocks=3)
+    a, b, c = BlockKey(0, 0, 0), BlockKey(0, 0, 1), BlockKey(0, 0, 2)
+    for key in (a, c, b):
+        store.put(key, torch.randn(geometry.shape))
+    store.demote(b).result()           # b comes up during the call; a and c are pinned meanwhile
+    renewed = torch.randn(geometry.shape)
+    copy, done = store._copy, []
+
+    def replace_a_first(*args, **kwargs):  # as b's fetch starts, with a and c pinned
+        if not done:
+            done.append(True)
+            worker = threading.Thread(target=lambda: (store.delete(a), store.put(a, renewed, tier=Tier.HOST)))
+            worker.start()
+            worker.join(30)
+        return copy(*args, **kwargs)
+    store._copy = replace_a_first
+    store.ensure_device([c, a, b], pin=False)
+    assert done, "the fetch of b never ran: the scenario did not happen"
+    assert [store.table.get(k).pins for k in (a, b, c)] == [0, 0, 0]
+    assert torch.equal(store.get(a), renewed)
+    store.check()
+
+
+def test_read_layer_of_a_key_named_twice_and_tokens_past_its_blocks(tmp_path, geometry):
+    """``read_layer`` (no host tier: through ``ensure_device``) pins each key once but
+    unpinned every occurrence: a key named twice raised "not pinned 2 times" after the read,
+    and left both blocks pinned. Asking for more tokens than the blocks hold returned fewer,
+    silently. Both are now as they should be."""
+    store = BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=0), geometry, persistent=False)
+    try:
+        a, b = BlockKey(0, 0, 0), BlockKey(0, 0, 1)
+        data = {a: torch.randn(geometry.shape), b: torch.randn(geometry.shape)}
+        for key, block in data.items():
+            store.put(key, block)
+        t = geometry.block_tokens
+        k, v = store.read_layer([a, b, a], 3 * t)
+        assert torch.equal(k, torch.cat([data[a][0], data[b][0], data[a][0]], dim=2))
+        assert torch.equal(v[:, :, t:2 * t], data[b][1])
+        assert store.table.get(a).pins == 0 and store.table.get(b).pins == 0
+        with pytest.raises(ValueError, match="not within"):
+            store.read_layer([a], t + 1)
+        store.check()
+    finally:
+        store.close()
+
+
+def test_new_blocks_refuses_a_key_named_twice_or_already_stored(make_store, geometry):
+    """``new_blocks`` gave a stored key a second, unwritten device copy (its ``get`` then
+    returned other bytes), and a key named twice failed midway with the batch's first
+    blocks left allocated and pinned. Both are refused first; nothing is allocated."""
+    store = make_store(device_blocks=3, host_blocks=3)
+    stored, block = BlockKey(0, 0, 0), torch.randn(geometry.shape)
+    store.put(stored, block, tier=Tier.HOST)
+    fresh = BlockKey(0, 0, 1)
+    with pytest.raises(ValueError, match="named twice"):
+        store.new_blocks([fresh, BlockKey(0, 0, 2), fresh])
+    with pytest.raises(ValueError, match="already stored"):
+        store.new_blocks([fresh, stored])
+    assert fresh not in store and len(store) == 1
+    assert store.tier_stats()["device"]["blocks"] == 0
+    assert torch.equal(store.get(stored), block)
+    store.check()
+
+
+def test_put_refuses_a_dtype_the_store_cannot_hold_without_loss(make_store, geometry):
+    """A float32 store converted whatever came: float64 1e300 came back inf, complex lost
+    its imaginary part. A dtype that widens into the store's (float16) is exact and taken."""
+    store = make_store(device_blocks=2, host_blocks=2)
+    for i, dtype in enumerate((torch.float64, torch.complex64, torch.bfloat16 if geometry.dtype is torch.float16
+                                else torch.int64)):
+        with pytest.raises(ValueError, match="without loss"):
+            store.put(BlockKey(0, 0, i), torch.ones(geometry.shape, dtype=dtype))
+    assert len(store) == 0
+    half = torch.randn(geometry.shape).half()
+    store.put(BlockKey(0, 1, 0), half)
+    assert torch.equal(store.get(BlockKey(0, 1, 0)), half.float())

@@ -14,7 +14,7 @@ def table(device=4, host=2, disk=4) -> BlockTable:
 
 def ready(t: BlockTable, key, tier=D) -> int:
     slot = t.allocate(key, tier)
-    t.commit(key, tier)
+    t.commit(t.get(key), tier)
     return slot
 
 

@@ -436,6 +436,11 @@ class BlockStore:
             raise ValueError("block: a meta tensor holds no data")
         if tuple(block.shape) != self.geometry.shape:
             raise ValueError(f"block shape {tuple(block.shape)} != {self.geometry.shape}")
+        if (block.dtype.is_floating_point != self.geometry.dtype.is_floating_point or block.dtype.is_complex
+                or torch.promote_types(block.dtype, self.geometry.dtype) != self.geometry.dtype):
+            # float64 -> float32 turned 1e300 into inf, complex lost its imaginary part: silently
+            raise ValueError(f"block dtype {block.dtype} does not fit the store's {self.geometry.dtype} "
+                             f"without loss; convert it first")
         bt = self.geometry.block_tokens
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
                                        or not 0 <= num_tokens <= bt):
@@ -472,6 +477,7 @@ class BlockStore:
                     raise CapacityError(self._full_message(1, tier, {key}))
                 if self.table.num_free(tier) >= 1 and not moves:
                     slot = self.table.allocate(key, tier)  # FILLING
+                    entry = self.table.get(key)
                     self._putting += 1
                     break
             stall += self._wait_moves(moves, raise_io=True)
@@ -484,12 +490,16 @@ class BlockStore:
             with self._lock:
                 self._putting -= 1
                 self._put_done.notify_all()
-                self._released(key, tier, self.table.abort(key, tier))
+                self._released(key, tier, self.table.abort(entry, tier))
             raise
         with self._lock:
             self._putting -= 1
             self._put_done.notify_all()
-            self.table.commit(key, tier)
+            if entry.deleted:  # deleted on another thread while its bytes came in: it landed and went
+                self._released(key, tier, self.table.abort(entry, tier))
+                self._stalled(stall)
+                return
+            self.table.commit(entry, tier)
             self.policies[tier].insert(key)
             self._tokens[key] = self.geometry.block_tokens if num_tokens is None else num_tokens
             self._lost.pop(key, None)  # a new block under this key
@@ -981,10 +991,19 @@ class BlockStore:
         previous one. Blocks that attention reads together in adjacent slots are read in
         place, without a gather copy (``read_layer``).
         """
-        protect = set(protect) | set(keys)
+        keys = _key_list(keys, "new_blocks")
+        seen: set = set()
+        for key in keys:
+            if key in seen:
+                raise ValueError(f"new_blocks: block {key!r} is named twice")
+            seen.add(key)
+        protect = set(protect) | seen
         stall = 0.0
         while True:
             with self._lock:
+                stored = next((k for k in keys if self.table.get(k) is not None), None)
+                if stored is not None:  # checked again after each wait: another thread may have put it
+                    raise ValueError(f"new_blocks: block {stored!r} is already stored; delete it first")
                 moves = self._room(Tier.DEVICE, len(keys), protect, allow_writeback=True)
                 if self.table.num_free(Tier.DEVICE) < len(keys) and not moves:
                     raise CapacityError(self._full_message(len(keys), Tier.DEVICE, protect))
@@ -995,7 +1014,7 @@ class BlockStore:
                         slot = self.table.allocate(key, Tier.DEVICE, prefer)
                         slots.append(slot)
                         prefer = None if near is None else slot + 1
-                        self.table.commit(key, Tier.DEVICE)
+                        self.table.commit(self.table.get(key), Tier.DEVICE)
                         self.table.pin(key)
                         self.policies[Tier.DEVICE].insert(key)
                         self._tokens[key] = 0
@@ -1013,8 +1032,8 @@ class BlockStore:
         layer's without a gap."""
         keys = list(dict.fromkeys(_key_list(keys, "ensure_device")))  # once each: a key given twice is pinned once
         protect = set(keys)
-        pinned: list = []
-        pinned_keys: set = set()  # the same, for lookups (a batch may hold hundreds of keys)
+        pinned: list = []  # entries: a key deleted and stored anew meanwhile names a block not pinned here
+        pinned_keys: set = set()  # their keys, for lookups (a batch may hold hundreds of keys)
         first = True  # the first pass over keys: hits and prefetch outcomes are counted in it
         stall = 0.0
         io_failures = 0
@@ -1063,7 +1082,7 @@ class BlockStore:
                         # pass of ``pin=False``: those pins would go again at once.
                         for key in fresh:
                             self.table.pin(key)
-                            pinned.append(key)
+                            pinned.append(get(key))
                             pinned_keys.add(key)
                     if missing:
                         try:
@@ -1101,12 +1120,16 @@ class BlockStore:
                 io_failures = self._count_io(errors, io_failures)
             self._prefetch_ahead(ahead, protect, Tier.DEVICE)
         except BaseException:
-            self.unpin(pinned)
+            self._unpin_entries(pinned)
             raise
         if not pin:
-            self.unpin(pinned)
+            self._unpin_entries(pinned)
         self._stalled(stall)
         return stall
+
+    def _unpin_entries(self, entries: list) -> None:
+        with self._lock:
+            self.table.unpin_entries(entries)
 
     def _prefetch_ahead(self, ahead: Sequence[Hashable], protect: set, dst: Tier, mine: Sequence = ()) -> tuple:
         """Start prefetching ``ahead`` (once: returns the empty tuple to carry on with).
@@ -1180,6 +1203,9 @@ class BlockStore:
         the attention tier as soon as the fetches of ``keys`` are queued, before waiting for
         them: the transfer queue then never runs dry between two layers.
         """
+        if start_token < 0 or num_tokens < 0 or start_token + num_tokens > len(keys) * self.geometry.block_tokens:
+            raise ValueError(f"read_layer: tokens {start_token} .. {start_token + num_tokens} are not within the "
+                             f"{len(keys)} blocks of {self.geometry.block_tokens} tokens given")
         if hold:
             self.release_views()
             if self._streams is not None:
@@ -1202,7 +1228,7 @@ class BlockStore:
                 self.note_compute()  # later copies into these slots wait for the gather
                 return out
             finally:
-                self.unpin(keys)
+                self.unpin(list(dict.fromkeys(keys)))  # ensure_device pinned each once
         # A held read takes its readers straight into the views' list (empty now): whatever
         # point a Ctrl-C lands at, what it took is listed there, and the next release_views
         # lets each go once. (Taken into a list of its own and handed over, a copy was let
@@ -1558,8 +1584,14 @@ class BlockStore:
             return None if copy is None else copy.slot
 
     def device_slots(self, keys: list) -> list:
+        """The device slot of each of ``keys``' copies there; a block with no copy on the
+        device is a KeyError."""
         with self._lock:
-            return [self.table.copy(k, Tier.DEVICE).slot for k in keys]
+            copies = [self.table.copy(k, Tier.DEVICE) for k in keys]
+            missing = next((k for k, c in zip(keys, copies) if c is None), None)
+            if missing is not None:
+                raise KeyError(f"block {missing!r} has no copy on the device")
+            return [c.slot for c in copies]
 
     @_starts_work
     def begin_write(self, key: Hashable) -> int:
@@ -1572,6 +1604,11 @@ class BlockStore:
         while True:
             with self._lock:
                 entry = self.table.get(key)
+                if entry is None:
+                    raise KeyError(key)
+                if Tier.DEVICE not in entry.copies:  # the stale copies dropped would be its only ones
+                    raise ValueError(f"begin_write: block {key!r} has no copy on the device; "
+                                     f"ensure_device (which pins it) first")
                 if not entry.in_flight():
                     for tier, slot in self.table.drop_others(key, Tier.DEVICE):
                         self._released(key, tier, slot)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import heapq
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, NamedTuple, Optional
+from typing import Hashable, Iterable, Iterator, NamedTuple, Optional
 
 
 class Tier(enum.IntEnum):
@@ -287,20 +287,24 @@ class BlockTable:
         self._blocks[key] = BlockEntry(key, {tier: Copy(slot, CopyState.READY)})
         self._on_tier[tier].add(key)
 
-    def commit(self, key: Hashable, tier: Tier) -> None:
-        entry = self._blocks[key]
-        c = entry.copies[tier]
-        if c.state is not CopyState.FILLING:
-            raise TableError(f"copy of {key!r} on {tier.label} is not filling")
-        c.state = CopyState.READY
-
-    def abort(self, key: Hashable, tier: Tier) -> int:
-        """Give back a FILLING copy whose write failed. Returns the freed slot."""
-        entry = self._blocks[key]
+    def commit(self, entry: BlockEntry, tier: Tier) -> None:
+        """``entry``'s FILLING copy on ``tier`` (``allocate``) is written: READY. By entry, not
+        key: a block deleted while it was filled (and its key maybe stored anew) is parked
+        among the zombies, and a lookup by key found nothing or the newer block."""
         c = entry.copies.get(tier)
         if c is None or c.state is not CopyState.FILLING:
-            raise TableError(f"copy of {key!r} on {tier.label} is not filling")
-        return self._free_copy(entry, tier)
+            raise TableError(f"copy of {entry.key!r} on {tier.label} is not filling")
+        c.state = CopyState.READY
+
+    def abort(self, entry: BlockEntry, tier: Tier) -> int:
+        """Give back ``entry``'s FILLING copy on ``tier`` (its write failed, or the block was
+        deleted meanwhile); a deleted block with no copies left goes. Returns the freed slot."""
+        c = entry.copies.get(tier)
+        if c is None or c.state is not CopyState.FILLING:
+            raise TableError(f"copy of {entry.key!r} on {tier.label} is not filling")
+        slot = self._free_copy(entry, tier)
+        self._collect(entry)
+        return slot
 
     def prepare_move(self, key: Hashable, src: Tier, dst: Tier, drop_source: bool) -> Move:
         return self.prepare_moves([(key, src)], dst, drop_source)[0]
@@ -420,6 +424,15 @@ class BlockTable:
         if entry is None or entry.pins <= 0:
             raise TableError(f"block {key!r} is not pinned")
         entry.pins -= 1
+
+    @staticmethod
+    def unpin_entries(entries: Iterable[BlockEntry]) -> None:
+        """Undo one pin of each of ``entries`` that still lives (``delete`` cleared a deleted
+        one's pins). By entry, not key: a key deleted and stored anew names a block that
+        was never pinned."""
+        for entry in entries:
+            if not entry.deleted and entry.pins > 0:
+                entry.pins -= 1
 
     # ---- internals -----------------------------------------------------------------
     def _new_copy(self, entry: BlockEntry, tier: Tier, prefer: Optional[int] = None) -> int:
