@@ -713,6 +713,12 @@ def _main(argv: Optional[list]) -> int:
     except (CLIError, TierCacheError, ValueError) as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader went away (`| head`): stop quietly, as Unix tools do
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        except (OSError, ValueError):
+            pass
+        return 128 + 13  # what a shell reports for a tool killed by SIGPIPE
     except Terminated:  # the cleanup ran on the way here
         print("tiercache: terminated (SIGTERM)", file=sys.stderr)
         return 128 + 15

