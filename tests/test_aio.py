@@ -433,7 +433,9 @@ def test_a_reorder_on_a_one_thread_default_executor_does_not_starve_a_disk_read(
         loop.set_default_executor(ThreadPoolExecutor(1))
         reorder = loop.run_in_executor(None, reorder_when_told)
         read = asyncio.create_task(AsyncStore(store).read_disk_record(key))
-        while not store.table.any_in_use():  # the read holds its reader: the reorder may start
+        # The read holds its reader: the reorder may start. (Or, with its own threads, it has
+        # already finished; before, its file calls waited behind the reorder's thread.)
+        while not store.table.any_in_use() and not read.done():
             await asyncio.sleep(0.001)
         go.set()
         try:
