@@ -128,3 +128,18 @@ def test_the_settings_refused_alone_are_accepted_with_their_tier(tmp_path):
     assert TierConfig(attend_in_place=True, host_budget="1MiB").attend_in_place
     assert TierConfig(remote_namespace="team-a", remote_timeout=2.0).remote_url is None
     assert not TierConfig(attend_in_place=False, host_budget=0, shared_dir=False).host_enabled
+
+
+@pytest.mark.parametrize("field,low,high", [
+    ("block_tokens", 1, 1 << 20), ("prefetch_depth", 1, 1024), ("io_workers", 1, 256),
+    ("queue_depth", 1, 1 << 16), ("selection_budget", 1, 1 << 30), ("retention_budget", 1, 1 << 30),
+])
+def test_every_integer_setting_is_refused_just_outside_its_range_and_taken_at_its_ends(field, low, high):
+    """Each bound, one past it, by name (``prefetch_depth=0`` was only ever caught by the
+    ``lookahead`` policy itself, and ``next-layer`` ignored it: a mutation that let it
+    through survived every test)."""
+    for bad in (low - 1, high + 1):
+        with pytest.raises(ValueError, match=f"{field}: must be an integer in \\[{low}, {high}\\], got {bad}"):
+            TierConfig(**{field: bad})
+    for good in (low, high) if field not in ("block_tokens", "selection_budget") else ():
+        assert getattr(TierConfig(**{field: good}), field) == good

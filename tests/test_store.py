@@ -3075,3 +3075,75 @@ def test_put_refuses_a_dtype_the_store_cannot_hold_without_loss(make_store, geom
     half = torch.randn(geometry.shape).half()
     store.put(BlockKey(0, 1, 0), half)
     assert torch.equal(store.get(BlockKey(0, 1, 0)), half.float())
+
+
+def test_an_intact_record_of_another_block_is_never_returned_for_this_one(tmp_path):
+    """A slot can hold a whole, checksummed record of another block: a lost tombstone, a
+    crash between a slot's reuse and the table, a file copied in. The payload CRC32C passes
+    then, and only the key in the record's header tells. Every way a disk record is read
+    (``get``, ``read_into``, attention's streamed read, ``AsyncStore.read_disk_record``)
+    refuses it as corrupt for the block asked for, counts it, and serves every other
+    block as written. (No test wrote another block's record before: every corruption
+    flipped bytes, which the CRC catches first, and the key checks could go unnoticed.)"""
+    import asyncio
+
+    from tiercache.aio import AsyncStore
+    from tiercache.tiers import aligned_buffer
+
+    g = BlockGeometry(batch=1, kv_heads=2, block_tokens=16, head_dim=64, dtype=torch.float32)  # 4 KiB planes
+    cfg = tiny_config(tmp_path, g, device_blocks=1, host_blocks=2)
+    data = blocks(g, 8)
+    with BlockStore(cfg, g) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+    donor = BlockKey(0, 0, 7)
+    victims = {name: BlockKey(0, 0, i) for i, name in enumerate(("get", "read_into", "streamed", "aio"), start=1)}
+    with BlockStore(cfg, g) as store:  # reopened: every block on disk only
+        path, record = os.path.join(cfg.disk_dir, DATA_NAME), store.disk.record_bytes
+        with open(path, "r+b") as f:
+            f.seek(store.table.copy(donor, Tier.DISK).slot * record)
+            donor_record = f.read(record)
+            for victim in victims.values():
+                f.seek(store.table.copy(victim, Tier.DISK).slot * record)
+                f.write(donor_record)
+        with pytest.raises(BlockCorruptedError, match="index=1"):
+            store.get(victims["get"])
+        out, _mm = aligned_buffer(g.block_bytes)
+        errors = store.read_into([victims["read_into"]], [out.view(torch.float32).view(g.shape)])
+        assert isinstance(errors[0], BlockCorruptedError) and "index=2" in str(errors[0])
+        with pytest.raises(BlockCorruptedError, match="index=3"):
+            store.read_layer([victims["streamed"]], g.block_tokens, hold=True)
+        store.release_views()
+        with pytest.raises(BlockCorruptedError, match="index=4"):
+            asyncio.run(AsyncStore(store).read_disk_record(victims["aio"]))
+        assert store.stats()["integrity_errors"] == 4
+        for key, block in data.items():
+            if key not in victims.values():
+                assert torch.equal(store.get(key), block)
+        store.check()
+
+
+def test_budgets_that_are_not_whole_blocks_round_down_and_stay_within_themselves(tmp_path, geometry):
+    """Every budget here is three blocks and one byte on its tier. Each tier holds three
+    blocks, not four, and with every tier full (twelve blocks put, nine stay) none uses more
+    bytes than its budget, nor does any pool or the data file take more. (Budgets in the
+    other tests are whole blocks; a pool one block past its budget went unnoticed there.)"""
+    cfg = TierConfig(device_budget=3 * geometry.block_bytes + 1, host_budget=3 * geometry.padded_bytes + 1,
+                     disk_budget=3 * DiskTier.record_size(geometry) + 1, disk_dir=str(tmp_path / "kv"),
+                     block_tokens=geometry.block_tokens)
+    with BlockStore(cfg, geometry, persistent=False) as store:
+        assert [store.num_slots(t) for t in Tier] == [3, 3, 3]
+        assert store.device_pool.nbytes <= cfg.device_budget and store.host_pool.nbytes <= cfg.host_budget
+        data = blocks(geometry, 12)
+        for key, block in data.items():
+            try:
+                store.put(key, block)
+            except CapacityError:
+                break
+        store.wait_idle()
+        assert len(store) == 9
+        for name, stats in store.tier_stats().items():
+            assert stats["blocks"] == 3 and stats["used_bytes"] <= stats["budget_bytes"], (name, stats)
+        assert os.path.getsize(os.path.join(cfg.disk_dir, DATA_NAME)) <= cfg.disk_budget
+        store.check()
