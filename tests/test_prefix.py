@@ -975,6 +975,32 @@ def test_wrap_loads_a_cached_prefix_only_where_generate_can_continue_from_it(tmp
         assert wrapped.tiercache_last.stats()["reused_tokens"] == 28  # the plain call's own blocks
 
 
+def test_blocks_computed_under_a_mask_that_hides_tokens_are_not_published(tmp_path):
+    """A left-padded call (the mask hides its first tokens) computes the rest at shifted
+    positions. Run first, with nothing cached yet, it must publish nothing: a plain call
+    with the same ids then computes its own prompt, as the unwrapped model does. (The
+    padded case above runs after a plain call has published the ids, so a padded call that
+    published would have found them there and added nothing: a mutation that let it
+    publish survived.)"""
+    model, ids = tiny_model(), prompt()
+    ids[0, :4] = 0  # the pad token
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    ref = reference(model, ids)
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    with torch.no_grad():
+        wrapped.generate(ids, attention_mask=mask, **GEN)
+        assert wrapped.tiercache_last.stats()["published_blocks"] == 0
+        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **GEN)
+        assert wrapped.tiercache_last.stats()["reused_tokens"] == 0
+        assert_same(ref, out)
+        # A forward of its own with that mask and no positions (generate derives positions
+        # from the mask, and they alone kept it from publishing there)
+        with TieredCache(model, config(tmp_path / "forward")) as cache:
+            model(ids, attention_mask=mask, cache=cache)
+            assert cache.stats()["published_blocks"] == 0
+
+
 def test_blocks_computed_at_the_callers_positions_are_not_published(tmp_path):
     """A call with ``position_ids`` of its own published its blocks under the ids alone, and a
     plain call with the same ids loaded them (wrong tokens, a helper's repro)."""
