@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from tiercache import BlockCorruptedError, BlockKey, Tier, TieredCache
+from tiercache import BlockCorruptedError, BlockKey, CapacityError, Tier, TieredCache
 from tiercache.disk import HEADER_BYTES
 from tiercache.store import BlockStore
 from tiercache.tiers import BlockGeometry
@@ -412,3 +412,59 @@ def test_wait_idle_waits_for_the_reads_ahead(tmp_path):
             store.release_views()
             store.wait_idle()
             assert all(read.done.done() for read in store._streams._pending.reads.values())
+
+
+def test_a_disk_copy_being_read_ahead_is_held_until_the_read_ends(tmp_path):
+    """A read ahead (the next layer's blocks, straight into attention's other buffer) runs
+    on an I/O thread while the model computes. Its block is deleted meanwhile and new
+    blocks fill the disk: the slot it reads must not be freed or reused until the read has
+    ended, or it reads another block's bytes (a mutation that dropped the read's hold on
+    the copy went unnoticed: the record's checks would have refused them, as wasted I/O or
+    worse). Once the read ends, the slot is free again."""
+    import threading
+
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=10), geometry,
+                    persistent=False) as store:
+        g = torch.Generator().manual_seed(1)
+        a, b, _ = _two_layers_on_disk(store, g)
+        entered, go = threading.Event(), threading.Event()
+        read_into = store.disk.read_into
+
+        def held_read(slot, key, parts):
+            if key == b[0]:
+                entered.set()
+                assert go.wait(30), "the test never let the read go on"
+            return read_into(slot, key, parts)
+        store.disk.read_into = held_read
+        try:
+            store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
+            store.release_views()
+            assert entered.wait(30), "b[0] was not read ahead"
+            copy = store.table.copy(b[0], Tier.DISK)
+            assert copy.readers == 1
+            store.delete(b[0])
+            _fill_the_disk_around(store, copy.slot, g)
+        finally:
+            go.set()
+        store.wait_idle()
+        assert not any(c.slot == copy.slot for c in _disk_copies(store)) and store.table._slots[Tier.DISK].is_free(
+            copy.slot), "the slot of the deleted block was not freed once its read ended"
+        store.check()
+
+
+def _disk_copies(store: BlockStore) -> list:
+    return [c for c in (store.table.copy(k, Tier.DISK) for k in store.table.keys()) if c is not None]
+
+
+def _fill_the_disk_around(store: BlockStore, held: int, g: torch.Generator) -> None:
+    """Put new blocks and flush them until the disk is full, checking after each that the
+    disk slot ``held`` was given to none of them."""
+    for i in range(20):
+        try:
+            store.put(BlockKey(1, 0, i), torch.randn(store.geometry.shape, generator=g))
+            store.flush()
+        except CapacityError:
+            break
+        assert not store.table._slots[Tier.DISK].is_free(held), "the slot being read was freed"
+        assert all(c.slot != held for c in _disk_copies(store)), "the slot being read was given to another block"
