@@ -85,6 +85,29 @@ def test_drop_needs_another_ready_copy():
     t.check()
 
 
+def test_a_copy_being_read_or_pinned_is_not_droppable_even_with_another_ready_copy():
+    """Block 1 has READY copies on the device and the host, so either may go, but not while
+    it is read (a move reads it, or a view holds it) and not the device copy while pinned.
+    (A mutation of ``can_drop`` that ignored readers or pins was caught only by a thread
+    race or an unseeded hypothesis run.)"""
+    t = table()
+    ready(t, 1)
+    t.complete_move(t.prepare_move(1, D, H, drop_source=False), ok=True)
+    assert t.can_drop(1, D) and t.can_drop(1, H)
+    to_disk = t.prepare_move(1, D, K, drop_source=False)  # reads the device copy
+    assert not t.can_drop(1, D) and t.can_drop(1, H)
+    t.complete_move(to_disk, ok=True)
+    assert t.can_drop(1, D)
+    t.copy(1, H).readers += 1  # a view of the host copy
+    assert not t.can_drop(1, H)
+    t.copy(1, H).readers -= 1
+    t.pin(1)
+    assert not t.can_drop(1, D) and t.can_drop(1, H)  # pins hold the device copy only
+    t.unpin(1)
+    assert t.can_drop(1, D)
+    t.check()
+
+
 def test_pinned_device_copy_stays():
     """A pinned block keeps its device copy: not droppable, not movable."""
     t = table()
