@@ -3147,3 +3147,22 @@ def test_budgets_that_are_not_whole_blocks_round_down_and_stay_within_themselves
             assert stats["blocks"] == 3 and stats["used_bytes"] <= stats["budget_bytes"], (name, stats)
         assert os.path.getsize(os.path.join(cfg.disk_dir, DATA_NAME)) <= cfg.disk_budget
         store.check()
+
+
+def test_prefetch_never_evicts_the_blocks_it_is_told_to_protect(make_store, geometry):
+    """``prefetch(keys, protect=...)``: the device is full of clean blocks (each has a disk
+    copy); bringing X up must evict one, and the least recently used two are protected, so
+    the third goes. (No test passed ``protect``: a mutation of ``_room`` that ignored it
+    survived.)"""
+    store = make_store(device_blocks=3, host_blocks=3, eviction="lru")
+    y1, y2, y3, x = (BlockKey(0, 0, i) for i in range(4))
+    store.put(x, torch.randn(geometry.shape), tier=Tier.HOST)
+    for key in (y1, y2, y3):  # y1 the least recently used
+        store.put(key, torch.randn(geometry.shape))
+    store.flush()
+    assert store.prefetch([x], protect=[y1, y2]) == 1
+    store.wait_idle()
+    assert store.tiers_of(x)[0] is Tier.DEVICE
+    assert Tier.DEVICE in store.tiers_of(y1) and Tier.DEVICE in store.tiers_of(y2)
+    assert Tier.DEVICE not in store.tiers_of(y3)
+    store.check()
