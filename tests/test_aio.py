@@ -450,3 +450,45 @@ def test_a_reorder_on_a_one_thread_default_executor_does_not_starve_a_disk_read(
         store.check()
     finally:
         store.close()
+
+
+def test_a_disk_read_cancelled_at_any_point_leaves_no_file_open_and_no_thread_behind(make_store, geometry):
+    """``read_disk_record`` cancelled after 0, 1, 2, ... turns of the loop: wherever the
+    cancellation lands, the record's reader is let go and the data file is closed (one
+    cancelled while a thread opened the file left it open until the garbage collector
+    found it: a ResourceWarning). Reads of many ``AsyncStore``s share a few threads that
+    do not grow with them (each had two threads of its own, alive after its store closed)."""
+    import gc
+    import warnings
+
+    from tiercache.aio import FILE_THREADS
+
+    store = make_store(device_blocks=2, host_blocks=2)
+    key, block = BlockKey(0, 0, 0), torch.randn(geometry.shape)
+    store.put(key, block)
+    store.flush()
+
+    async def cancelled_after(turns: int) -> None:
+        task = asyncio.create_task(AsyncStore(store).read_disk_record(key))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            assert torch.equal(await task, block)  # it had finished first
+        except asyncio.CancelledError:
+            pass
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for turns in range(40):
+            asyncio.run(cancelled_after(turns))
+            assert not store.table.any_in_use(), turns
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+    async def many_stores() -> list:
+        return await asyncio.gather(*(AsyncStore(store).read_disk_record(key) for _ in range(20)))
+    assert all(torch.equal(got, block) for got in asyncio.run(many_stores()))
+    threads = [t for t in threading.enumerate() if t.name.startswith("tiercache-aio-files")]
+    assert 0 < len(threads) <= FILE_THREADS
+    store.check()

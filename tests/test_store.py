@@ -3166,3 +3166,37 @@ def test_prefetch_never_evicts_the_blocks_it_is_told_to_protect(make_store, geom
     assert Tier.DEVICE in store.tiers_of(y1) and Tier.DEVICE in store.tiers_of(y2)
     assert Tier.DEVICE not in store.tiers_of(y3)
     store.check()
+
+
+def test_read_layer_lets_go_of_its_own_pins_not_another_threads(tmp_path, geometry):
+    """``read_layer`` (no host tier: through ``ensure_device``) pins its blocks while it
+    gathers them, then unpinned them by key. Another thread that deleted a key meanwhile,
+    stored it anew and pinned it lost that pin to the read, and its block could be evicted
+    (a review's script). The read now lets go of the pins it made, and only those."""
+    store = BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=0), geometry, persistent=False)
+    try:
+        key = BlockKey(0, 0, 0)
+        store.put(key, torch.randn(geometry.shape))
+        entered, go = threading.Event(), threading.Event()
+        gather = store.device_pool.gather
+
+        def held_gather(*args, **kwargs):
+            entered.set()
+            assert go.wait(30), "the test never let the gather go on"
+            return gather(*args, **kwargs)
+        store.device_pool.gather = held_gather
+        reader = threading.Thread(target=store.read_layer, args=([key], geometry.block_tokens))
+        reader.start()
+        try:
+            assert entered.wait(30)
+            store.delete(key)
+            store.put(key, torch.randn(geometry.shape))
+            store.pin([key])
+        finally:
+            go.set()
+            reader.join(30)
+        assert store.table.get(key).pins == 1  # the other thread's pin, still there
+        store.unpin([key])
+        store.check()
+    finally:
+        store.close()

@@ -7,6 +7,7 @@ aiofiles and verified (header and payload CRC32C) without touching the store's t
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Hashable, Iterable, Optional
@@ -46,6 +47,24 @@ class _Gate:
             return self._started is False
 
 
+FILE_THREADS = 4
+_files: Optional[ThreadPoolExecutor] = None
+_files_pid = 0
+_files_lock = threading.Lock()
+
+
+def _file_executor() -> ThreadPoolExecutor:
+    """The threads every ``AsyncStore.read_disk_record`` does its file I/O on: made on first
+    use and kept for the process, as asyncio's default executor is (one pool per
+    ``AsyncStore`` outlived its store: two threads each). Made anew in a forked child, where
+    the parent's threads do not run."""
+    global _files, _files_pid
+    with _files_lock:
+        if _files is None or _files_pid != os.getpid():
+            _files, _files_pid = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="tiercache-aio-files"), os.getpid()
+        return _files
+
+
 async def _outlast(fut: asyncio.Future) -> bool:
     """Wait until ``fut`` is done, whatever cancellations the waiting task gets meanwhile;
     returns whether it got one (the caller raises ``CancelledError`` then)."""
@@ -78,24 +97,14 @@ class AsyncStore:
     the call never happened or it has happened (a cancelled ``put`` may have landed:
     ``key in store`` says which), never one still under way.
 
-    ``read_disk_record`` does its file I/O on two threads of its own, not on the loop's
-    default executor: it holds a reader on the record while it reads, and a
-    ``reorder_rows`` running on a one-thread default executor waits for that reader, so a
+    ``read_disk_record`` does its file I/O on threads of tiercache's own (``_file_executor``),
+    not on the loop's default executor: it holds a reader on the record while it reads, and
+    a ``reorder_rows`` running on a one-thread default executor waits for that reader, so a
     read queued behind it would never come.
     """
 
-    FILE_THREADS = 2
-
     def __init__(self, store: BlockStore) -> None:
         self.store = store
-        self._files: Optional[ThreadPoolExecutor] = None  # read_disk_record's, made on first use
-        self._files_lock = threading.Lock()
-
-    def _file_executor(self) -> ThreadPoolExecutor:
-        with self._files_lock:
-            if self._files is None:
-                self._files = ThreadPoolExecutor(self.FILE_THREADS, thread_name_prefix="tiercache-aio-files")
-            return self._files
 
     async def _call(self, fn: Callable, *args, settle: Optional[Callable] = None):
         """``fn(*args)`` on the executor, with the cancellation of the class docstring.
@@ -147,11 +156,13 @@ class AsyncStore:
         Cancelled, it pins nothing: pins it made before the cancellation reached it are
         undone (the caller, never told they were made, could not unpin them)."""
         keys = _key_list(keys, "ensure_device")
+        pins: list = []  # the entries it pinned: by key, another thread's pin could go instead
 
         async def unpin(_) -> None:
-            self.store.unpin(list(dict.fromkeys(keys)))  # each key was pinned once
+            self.store._unpin_entries(pins)
 
-        return await self._call(self.store.ensure_device, keys, pin, settle=unpin if pin else None)
+        return await self._call(lambda: self.store.ensure_device(keys, pin, _into=pins),
+                                settle=unpin if pin else None)
 
     async def flush(self) -> int:
         """``BlockStore.flush``: blocks written to disk."""
@@ -213,11 +224,19 @@ class AsyncStore:
         raw = torch.empty(HEADER_BYTES + disk.payload_bytes, dtype=torch.uint8)
         view = memoryview(raw.numpy())
         got = 0
-        files = self._file_executor()
+        files = _file_executor()
         f = None
         try:
-            # Not ``async with``: aiofiles' __aexit__ closes on the default executor.
-            f = await aiofiles.open(disk.path, "rb", buffering=0, executor=files)
+            # Not ``async with``: aiofiles' __aexit__ closes on the default executor. The open
+            # is seen through: cancelled while a thread opened it, the file is still closed.
+            opening = asyncio.ensure_future(aiofiles.open(disk.path, "rb", buffering=0, executor=files))
+            cancelled = await _outlast(opening)
+            if not opening.cancelled() and opening.exception() is None:
+                f = opening.result()
+            if cancelled:
+                raise asyncio.CancelledError
+            if f is None:
+                opening.result()  # the open failed: its error
             await f.seek(slot * disk.record_bytes)
             while got < len(view):
                 n = await f.readinto(view[got:])

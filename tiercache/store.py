@@ -1024,15 +1024,21 @@ class BlockStore:
             stall += self._wait_moves(moves, raise_io=True)
 
     @_starts_work
-    def ensure_device(self, keys: list, pin: bool = True, ahead: Sequence[Hashable] = ()) -> float:
+    def ensure_device(self, keys: list, pin: bool = True, ahead: Sequence[Hashable] = (),
+                      _into: Optional[list] = None) -> float:
         """Make every block of ``keys`` READY on the device and pin it; returns seconds waited.
 
         ``ahead``: blocks to prefetch to the device once the fetches of ``keys`` are queued
         (behind them), before waiting for those: the next layer's reads then follow this
-        layer's without a gap."""
+        layer's without a gap.
+
+        ``_into`` (the package's own callers): an empty list that gets the entries pinned, for
+        ``_unpin_entries`` to undo exactly these pins. By key, ``unpin`` took the pin of another
+        thread that had deleted a key, stored it anew and pinned it meanwhile (a review)."""
         keys = list(dict.fromkeys(_key_list(keys, "ensure_device")))  # once each: a key given twice is pinned once
         protect = set(keys)
-        pinned: list = []  # entries: a key deleted and stored anew meanwhile names a block not pinned here
+        # entries: a key deleted and stored anew meanwhile names a block not pinned here
+        pinned: list = [] if _into is None else _into
         pinned_keys: set = set()  # their keys, for lookups (a batch may hold hundreds of keys)
         first = True  # the first pass over keys: hits and prefetch outcomes are counted in it
         stall = 0.0
@@ -1128,6 +1134,8 @@ class BlockStore:
         return stall
 
     def _unpin_entries(self, entries: list) -> None:
+        """Undo the pins ``ensure_device`` listed in ``entries`` (``_into``), once: the list is
+        emptied."""
         with self._lock:
             self.table.unpin_entries(entries)
 
@@ -1211,7 +1219,8 @@ class BlockStore:
             if self._streams is not None:
                 return self._streams.read(keys, num_tokens, start_token, ahead)
         if not self._reads_both:
-            self.ensure_device(keys, ahead=ahead)
+            pins: list = []
+            self.ensure_device(keys, ahead=ahead, _into=pins)
             try:
                 with self._lock:
                     copies = [self.table.copy(k, Tier.DEVICE) for k in keys]
@@ -1228,7 +1237,7 @@ class BlockStore:
                 self.note_compute()  # later copies into these slots wait for the gather
                 return out
             finally:
-                self.unpin(list(dict.fromkeys(keys)))  # ensure_device pinned each once
+                self._unpin_entries(pins)
         # A held read takes its readers straight into the views' list (empty now): whatever
         # point a Ctrl-C lands at, what it took is listed there, and the next release_views
         # lets each go once. (Taken into a list of its own and handed over, a copy was let

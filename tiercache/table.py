@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import heapq
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Iterator, NamedTuple, Optional
+from typing import Hashable, Iterator, NamedTuple, Optional
 
 
 class Tier(enum.IntEnum):
@@ -426,11 +426,13 @@ class BlockTable:
         entry.pins -= 1
 
     @staticmethod
-    def unpin_entries(entries: Iterable[BlockEntry]) -> None:
+    def unpin_entries(entries: list) -> None:
         """Undo one pin of each of ``entries`` that still lives (``delete`` cleared a deleted
-        one's pins). By entry, not key: a key deleted and stored anew names a block that
-        was never pinned."""
-        for entry in entries:
+        one's pins), consuming the list (emptied, one entry at a time: each is undone once).
+        By entry, not key: a key deleted and stored anew names a block that was never
+        pinned."""
+        while entries:
+            entry = entries.pop()
             if not entry.deleted and entry.pins > 0:
                 entry.pins -= 1
 
