@@ -116,14 +116,14 @@ def ensure_converted() -> str:
         if not os.path.exists(os.path.join(target, MARKER)) and _written_whole(target):
             _write_marker(target)  # an older tiercache's conversion: adopted, not made again
             return target
+        if os.path.lexists(target):
+            log.warning("tiercache: the converted model in %s is incomplete or damaged; converting it again", target)
         tmp = tempfile.mkdtemp(prefix=".convert-", dir=models)
         try:
             _convert(tmp)  # the wheel missing, or any failure: the old folder is still there
             _write_marker(tmp)
             _share(tmp)
             if os.path.lexists(target):
-                log.warning("tiercache: the converted model in %s is incomplete or damaged; converted it again",
-                            target)
                 stale = tempfile.mkdtemp(prefix=".stale-", dir=models)
                 os.rename(target, os.path.join(stale, "old"))
                 os.rename(tmp, target)
