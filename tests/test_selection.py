@@ -308,6 +308,12 @@ def test_the_default_budget_is_rounded_to_whole_blocks():
     assert tiercache.TierConfig(selection="quest", block_tokens=1024).selection_budget == 4096
     with pytest.raises(ValueError, match="use 4080 or 4128"):
         tiercache.TierConfig(selection="quest", block_tokens=48, selection_budget=4100)
+    # under the 3 blocks a step reads (block_tokens above 1365): raised to them, not refused
+    # (it was refused as "less than 3 blocks", a budget the user never set; a README review)
+    assert tiercache.TierConfig(selection="quest", block_tokens=1500).selection_budget == 4500
+    assert tiercache.TierConfig(selection="quest", block_tokens=2048).selection_budget == 6144
+    with pytest.raises(ValueError, match="less than 3 blocks"):
+        tiercache.TierConfig(selection="quest", block_tokens=2048, selection_budget=2048)  # chosen: refused
 
 
 def test_gpt2s_upcast_attention_stays_its_own_under_the_hook(tmp_path):

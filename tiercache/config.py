@@ -318,15 +318,17 @@ class TierConfig:
             raise ValueError(f"selection: unknown policy {self.selection!r}; known: "
                              f"{', '.join(sorted(SELECTION_POLICIES))}")
         self._check_int("selection_budget", 1, 1 << 30)
+        if (self.selection != "full" and self.selection_budget == _DEFAULT_SELECTION_BUDGET
+                and (self.selection_budget % self.block_tokens or self.selection_budget < 3 * self.block_tokens)):
+            # not chosen: whole blocks below it, and at least the 3 a step reads (it was refused
+            # with block_tokens above 1365, as a budget the caller had set)
+            object.__setattr__(self, "selection_budget",
+                               max(3, self.selection_budget // self.block_tokens) * self.block_tokens)
         if self.selection != "full" and self.selection_budget < 3 * self.block_tokens:
             raise ValueError(
                 f"selection_budget: {self.selection_budget} tokens is less than 3 blocks of block_tokens="
                 f"{self.block_tokens} ({self.selection} reads whole blocks: the first, the newest and at least "
                 f"one chosen); use selection_budget >= {3 * self.block_tokens} or a smaller block_tokens")
-        if (self.selection != "full" and self.selection_budget == _DEFAULT_SELECTION_BUDGET
-                and self.selection_budget % self.block_tokens):  # not chosen: whole blocks below it
-            object.__setattr__(self, "selection_budget",
-                               max(3, self.selection_budget // self.block_tokens) * self.block_tokens)
         if self.selection != "full" and self.selection_budget % self.block_tokens:
             lower = self.selection_budget // self.block_tokens * self.block_tokens
             raise ValueError(
