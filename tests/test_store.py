@@ -484,15 +484,20 @@ def test_a_corrupted_record_is_never_returned(tmp_path, geometry, where):
                 assert torch.equal(store.get(key), block)
 
 
-def _five_blocks_flushed(tmp_path, geometry) -> tuple:
-    """Five blocks put and given disk copies in a closed store (2 device, 1 host slot)."""
-    cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=1)
-    data = blocks(geometry, 5)
+def _flushed(cfg, geometry, n: int) -> dict:
+    """``n`` random blocks put and given disk copies by a store that is closed again."""
+    data = blocks(geometry, n)
     with BlockStore(cfg, geometry) as store:
         for key, block in data.items():
             store.put(key, block)
         store.flush()
-    return cfg, data
+    return data
+
+
+def _five_blocks_flushed(tmp_path, geometry) -> tuple:
+    """Five blocks put and given disk copies in a closed store (2 device, 1 host slot)."""
+    cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=1)
+    return cfg, _flushed(cfg, geometry, 5)
 
 
 def _flip_disk_record(store, key) -> None:
@@ -1553,12 +1558,8 @@ def test_read_into_checks_every_record_and_never_returns_a_corrupt_one(tmp_path,
 
     g = BlockGeometry(batch=1, kv_heads=2, block_tokens=16, head_dim=64, dtype=torch.float32)  # 4 KiB planes
     cfg = tiny_config(tmp_path, g, device_blocks=1, host_blocks=1)
-    data = blocks(g, 6)
-    with BlockStore(cfg, g) as store:
-        for key, block in data.items():
-            store.put(key, block)
-        store.flush()
-        victim = BlockKey(0, 0, 3)
+    data = _flushed(cfg, g, 6)
+    victim = BlockKey(0, 0, 3)
     with BlockStore(cfg, g) as store:
         slot = store.table.copy(victim, Tier.DISK).slot
         _flip(os.path.join(cfg.disk_dir, DATA_NAME), slot * store.disk.record_bytes + HEADER_BYTES + 5000)
@@ -3092,11 +3093,7 @@ def test_an_intact_record_of_another_block_is_never_returned_for_this_one(tmp_pa
 
     g = BlockGeometry(batch=1, kv_heads=2, block_tokens=16, head_dim=64, dtype=torch.float32)  # 4 KiB planes
     cfg = tiny_config(tmp_path, g, device_blocks=1, host_blocks=2)
-    data = blocks(g, 8)
-    with BlockStore(cfg, g) as store:
-        for key, block in data.items():
-            store.put(key, block)
-        store.flush()
+    data = _flushed(cfg, g, 8)
     donor = BlockKey(0, 0, 7)
     victims = {name: BlockKey(0, 0, i) for i, name in enumerate(("get", "read_into", "streamed", "aio"), start=1)}
     with BlockStore(cfg, g) as store:  # reopened: every block on disk only
