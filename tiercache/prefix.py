@@ -316,23 +316,21 @@ class PrefixIndex:
         sql = "SELECT h, idx, parent, tokens, layers, hits, seen FROM blocks"
         if hs is None:
             return {r[0]: r for r in self._fetch(sql)}
-        out: dict = {}
-        hs = list(hs)
-        for lo in range(0, len(hs), 500):  # SQLite's limit on bound parameters
-            part = hs[lo:lo + 500]
-            out.update({r[0]: r for r in self._fetch(f"{sql} WHERE h IN ({','.join('?' * len(part))})", part)})
-        return out
+        return {r[0]: r for r in self._fetch_in(f"{sql} WHERE h IN ({{}})", hs)}
 
     def descendants(self, hs: Sequence[int]) -> dict:
         """h -> idx of every block that extends one of ``hs``, directly or not."""
-        out: dict = {}
-        hs = list(hs)
-        for lo in range(0, len(hs), 500):
-            part = hs[lo:lo + 500]
-            out.update(self._fetch(
-                f"WITH RECURSIVE d(h) AS (SELECT h FROM blocks WHERE parent IN ({','.join('?' * len(part))}) "
-                f"UNION SELECT b.h FROM blocks b JOIN d ON b.parent = d.h) "
-                f"SELECT b.h, b.idx FROM blocks b JOIN d ON b.h = d.h", part))
+        return dict(self._fetch_in("WITH RECURSIVE d(h) AS (SELECT h FROM blocks WHERE parent IN ({}) "
+                                   "UNION SELECT b.h FROM blocks b JOIN d ON b.parent = d.h) "
+                                   "SELECT b.h, b.idx FROM blocks b JOIN d ON b.h = d.h", hs))
+
+    def _fetch_in(self, sql: str, values: Sequence[int]) -> list:
+        """The rows of ``sql`` with its ``{}`` filled by placeholders for ``values``, asked in
+        parts of 500 (SQLite's limit on bound parameters)."""
+        values, out = list(values), []
+        for lo in range(0, len(values), 500):
+            part = values[lo:lo + 500]
+            out.extend(self._fetch(sql.format(",".join("?" * len(part))), part))
         return out
 
     def sightings(self) -> int:
