@@ -127,6 +127,24 @@ def test_write_tokens_from_a_strided_slice(geometry):
     assert torch.equal(k, src[:, :, 4:7]) and torch.equal(v, src[:, :, 2:5] * 2)
 
 
+def test_write_tokens_outside_its_slot_is_refused_and_writes_nothing(geometry):
+    """``write_tokens`` writes through a strided view it builds itself, which would not stop
+    at a slot's end: tokens past the block, a negative offset or a slot outside the pool are
+    refused before anything is written (the neighbouring slots keep their bytes)."""
+    g = geometry
+    pool = DevicePool(g, 3, "cpu")
+    pool.k.fill_(-1)
+    pool.v.fill_(-1)
+    new = torch.randn(g.batch, g.kv_heads, 2, g.head_dim)
+    for slot, offset in [(1, g.block_tokens - 1), (1, -1), (3, 0), (-1, 0)]:
+        with pytest.raises((ValueError, IndexError), match="write_tokens"):
+            pool.write_tokens(slot, offset, new, new)
+    assert (pool.k == -1).all() and (pool.v == -1).all()
+    pool.write_tokens(2, g.block_tokens - 2, new, new)  # the last two tokens of the last slot
+    k, v = pool.view(2, 1, 2, g.block_tokens - 2)
+    assert torch.equal(k, new) and torch.equal(v, new)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 @pytest.mark.parametrize("mode", ["greedy", "beam", "batch2"])
 def test_a_roomy_device_tier_reads_layers_in_place_and_stays_exact(family, mode, monkeypatch):

@@ -247,15 +247,23 @@ class DevicePool:
 
     def write_tokens(self, slot: int, offset: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         # k_new, v_new: [B, H, n, D] -> tokens [offset, offset + n) of the slot
-        # One strided copy each (no reshape of a strided slice into a temporary first).
+        # One strided copy each into an as_strided view of the pool: no reshape of a strided
+        # slice into a temporary, and one dispatch instead of an index, a slice and a view
+        # (a decode step writes one token per layer: their dispatch is most of its cost).
         g = self.geometry
         d = g.head_dim
         n = k_new.shape[-2]
-        shape = (g.batch, g.kv_heads, n, d)
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"write_tokens: slot {slot} of a pool of {self.num_slots}")
+        if offset < 0 or offset + n > g.block_tokens:
+            raise ValueError(f"write_tokens: tokens {offset} .. {offset + n} do not fit a block of {g.block_tokens}")
+        rows, per_slot = self.k.stride(0), self.k.stride(1)
+        size, stride = (g.batch, g.kv_heads, n, d), (g.kv_heads * rows, rows, d, 1)
+        at = slot * per_slot + offset * d
         # detached: a pool takes bytes, never a graph (retention's compacted K/V in a forward
         # with autograd on grew the graph the pool held at every step)
-        self.k[:, slot, offset * d:(offset + n) * d].view(shape).copy_(k_new.detach())
-        self.v[:, slot, offset * d:(offset + n) * d].view(shape).copy_(v_new.detach())
+        self.k.as_strided(size, stride, self.k.storage_offset() + at).copy_(k_new.detach())
+        self.v.as_strided(size, stride, self.v.storage_offset() + at).copy_(v_new.detach())
 
     def gather(self, slots: list, num_tokens: int, start_token: int = 0) -> tuple:
         """K and V of ``slots`` in order, as [B, H, num_tokens, D] (tokens from ``start_token``).
