@@ -1,4 +1,5 @@
-"""The decode fast path of ``TieredCache.update`` (``_update_resident``, ``BlockStore.hold_resident``).
+"""The decode fast path of ``TieredCache.update`` (``_update_resident``, ``BlockStore.hold_resident``
+and, on a CPU store with a host tier, ``BlockStore.hold_mixed``).
 
 When a layer's blocks are all on the device in adjacent slots and the new tokens fit in its
 tail block, ``update`` takes one pass under the store's lock instead of ``ensure_device``,
@@ -12,6 +13,11 @@ has no host tier (the device path of ``read_layer``, as on CUDA), so it is taken
   general path;
 - with a device budget that cannot hold everything (device + disk), steps fall back to the
   general path when blocks must move, and the result stays exact.
+
+The mixed fast path (``hold_mixed``: a CPU store with a host tier and no disk, where
+attention reads blocks on the device and on the host where they lie and gathers them) is
+held to the same three promises with a device tier of one layer's blocks and a little more,
+so that many blocks are read from the host.
 """
 from __future__ import annotations
 
@@ -23,9 +29,11 @@ pytest.importorskip("transformers")
 import tiercache  # noqa: E402
 from tiercache import TierConfig  # noqa: E402
 from tiercache.store import BlockStore  # noqa: E402
+from tiercache.table import Tier  # noqa: E402
 
-from test_hf_exactness import (BT, CHUNK, FAMILIES, GEN, NEW, PAD, PROMPT, assert_same, block_bytes,  # noqa: E402
-                               dynamic_cache_supports, generate, prompt_ids, tiny_model)
+from test_hf_exactness import (ASSISTANT_TOKENS, BT, CHUNK, FAMILIES, GEN, NEW, PAD, PROMPT,  # noqa: E402
+                               assert_same, block_bytes, dynamic_cache_supports, generate, layer_windows,
+                               prompt_ids, tiny_model, working_set_blocks)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,37 +60,57 @@ def _inputs(family: str, mode: str):
     return ids, mask, batch, kwargs
 
 
-def _spy_fast(monkeypatch) -> dict:
-    """Count hold_resident calls that took the fast path, and those that fell back."""
-    counts = {"fast": 0, "general": 0}
-    hold = BlockStore.hold_resident
+def _spy_fast(monkeypatch, name: str = "hold_resident") -> dict:
+    """Count ``name`` calls (``hold_resident`` or ``hold_mixed``) that took the fast path,
+    and those that fell back; ``from_host``: fast steps that read a block on the host."""
+    counts = {"fast": 0, "general": 0, "from_host": 0}
+    hold = getattr(BlockStore, name)
 
     def spy(self, *args, **kwargs):
         slot = hold(self, *args, **kwargs)
         counts["fast" if slot is not None else "general"] += 1
+        if slot is not None and any(c is e.copies.get(Tier.HOST) for e, c in self._views):
+            counts["from_host"] += 1
         return slot
-    monkeypatch.setattr(BlockStore, "hold_resident", spy)
+    monkeypatch.setattr(BlockStore, name, spy)
     return counts
 
 
 def _table_state(cache) -> dict:
-    """Pins and readers of every block (what the next update or a move would see), by
-    (layer, index): the two runs' caches have different sequence ids."""
+    """Pins and readers of every block (what the next update or a move would see), the
+    tokens the store counts in each, and each tier's eviction order (what the next eviction
+    picks), by (layer, index): the two runs' caches have different sequence ids."""
     store = cache.store
     with store._lock:
-        return {(key.layer, key.index): (entry.pins, {tier: (c.slot, c.state, c.readers) for tier, c in entry.copies.items()})
-                for key, entry in store.table._blocks.items()}
+        blocks = {(key.layer, key.index): (entry.pins, {tier: (c.slot, c.state, c.readers) for tier, c in entry.copies.items()},
+                                           store._tokens.get(key))
+                  for key, entry in store.table._blocks.items()}
+        order = {tier.label: [(key.layer, key.index) for key in policy.evict(len(policy), lambda key: True)]
+                 for tier, policy in store.policies.items()}
+    return {"blocks": blocks, "eviction order": order}
 
 
 def _run(model, ids, mask, cfg, kwargs, fast: bool):
+    """One generate() on a TieredCache, on the fast path or forced onto the general one:
+    its output, counters, reads, and the table's state after every update (a difference
+    that a later step evens out is still a difference)."""
     with tiercache.TieredCache(model, cfg) as cache:
         if not fast:
             cache._plain = False  # the general path only
+        states = []
+        update = cache.update
+
+        def spy(*args, **kw):
+            out = update(*args, **kw)
+            states.append(_table_state(cache))
+            return out
+        cache.update = spy
         out = generate(model, ids, cache=cache, mask=mask, **kwargs)
         stats = cache.stats()
-        for name in ("stall_seconds",):
-            stats.pop(name)
-        return out, stats, cache.attention_stats()["reads"] | {"gather_seconds": 0}, _table_state(cache)
+        stats.pop("stall_seconds")
+        for move in stats["moves"].values():  # how long a copy took is the machine's, not the path's
+            move.pop("seconds")
+        return out, stats, cache.attention_stats()["reads"] | {"gather_seconds": 0}, states
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -156,3 +184,167 @@ def test_fast_path_views_move_with_the_slots(monkeypatch):
                 want = ref.update(k, v, layer)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (step, layer)
     assert counts["fast"] > 0, counts
+
+
+def _mixed_config(model, batch: int, mode: str) -> TierConfig:
+    """CPU, device and host, no disk: the device holds one step's working set (the widest
+    layer's blocks) and one block more; the host holds the rest."""
+    if "assisted" in mode:  # past recording keeps sliding layers whole until crop: as full
+        widest = -(-(PROMPT + NEW + ASSISTANT_TOKENS + 8) // BT)
+    else:
+        widest = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+    bb = block_bytes(model, batch)
+    return TierConfig(device_budget=(widest + 1) * bb, host_budget=64 * -(-bb // 4096) * 4096, block_tokens=BT)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_fast_path_is_exact_and_changes_no_counter(family, mode, monkeypatch):
+    """A CPU store with a host tier: decode steps whose blocks all lie on the device or the
+    host take ``hold_mixed`` and gather what they read from the host, and everything a user
+    or the next step can see is what the general path gives: tokens equal DynamicCache's,
+    counters, reads and the table's pins and readers equal the same run's on the general
+    path."""
+    reason = dynamic_cache_supports(family, mode)
+    if reason:
+        pytest.skip(f"DynamicCache cannot run {family}/{mode} either: {reason}")
+    model = tiny_model(family)
+    ids, mask, batch, kwargs = _inputs(family, mode)
+    cfg = _mixed_config(model, batch, mode)
+    ref = generate(model, ids, mask=mask, **kwargs)
+    # No write-behind: its copies to the host finish whenever a worker gets to them, so the
+    # tables of two runs (and what later evictions choose) would differ by timing alone.
+    monkeypatch.setattr(BlockStore, "write_behind", lambda self, key: None)
+    counts = _spy_fast(monkeypatch, "hold_mixed")
+    out, stats, reads, table = _run(model, ids, mask, cfg, kwargs, fast=True)
+    assert_same(ref, out, f"{family}/{mode}")
+    assert counts["fast"] > 0 and counts["from_host"] > 0, counts
+    assert stats["tiers"]["host"]["blocks"] > 0, stats["tiers"]
+    slow_out, slow_stats, slow_reads, slow_table = _run(model, ids, mask, cfg, kwargs, fast=False)
+    assert torch.equal(slow_out.sequences, out.sequences)
+    assert stats == slow_stats
+    assert reads == slow_reads
+    assert table == slow_table
+
+
+def test_mixed_fast_path_is_not_taken_with_a_disk_tier_or_attend_in_place(monkeypatch, tmp_path):
+    """With a disk tier, ``read_layer`` reads through its disk streams, and with
+    ``attend_in_place`` attention reads the blocks where they lie: the mixed fast path
+    (a gather of its own) steps aside for both, and the output stays exact."""
+    model = tiny_model("llama")
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=NEW)
+    base = _mixed_config(model, 1, "prefill")
+    for extra in (dict(disk_dir=str(tmp_path / "kv"), disk_budget="4MiB"), dict(attend_in_place=True)):
+        counts = _spy_fast(monkeypatch, "hold_mixed")
+        cfg = TierConfig(**{**{f: getattr(base, f) for f in ("device_budget", "host_budget", "block_tokens")},
+                            **extra})
+        # wrap() changes the model it is given: a model of this test's own, not the shared one
+        model_for = tiercache.wrap(tiny_model.__wrapped__("llama"), cfg) if "attend_in_place" in extra else model
+        with tiercache.TieredCache(model_for, cfg) as cache:
+            out = generate(model_for, ids, cache=cache, max_new_tokens=NEW)
+            in_place = cache.in_place_steps
+        if "attend_in_place" in extra:
+            assert in_place > 0  # block attention ran, so the probe step saw the hook
+            assert (out.sequences == ref.sequences).all()
+            # only the probe: the first decode update, which gathers on the general path too
+            # (its keys carry the probe that shows the hook sees this cache)
+            assert counts["fast"] <= 1, (extra, counts)
+        else:
+            assert_same(ref, out, "llama/disk")
+            assert counts["fast"] == 0, (extra, counts)
+
+
+def test_mixed_fast_path_changes_nothing_where_it_steps_aside():
+    """``hold_mixed`` returns None and leaves pins, readers, policies and counters as they
+    were when: the write block has no device copy, a read block is only being filled, the
+    write block is being read. Taken, it pins the write block, counts a hit on the tier each
+    block is read from (the device where a block has both copies), and holds every read
+    block until ``read_held`` has gathered them, and then lets them go."""
+    from tiercache.store import BlockStore as Store
+    from tiercache.tiers import BlockGeometry
+    from tiercache.table import BlockKey
+
+    g = BlockGeometry(1, 2, 4, 8, torch.float32)
+    cfg = TierConfig(device_budget=4 * g.block_bytes, host_budget=8 * g.padded_bytes, block_tokens=4)
+    with Store(cfg, g, device=torch.device("cpu"), persistent=False) as store:
+        keys = [BlockKey(0, 0, i) for i in range(4)]
+        blocks = [torch.randn(g.shape) for _ in keys]
+        for key, block in zip(keys, blocks):
+            store.put(key, block)
+        store.demote_now(keys[:2])  # blocks 0, 1 on the host; 2, 3 on the device
+        before = (store.stats(), _pins_readers(store))
+        assert store.hold_mixed(BlockKey(0, 0, 9), keys) is None  # no such write block
+        assert store.hold_mixed(keys[0], keys) is None  # the write block is on the host only
+        assert store.hold_mixed(keys[3], keys, ahead=[BlockKey(0, 0, 7)]) is not None
+        store.release_views()
+        store.unpin([keys[3]])
+        after_first = (store.stats(), _pins_readers(store))
+        assert after_first[1] == before[1]
+        with store._lock:  # a reader of another thread on the write block: begin_write would wait
+            store.table.get(keys[3]).copies[Tier.DEVICE].readers += 1
+        assert store.hold_mixed(keys[3], keys) is None
+        with store._lock:
+            store.table.get(keys[3]).copies[Tier.DEVICE].readers -= 1
+        assert store.stats() == after_first[0]
+
+        store.ensure_device([keys[1]], pin=False)  # block 1 now on the device and the host
+        hits = store.stats()["hits"]
+        slot = store.hold_mixed(keys[3], keys)
+        assert slot == store.device_slot(keys[3])
+        # the device copy is read where there are both, as read_layer reads it
+        assert [t.label for e, c in store._views for t in (Tier.DEVICE, Tier.HOST) if e.copies.get(t) is c] == \
+            ["host", "device", "device", "device"]
+        now = store.stats()["hits"]
+        assert (now["device"] - hits["device"], now["host"] - hits["host"]) == (4, 1)  # the write block's too
+        held = _pins_readers(store)
+        assert held[keys[3]][0] == 1 and all(r == 1 for key in keys for r in held[key][1].values() if r), held
+        k, v = store.read_held(16)
+        assert torch.equal(k, torch.cat(blocks, dim=3)[0])
+        store.unpin([keys[3]])
+        # The write block with a host copy too (fetched by a prefetch, say): that copy would be
+        # stale once the new tokens are written, so it goes, as begin_write drops it.
+        assert store.hold_mixed(keys[1], keys) == store.device_slot(keys[1])
+        assert store.tiers_of(keys[1]) == [Tier.DEVICE]
+        store.unpin([keys[1]])
+        store.release_views()
+        # A block a prefetch brought to the device is read there, and the prefetch counts as used.
+        store.prefetch([keys[0]], dst=Tier.DEVICE)
+        store.wait_idle()
+        used = store.stats()["prefetch"]["used"]
+        assert store.hold_mixed(keys[3], keys) is not None
+        assert store.stats()["prefetch"]["used"] == used + 1
+        assert store._views[0][1] is store.table.get(keys[0]).copies[Tier.DEVICE]
+        k, v = store.read_held(16)
+        want = torch.cat(blocks, dim=3)  # [2, B, H, 16, D]
+        assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+        assert all(sum(r for r in _pins_readers(store)[key][1].values()) == 0 for key in keys)
+        store.unpin([keys[3]])
+        assert all(pins == 0 and not any(readers.values()) for pins, readers in _pins_readers(store).values())
+
+
+def _pins_readers(store) -> dict:
+    with store._lock:
+        return {key: (entry.pins, {t.label: c.readers for t, c in entry.copies.items()})
+                for key, entry in store.table._blocks.items()}
+
+
+@pytest.mark.parametrize("eviction", ["lru", "fifo", "lfu", "layer-cycle", "sinks-recent"])
+def test_mixed_fast_path_tells_the_policies_what_the_general_path_does(eviction, monkeypatch):
+    """Every eviction policy sees the same inserts, touches and removals on the mixed fast
+    path as on the general one (so it ranks the blocks the same, and the next eviction
+    picks the same victim), and the output stays exact."""
+    model = tiny_model("llama")
+    ids, mask, batch, kwargs = _inputs("llama", "batch2")
+    base = _mixed_config(model, batch, "batch2")
+    cfg = TierConfig(device_budget=base.device_budget, host_budget=base.host_budget, block_tokens=BT,
+                     eviction=eviction)
+    ref = generate(model, ids, mask=mask, **kwargs)
+    monkeypatch.setattr(BlockStore, "write_behind", lambda self, key: None)  # as above
+    counts = _spy_fast(monkeypatch, "hold_mixed")
+    out, stats, reads, table = _run(model, ids, mask, cfg, kwargs, fast=True)
+    assert_same(ref, out, eviction)
+    assert counts["fast"] > 0 and counts["from_host"] > 0, counts
+    slow_out, slow_stats, slow_reads, slow_table = _run(model, ids, mask, cfg, kwargs, fast=False)
+    assert (stats, reads) == (slow_stats, slow_reads)
+    assert table == slow_table

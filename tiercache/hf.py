@@ -922,12 +922,14 @@ class TieredCache(Cache):
                          q: int) -> Optional[tuple]:
         """``update``'s fast path, for a decode step when nothing has to move: the new tokens
         go into the layer's tail block without filling it (no new block, no write-behind, no
-        publish), and the blocks attention reads are on the device in adjacent slots, the
-        next layer's too (``BlockStore.hold_resident``). K/V are then views of the device
-        pool (what ``read_layer(hold=True)`` returns) and the write is one copy each, from
-        the pool's geometry kept per layer and slot range. Returns None, having changed
-        nothing, where the general path must run. The caller did what every update does
-        first (capacity, token events, compute stream, unpins, views)."""
+        publish), and the blocks attention reads are where it reads them, the next layer's
+        too. On the device in adjacent slots (``BlockStore.hold_resident``), K/V are views of
+        the device pool (what ``read_layer(hold=True)`` returns) and the write is one copy
+        each, from the pool's geometry kept per layer and slot range. On a CPU store with a
+        host tier, on the device or the host (``BlockStore.hold_mixed``), they are gathered
+        as ``read_layer`` gathers them. Returns None, having changed nothing, where the
+        general path must run. The caller did what every update does first (capacity, token
+        events, compute stream, unpins, views)."""
         bt, layer_idx = self.tier_config.block_tokens, layer.layer_idx
         start = layer.num_tokens  # no retention: nothing dropped, stored index = absolute
         off = start % bt
@@ -936,32 +938,45 @@ class TieredCache(Cache):
         tail = start // bt
         read_from = layer.visible_start()
         lo = read_from // bt
+        store = self.store
+        mixed = store.attention_tier is Tier.HOST  # a CPU store with a host tier
+        if mixed and q == 1 and self._attends_in_place():  # block attention reads them, not a gather
+            return None
         needed = self._keys(layer_idx, lo, tail + 1)
         ahead = self._plan_ahead(layer_idx, needed)
-        store = self.store
-        first = store.hold_resident(needed[-1], needed, ahead)
-        if first is None:
-            return None
-        self._pinned.append(needed[-1])
-        n = len(needed)
-        pool = store.device_pool
-        geo = self._layer_views[layer_idx]
-        if geo is None or geo[0] is not pool.k or geo[1] != first or geo[2] != n:
-            k, v = pool.view(first, n, n * bt)  # [B, H, n*bt, D] over the slots, in order
-            geo = self._layer_views[layer_idx] = (pool.k, first, n, k, v, k.shape[:2], k.shape[3], k.stride(),
-                                                  k.storage_offset(), v.storage_offset())
-        _, _, _, k, v, bh, d, stride, k0, v0 = geo
-        # as_strided: the same views as narrow() along the tokens, at less dispatch cost
-        at = ((tail - lo) * bt + off) * stride[2]
-        k.as_strided((*bh, q, d), stride, k0 + at).copy_(key_states)
-        v.as_strided((*bh, q, d), stride, v0 + at).copy_(value_states)
-        store.note_tokens(needed[-1], off + q)
         end = start + q
-        layer.num_tokens = end
         offset = read_from - lo * bt
-        at, size = offset * stride[2], (*bh, end - read_from, d)
-        keys, values = self._after_read(layer_idx, needed, offset, k.as_strided(size, stride, k0 + at),
-                                        v.as_strided(size, stride, v0 + at), planned=True)
+        if mixed:
+            slot = store.hold_mixed(needed[-1], needed, ahead)
+            if slot is None:
+                return None
+            self._pinned.append(needed[-1])
+            store.device_pool.write_tokens(slot, off, key_states, value_states)
+            store.note_tokens(needed[-1], off + q)
+            layer.num_tokens = end
+            keys, values = store.read_held(end - read_from, offset)
+        else:
+            first = store.hold_resident(needed[-1], needed, ahead)
+            if first is None:
+                return None
+            self._pinned.append(needed[-1])
+            n = len(needed)
+            pool = store.device_pool
+            geo = self._layer_views[layer_idx]
+            if geo is None or geo[0] is not pool.k or geo[1] != first or geo[2] != n:
+                k, v = pool.view(first, n, n * bt)  # [B, H, n*bt, D] over the slots, in order
+                geo = self._layer_views[layer_idx] = (pool.k, first, n, k, v, k.shape[:2], k.shape[3], k.stride(),
+                                                      k.storage_offset(), v.storage_offset())
+            _, _, _, k, v, bh, d, stride, k0, v0 = geo
+            # as_strided: the same views as narrow() along the tokens, at less dispatch cost
+            at = ((tail - lo) * bt + off) * stride[2]
+            k.as_strided((*bh, q, d), stride, k0 + at).copy_(key_states)
+            v.as_strided((*bh, q, d), stride, v0 + at).copy_(value_states)
+            store.note_tokens(needed[-1], off + q)
+            layer.num_tokens = end
+            at, size = offset * stride[2], (*bh, end - read_from, d)
+            keys, values = k.as_strided(size, stride, k0 + at), v.as_strided(size, stride, v0 + at)
+        keys, values = self._after_read(layer_idx, needed, offset, keys, values, planned=True)
         if q == 1 and not self._hook_seen and self.tier_config.attend_in_place:
             setattr(keys, PROBE_ATTR, self._saw_hook)  # the hook will show it sees this cache's keys
         return keys, values

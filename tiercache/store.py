@@ -1245,17 +1245,10 @@ class BlockStore:
         held: list = self._views if hold else []
         try:
             self._hold_in_memory(keys, ahead, into=held)
-            first = self._views_of(held) if hold else None
-            if first is not None:
-                return self.device_pool.view(first, len(keys), num_tokens, start_token)
-            t0 = time.perf_counter()
-            out = self._gather_mixed(held, num_tokens, start_token, reuse=hold)
-            self._count_gather(num_tokens * (self.geometry.block_bytes // self.geometry.block_tokens), t0)
         except BaseException:
             _uninterrupted(lambda: self._let_go(held))
             raise
-        _uninterrupted(lambda: self._let_go(held))  # gathered: nothing to keep
-        return out
+        return self._read_held(held, num_tokens, start_token, hold)
 
     def _views_of(self, held: list) -> Optional[int]:
         """CPU: if the held copies ([(entry, copy)]) all lie on the device in adjacent slots,
@@ -1275,15 +1268,49 @@ class BlockStore:
         of ``keys[0]`` (the caller reads the views itself). ``write_key`` stays pinned.
 
         Taken only if ``read_layer`` would read the device tier (not a CPU store with a host
-        tier), every block of ``keys`` is READY on the device in adjacent slots, in order,
-        ``write_key`` is READY there with no move in flight, and every block of ``ahead``
-        has a device copy (its prefetch would start nothing). Otherwise returns None and
-        changes nothing: the caller takes the general path.
+        tier: ``hold_mixed``), every block of ``keys`` is READY on the device in adjacent
+        slots, in order, ``write_key`` is READY there with no move in flight, and every block
+        of ``ahead`` has a device copy (its prefetch would start nothing). Otherwise returns
+        None and changes nothing: the caller takes the general path.
         """
         if not keys or self._reads_both:
             return None
+        held = self._hold_step(write_key, keys, ahead, (Tier.DEVICE,))
+        if held is None:
+            return None
+        self.read_stats["views"] += 1
+        return held[1][0][1].slot
+
+    @_starts_work
+    def hold_mixed(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = ()) -> Optional[int]:
+        """``hold_resident`` for a CPU store with a host tier, where ``read_layer`` reads
+        blocks on the device and on the host where they lie: in one pass under the lock,
+        what ``ensure_device([write_key])``, ``begin_write(write_key)`` and the holding part
+        of ``read_layer(keys, hold=True, ahead=ahead)`` would do; returns the device slot of
+        ``write_key`` (which stays pinned), for the caller to write its new tokens into
+        before ``read_held`` reads the blocks. The general path's books (a lookup, a wait
+        and a lock per call) cost the host set-up of ``bench decode`` more than a tenth of a
+        step (2026-12-06, docs/measurements.md).
+
+        Taken only if the store has no disk tier (``read_layer`` then reads through
+        ``DiskStreams``), every block of ``keys`` is READY on the device or the host (the device
+        copy read where both are), ``write_key`` is READY on the device with no move in
+        flight, and every block of ``ahead`` has a device or host copy (its prefetch to the
+        host would start nothing). Otherwise returns None and changes nothing.
+        """
+        if not keys or not self._reads_both or self._streams is not None:
+            return None
+        held = self._hold_step(write_key, keys, ahead, (Tier.DEVICE, Tier.HOST))
+        return None if held is None else held[0]
+
+    def _hold_step(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable], tiers: tuple) -> Optional[list]:
+        """``hold_resident`` and ``hold_mixed``: each of ``keys`` read from the first of
+        ``tiers`` where it is READY (device only: in adjacent slots, in order), its reader
+        taken into the views' list; ``write_key`` pinned, its lower copies dropped. Returns
+        (``write_key``'s device slot, the held copies), or None having changed nothing."""
         self.release_views()
         device, ready, filling = Tier.DEVICE, CopyState.READY, CopyState.FILLING
+        adjacent = tiers == (device,)
         with self._lock:
             get = self.table.get
             w = get(write_key)
@@ -1296,45 +1323,79 @@ class BlockStore:
             c = copies.get(device)
             if c is None or c.state is not ready:
                 return None
-            held = []
+            held, where = [], []
             slot = None
             for key in keys:
                 entry = get(key)
                 if entry is None:
                     return None
-                c = entry.copies.get(device)
-                if c is None or c.state is not ready or (slot is not None and c.slot != slot + 1):
+                for tier in tiers:
+                    c = entry.copies.get(tier)
+                    if c is not None and c.state is ready:
+                        break
+                else:
                     return None
-                slot = c.slot
+                if adjacent:
+                    if slot is not None and c.slot != slot + 1:
+                        return None
+                    slot = c.slot
                 held.append((entry, c))
+                where.append(tier)
             for key in ahead:
                 entry = get(key)
-                if entry is not None and device not in entry.copies:
+                if entry is not None and not any(t in entry.copies for t in tiers):
                     return None
             # ensure_device([write_key]), then begin_write(write_key): lower copies are stale.
             # The pin comes last: freeing a lower copy can raise (a disk tombstone's write),
             # and the caller records the pin only once this returns.
+            write_slot = copies[device].slot
             if len(copies) > 1:
                 for tier, s in self.table.drop_others(write_key, device):
                     self._released(write_key, tier, s)
             self.table.pin(write_key)
-            touch, prefetched = self.policies[device].touch, self._prefetched
-            touch(write_key)
+            policies, prefetched = self.policies, self._prefetched
+            policies[device].touch(write_key)
             used = 0
             if prefetched and prefetched.pop(write_key, None) is not None:
                 used += 1
-            # read_layer(keys, hold=True): views of the device pool, held until release_views
-            for key, (_, c) in zip(keys, held):
-                touch(key)
+            # read_layer(keys, hold=True): held until release_views (or read_held's gather)
+            hits = {device: 1}  # write_key's, as ensure_device counts it
+            for key, (_, c), tier in zip(keys, held, where):
+                policies[tier].touch(key)
                 c.readers += 1
+                hits[tier] = hits.get(tier, 0) + 1
                 if prefetched and prefetched.pop(key, None) is not None:
                     used += 1
             self._views.extend(held)
-            self.events.hit("device", 1 + len(keys))
+            for tier, n in hits.items():
+                self.events.hit(tier.label, n)
             if used:
                 self.events.prefetch("used", used)
-            self.read_stats["views"] += 1
-            return held[0][1].slot
+            return write_slot, held
+
+    @_starts_work
+    def read_held(self, num_tokens: int, start_token: int = 0) -> tuple:
+        """After ``hold_mixed``: K and V of the blocks it holds, as ``read_layer(hold=True)``
+        returns them (views of the device pool where they lie there in adjacent slots, held
+        until ``release_views``; else gathered into the reused buffer and let go)."""
+        return self._read_held(self._views, num_tokens, start_token, hold=True)
+
+    def _read_held(self, held: list, num_tokens: int, start_token: int, hold: bool) -> tuple:
+        """CPU with a host tier: K and V of the held copies ([(entry, copy)], readers taken).
+        With ``hold`` (``held`` is the views' list): views if they allow, kept held; otherwise
+        (or gathered) the readers are let go."""
+        try:
+            first = self._views_of(held) if hold else None
+            if first is not None:
+                return self.device_pool.view(first, len(held), num_tokens, start_token)
+            t0 = time.perf_counter()
+            out = self._gather_mixed(held, num_tokens, start_token, reuse=hold)
+            self._count_gather(num_tokens * (self.geometry.block_bytes // self.geometry.block_tokens), t0)
+        except BaseException:
+            _uninterrupted(lambda: self._let_go(held))
+            raise
+        _uninterrupted(lambda: self._let_go(held))  # gathered: nothing to keep
+        return out
 
     def _count_gather(self, num_bytes: int, t0: float) -> None:
         """One gather that copied ``num_bytes`` and started at ``t0`` (on CUDA the copy is
