@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 import tiercache  # noqa: E402
 from tiercache import TierConfig  # noqa: E402
 from tiercache.store import BlockStore  # noqa: E402
-from tiercache.table import Tier  # noqa: E402
+from tiercache.table import CopyState, Tier  # noqa: E402
 
 from test_hf_exactness import (ASSISTANT_TOKENS, BT, CHUNK, FAMILIES, GEN, NEW, PAD, PROMPT,  # noqa: E402
                                assert_same, block_bytes, dynamic_cache_supports, generate, layer_windows,
@@ -257,8 +257,9 @@ def test_mixed_fast_path_is_not_taken_with_a_disk_tier_or_attend_in_place(monkey
 
 def test_mixed_fast_path_changes_nothing_where_it_steps_aside():
     """``hold_mixed`` returns None and leaves pins, readers, policies and counters as they
-    were when: the write block has no device copy, a read block is only being filled, the
-    write block is being read. Taken, it pins the write block, counts a hit on the tier each
+    were when: the write block is unknown or has no device copy, a read block is unknown or
+    only being filled, the write block is being read. Taken, it pins the write block (into
+    the caller's list, in the same statement), counts a hit on the tier each
     block is read from (the device where a block has both copies), and holds every read
     block until ``read_held`` has gathered them, and then lets them go."""
     from tiercache.store import BlockStore as Store
@@ -276,17 +277,28 @@ def test_mixed_fast_path_changes_nothing_where_it_steps_aside():
         before = (store.stats(), _pins_readers(store))
         assert store.hold_mixed(BlockKey(0, 0, 9), keys) is None  # no such write block
         assert store.hold_mixed(keys[0], keys) is None  # the write block is on the host only
-        assert store.hold_mixed(keys[3], keys, ahead=[BlockKey(0, 0, 7)]) is not None
+        assert store.hold_mixed(keys[3], keys + [BlockKey(0, 0, 9)]) is None  # a read block not stored
+        assert (store.stats(), _pins_readers(store)) == before
+        pinned: list = []
+        assert store.hold_mixed(keys[3], keys, ahead=[BlockKey(0, 0, 7)], pinned=pinned) is not None
+        assert pinned == [keys[3]]  # the caller's record of the pin
         store.release_views()
-        store.unpin([keys[3]])
+        store.unpin(pinned)
         after_first = (store.stats(), _pins_readers(store))
         assert after_first[1] == before[1]
-        with store._lock:  # a reader of another thread on the write block: begin_write would wait
-            store.table.get(keys[3]).copies[Tier.DEVICE].readers += 1
-        assert store.hold_mixed(keys[3], keys) is None
-        with store._lock:
-            store.table.get(keys[3]).copies[Tier.DEVICE].readers -= 1
-        assert store.stats() == after_first[0]
+        for state, readers, tier, key in [(None, 1, Tier.DEVICE, keys[3]),  # a reader of another thread:
+                                          # begin_write would wait
+                                          (CopyState.FILLING, 0, Tier.HOST, keys[1])]:  # not written yet
+            with store._lock:
+                copy = store.table.get(key).copies[tier]
+                was = copy.state
+                copy.state, copy.readers = state or was, copy.readers + readers
+            try:
+                assert store.hold_mixed(keys[3], keys) is None
+            finally:
+                with store._lock:
+                    copy.state, copy.readers = was, copy.readers - readers
+            assert (store.stats(), _pins_readers(store)) == after_first
 
         store.ensure_device([keys[1]], pin=False)  # block 1 now on the device and the host
         hits = store.stats()["hits"]
@@ -315,10 +327,16 @@ def test_mixed_fast_path_changes_nothing_where_it_steps_aside():
         assert store.hold_mixed(keys[3], keys) is not None
         assert store.stats()["prefetch"]["used"] == used + 1
         assert store._views[0][1] is store.table.get(keys[0]).copies[Tier.DEVICE]
-        k, v = store.read_held(16)
+        k, v = store.read_held(15, 1)
         want = torch.cat(blocks, dim=3)  # [2, B, H, 16, D]
-        assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+        assert torch.equal(k, want[0][:, :, 1:]) and torch.equal(v, want[1][:, :, 1:])
         assert all(sum(r for r in _pins_readers(store)[key][1].values()) == 0 for key in keys)
+        store.unpin([keys[3]])
+        assert all(pins == 0 and not any(readers.values()) for pins, readers in _pins_readers(store).values())
+        # Tokens past the blocks held are refused, and what was held is let go.
+        assert store.hold_mixed(keys[3], keys) is not None
+        with pytest.raises(ValueError, match="read_held: tokens 1 .. 17"):
+            store.read_held(16, 1)
         store.unpin([keys[3]])
         assert all(pins == 0 and not any(readers.values()) for pins, readers in _pins_readers(store).values())
 
@@ -348,3 +366,103 @@ def test_mixed_fast_path_tells_the_policies_what_the_general_path_does(eviction,
     slow_out, slow_stats, slow_reads, slow_table = _run(model, ids, mask, cfg, kwargs, fast=False)
     assert (stats, reads) == (slow_stats, slow_reads)
     assert table == slow_table
+
+
+@pytest.mark.parametrize("path", ["hold_mixed", "read_layer"])
+def test_a_ctrl_c_anywhere_in_the_mixed_fast_path_leaves_nothing_held(path):
+    """A KeyboardInterrupt at each line of ``hold_mixed``, ``read_held`` and the store code
+    they run, in turn (or of ``read_layer(hold=False)``, which shares the gather): once the
+    caller lets go of what it holds on record (the views, with ``release_views``, and the
+    pins its list names, with ``unpin``), no block is pinned or read, every block reads back
+    its bytes, and the table's books add up (``check``). A reader taken in one statement
+    and listed in the next was kept for good by an interrupt between them, and the next
+    ``begin_write`` of that block waited forever; ``read_layer(hold=False)`` kept the
+    readers of an interrupt between its hold and its gather (a review)."""
+    import sys
+    import threading
+
+    import tiercache.store as store_module
+    import tiercache.table as table_module
+    from tiercache.store import BlockStore as Store
+    from tiercache.table import BlockKey
+    from tiercache.tiers import BlockGeometry
+
+    traced = {(store_module.__file__, name) for name in (
+        "hold_mixed", "_hold_step", "read_held", "_read_held", "_views_of", "release_views", "_let_go",
+        "_gather_mixed", "_count_gather", "read_layer", "_hold_in_memory", "_prefetch_ahead")} | \
+        {(table_module.__file__, "pin_listed")}
+
+    def tracer(target):
+        count = [0]
+
+        def local(frame, event, arg):
+            if event == "line":
+                count[0] += 1
+                if count[0] == target:
+                    raise KeyboardInterrupt
+            return local
+
+        def outer(frame, event, arg):
+            mine = (frame.f_code.co_filename, frame.f_code.co_name) in traced
+            return local if mine and threading.current_thread() is threading.main_thread() else None
+        return outer, count
+
+    g = BlockGeometry(1, 2, 4, 8, torch.float32)
+    cfg = TierConfig(device_budget=4 * g.block_bytes, host_budget=8 * g.padded_bytes, block_tokens=4)
+    keys = [BlockKey(0, 0, i) for i in range(4)]
+    blocks = [torch.randn(g.shape, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    want = torch.cat(blocks, dim=3)
+
+    def fresh():
+        store = Store(cfg, g, device=torch.device("cpu"), persistent=False)
+        for key, block in zip(keys, blocks):
+            store.put(key, block)
+        store.demote_now(keys[:2])  # read from the host: 0, 1; from the device: 2, 3
+        return store
+
+    def step(store, pinned):
+        if path == "hold_mixed":
+            assert store.hold_mixed(keys[3], keys, pinned=pinned) is not None
+            k, v = store.read_held(16)
+        else:
+            k, v = store.read_layer(keys, 16)
+        assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+
+    store = fresh()
+    outer, count = tracer(0)
+    sys.settrace(outer)
+    try:
+        step(store, [])
+    finally:
+        sys.settrace(None)
+        store.close()
+    lines = count[0]
+    assert lines > 60
+    tried = 0
+    for point in range(1, lines + 1):
+        store, pinned = fresh(), []
+        try:
+            outer, _ = tracer(point)
+            sys.settrace(outer)
+            try:
+                step(store, pinned)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            if store._lock._is_owned():  # raised where only a tracer can (the lock taken, its with not entered)
+                continue
+            tried += 1
+            store.release_views()
+            store.unpin(pinned)
+            busy = {key: (pins, readers) for key, (pins, readers) in _pins_readers(store).items()
+                    if pins or any(readers.values())}
+            assert not busy, (point, busy)
+            k, v = store.read_layer(keys, 16, hold=True)
+            assert torch.equal(k, want[0]) and torch.equal(v, want[1]), point
+            store.release_views()
+            store.check()
+        finally:
+            if not store._lock._is_owned():
+                store.close()
+    assert tried > lines // 2, (tried, lines)

@@ -947,19 +947,17 @@ class TieredCache(Cache):
         end = start + q
         offset = read_from - lo * bt
         if mixed:
-            slot = store.hold_mixed(needed[-1], needed, ahead)
+            slot = store.hold_mixed(needed[-1], needed, ahead, pinned=self._pinned)
             if slot is None:
                 return None
-            self._pinned.append(needed[-1])
             store.device_pool.write_tokens(slot, off, key_states, value_states)
             store.note_tokens(needed[-1], off + q)
             layer.num_tokens = end
             keys, values = store.read_held(end - read_from, offset)
         else:
-            first = store.hold_resident(needed[-1], needed, ahead)
+            first = store.hold_resident(needed[-1], needed, ahead, pinned=self._pinned)
             if first is None:
                 return None
-            self._pinned.append(needed[-1])
             n = len(needed)
             pool = store.device_pool
             geo = self._layer_views[layer_idx]

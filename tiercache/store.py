@@ -1243,12 +1243,12 @@ class BlockStore:
         # lets each go once. (Taken into a list of its own and handed over, a copy was let
         # go twice, or kept for good, by an interrupt around the hand-over: a review.)
         held: list = self._views if hold else []
-        try:
+        try:  # _read_held lets go of what it gathered; once let go, letting go again is a no-op
             self._hold_in_memory(keys, ahead, into=held)
+            return self._read_held(held, num_tokens, start_token, hold)
         except BaseException:
             _uninterrupted(lambda: self._let_go(held))
             raise
-        return self._read_held(held, num_tokens, start_token, hold)
 
     def _views_of(self, held: list) -> Optional[int]:
         """CPU: if the held copies ([(entry, copy)]) all lie on the device in adjacent slots,
@@ -1261,11 +1261,13 @@ class BlockStore:
         return held[0][1].slot
 
     @_starts_work
-    def hold_resident(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = ()) -> Optional[int]:
+    def hold_resident(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = (),
+                      pinned: Optional[list] = None) -> Optional[int]:
         """The decode step's fast path when nothing has to move or wait: in one pass under
         the lock, what ``ensure_device([write_key])``, ``begin_write(write_key)`` and
         ``read_layer(keys, hold=True, ahead=ahead)`` would do, then returns the device slot
-        of ``keys[0]`` (the caller reads the views itself). ``write_key`` stays pinned.
+        of ``keys[0]`` (the caller reads the views itself). ``write_key`` stays pinned;
+        ``pinned``, a list of the caller's, gets it in the statement that pins it.
 
         Taken only if ``read_layer`` would read the device tier (not a CPU store with a host
         tier: ``hold_mixed``), every block of ``keys`` is READY on the device in adjacent
@@ -1275,35 +1277,38 @@ class BlockStore:
         """
         if not keys or self._reads_both:
             return None
-        held = self._hold_step(write_key, keys, ahead, (Tier.DEVICE,))
+        held = self._hold_step(write_key, keys, ahead, (Tier.DEVICE,), pinned)
         if held is None:
             return None
         self.read_stats["views"] += 1
         return held[1][0][1].slot
 
     @_starts_work
-    def hold_mixed(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = ()) -> Optional[int]:
+    def hold_mixed(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable] = (),
+                   pinned: Optional[list] = None) -> Optional[int]:
         """``hold_resident`` for a CPU store with a host tier, where ``read_layer`` reads
         blocks on the device and on the host where they lie: in one pass under the lock,
         what ``ensure_device([write_key])``, ``begin_write(write_key)`` and the holding part
         of ``read_layer(keys, hold=True, ahead=ahead)`` would do; returns the device slot of
-        ``write_key`` (which stays pinned), for the caller to write its new tokens into
-        before ``read_held`` reads the blocks. The general path's books (a lookup, a wait
+        ``write_key`` (which stays pinned, and goes into ``pinned`` as ``hold_resident``
+        says), for the caller to write its new tokens into before ``read_held`` reads the
+        blocks. The general path's books (a lookup, a wait
         and a lock per call) cost the host set-up of ``bench decode`` more than a tenth of a
         step (2026-12-06, docs/measurements.md).
 
-        Taken only if the store has no disk tier (``read_layer`` then reads through
-        ``DiskStreams``), every block of ``keys`` is READY on the device or the host (the device
+        Taken only if the store has no disk tier (with one, ``read_layer`` reads through
+        ``DiskStreams``, and so does the general path), every block of ``keys`` is READY on the device or the host (the device
         copy read where both are), ``write_key`` is READY on the device with no move in
         flight, and every block of ``ahead`` has a device or host copy (its prefetch to the
         host would start nothing). Otherwise returns None and changes nothing.
         """
         if not keys or not self._reads_both or self._streams is not None:
             return None
-        held = self._hold_step(write_key, keys, ahead, (Tier.DEVICE, Tier.HOST))
+        held = self._hold_step(write_key, keys, ahead, (Tier.DEVICE, Tier.HOST), pinned)
         return None if held is None else held[0]
 
-    def _hold_step(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable], tiers: tuple) -> Optional[list]:
+    def _hold_step(self, write_key: Hashable, keys: list, ahead: Sequence[Hashable], tiers: tuple,
+                   pinned: Optional[list]) -> Optional[tuple]:
         """``hold_resident`` and ``hold_mixed``: each of ``keys`` read from the first of
         ``tiers`` where it is READY (device only: in adjacent slots, in order), its reader
         taken into the views' list; ``write_key`` pinned, its lower copies dropped. Returns
@@ -1346,39 +1351,51 @@ class BlockStore:
                 if entry is not None and not any(t in entry.copies for t in tiers):
                     return None
             # ensure_device([write_key]), then begin_write(write_key): lower copies are stale.
-            # The pin comes last: freeing a lower copy can raise (a disk tombstone's write),
-            # and the caller records the pin only once this returns.
+            # Freeing one can raise (a disk tombstone's write), so it comes before anything
+            # is taken; the pin comes last, into the caller's list with it.
             write_slot = copies[device].slot
             if len(copies) > 1:
                 for tier, s in self.table.drop_others(write_key, device):
                     self._released(write_key, tier, s)
-            self.table.pin(write_key)
+            # read_layer(keys, hold=True): each reader is taken into the views' list in one
+            # statement with no call in it, so that a Ctrl-C anywhere leaves every reader
+            # taken where the next release_views lets it go (as _hold_in_memory does)
+            views = self._views
+            first = len(views)
+            for pair in held:
+                pair[1].readers, views[_END:] = pair[1].readers + 1, [pair]
             policies, prefetched = self.policies, self._prefetched
             policies[device].touch(write_key)
             used = 0
             if prefetched and prefetched.pop(write_key, None) is not None:
                 used += 1
-            # read_layer(keys, hold=True): held until release_views (or read_held's gather)
             hits = {device: 1}  # write_key's, as ensure_device counts it
-            for key, (_, c), tier in zip(keys, held, where):
+            for key, tier in zip(keys, where):
                 policies[tier].touch(key)
-                c.readers += 1
                 hits[tier] = hits.get(tier, 0) + 1
                 if prefetched and prefetched.pop(key, None) is not None:
                     used += 1
-            self._views.extend(held)
             for tier, n in hits.items():
                 self.events.hit(tier.label, n)
             if used:
                 self.events.prefetch("used", used)
-            return write_slot, held
+            self.table.pin_listed(w, [] if pinned is None else pinned, write_key)
+            return write_slot, views[first:]
 
-    @_starts_work
+    @_ends_work
     def read_held(self, num_tokens: int, start_token: int = 0) -> tuple:
         """After ``hold_mixed``: K and V of the blocks it holds, as ``read_layer(hold=True)``
         returns them (views of the device pool where they lie there in adjacent slots, held
-        until ``release_views``; else gathered into the reused buffer and let go)."""
-        return self._read_held(self._views, num_tokens, start_token, hold=True)
+        until ``release_views``; else gathered into the reused buffer and let go). Tokens
+        past the blocks held (none, if something let them go meanwhile) are a ValueError,
+        and the blocks are let go. It starts no work: a plug-in policy's failure in
+        ``hold_mixed`` is raised by the next call that does, as it is for views."""
+        held = self._views
+        if start_token < 0 or num_tokens < 0 or start_token + num_tokens > len(held) * self.geometry.block_tokens:
+            _uninterrupted(lambda: self._let_go(held))
+            raise ValueError(f"read_held: tokens {start_token} .. {start_token + num_tokens} are not within the "
+                             f"{len(held)} blocks of {self.geometry.block_tokens} tokens held")
+        return self._read_held(held, num_tokens, start_token, hold=True)
 
     def _read_held(self, held: list, num_tokens: int, start_token: int, hold: bool) -> tuple:
         """CPU with a host tier: K and V of the held copies ([(entry, copy)], readers taken).

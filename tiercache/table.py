@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import sys
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, NamedTuple, Optional
 
@@ -29,6 +30,7 @@ class Tier(enum.IntEnum):
 
 _TIERS = tuple(Tier)  # fastest first
 _LABELS = {tier: tier.name.lower() for tier in Tier}  # looked up per move: not rebuilt each time
+_END = sys.maxsize  # lst[_END:] = [x] appends, in a statement with no call
 _BY_NAME = {label: tier for tier, label in _LABELS.items()}
 
 
@@ -424,6 +426,13 @@ class BlockTable:
         if entry is None or entry.pins <= 0:
             raise TableError(f"block {key!r} is not pinned")
         entry.pins -= 1
+
+    @staticmethod
+    def pin_listed(entry: BlockEntry, listed: list, item: Hashable) -> None:
+        """Pin ``entry`` and append ``item`` to ``listed`` (the caller's record of its pins)
+        in one statement with no call in it: a Ctrl-C lands before both or after both, so
+        whoever undoes the pins ``listed`` names undoes exactly those taken."""
+        entry.pins, listed[_END:] = entry.pins + 1, [item]
 
     @staticmethod
     def unpin_entries(entries: list) -> None:
