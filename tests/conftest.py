@@ -71,3 +71,25 @@ def _close_prefix_caches():
     from tiercache.prefix import close_all
 
     close_all()
+
+
+def line_interrupter(traced: set, target: int, files: tuple = ()) -> tuple:
+    """A ``sys.settrace`` tracer that raises KeyboardInterrupt at the ``target``-th line run
+    (counting from 1) in the functions ``traced`` names, as (file, function name) pairs, and
+    in every function of ``files``, on the main thread only; and the list whose one item
+    counts the lines seen (``target=0`` counts them all, for a first run that learns how
+    many points there are to try)."""
+    count = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            count[0] += 1
+            if count[0] == target:
+                raise KeyboardInterrupt
+        return local
+
+    def outer(frame, event, arg):
+        code = frame.f_code
+        mine = code.co_filename in files or (code.co_filename, code.co_name) in traced
+        return local if mine and threading.current_thread() is threading.main_thread() else None
+    return outer, count

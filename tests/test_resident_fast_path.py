@@ -31,7 +31,8 @@ from tiercache import TierConfig  # noqa: E402
 from tiercache.store import BlockStore  # noqa: E402
 from tiercache.table import CopyState, Tier  # noqa: E402
 
-from test_hf_exactness import (ASSISTANT_TOKENS, BT, CHUNK, FAMILIES, GEN, NEW, PAD, PROMPT,  # noqa: E402
+from conftest import line_interrupter  # noqa: E402
+from test_hf_exactness import (ASSISTANT_TOKENS, BT, CHUNK, FAMILIES, NEW, PAD, PROMPT,  # noqa: E402
                                assert_same, block_bytes, dynamic_cache_supports, generate, layer_windows,
                                prompt_ids, tiny_model, working_set_blocks)
 
@@ -379,7 +380,6 @@ def test_a_ctrl_c_anywhere_in_the_mixed_fast_path_leaves_nothing_held(path):
     ``begin_write`` of that block waited forever; ``read_layer(hold=False)`` kept the
     readers of an interrupt between its hold and its gather (a review)."""
     import sys
-    import threading
 
     import tiercache.store as store_module
     import tiercache.table as table_module
@@ -393,19 +393,7 @@ def test_a_ctrl_c_anywhere_in_the_mixed_fast_path_leaves_nothing_held(path):
         {(table_module.__file__, "pin_listed")}
 
     def tracer(target):
-        count = [0]
-
-        def local(frame, event, arg):
-            if event == "line":
-                count[0] += 1
-                if count[0] == target:
-                    raise KeyboardInterrupt
-            return local
-
-        def outer(frame, event, arg):
-            mine = (frame.f_code.co_filename, frame.f_code.co_name) in traced
-            return local if mine and threading.current_thread() is threading.main_thread() else None
-        return outer, count
+        return line_interrupter(traced, target)
 
     g = BlockGeometry(1, 2, 4, 8, torch.float32)
     cfg = TierConfig(device_budget=4 * g.block_bytes, host_budget=8 * g.padded_bytes, block_tokens=4)

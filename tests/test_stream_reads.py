@@ -20,7 +20,7 @@ from tiercache.disk import HEADER_BYTES
 from tiercache.store import BlockStore
 from tiercache.tiers import BlockGeometry
 
-from conftest import tiny_config
+from conftest import line_interrupter, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -277,7 +277,6 @@ def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path, 
     Points where the interrupt lands on the exit of a ``with lock:`` are skipped: a trace
     function raises there before the lock is released, which no signal does."""
     import sys
-    import threading
 
     import tiercache.streamread as streamread
 
@@ -288,27 +287,14 @@ def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path, 
         store.read_segments(b, 4 * BT - 3, 1, ahead=a)
         store.release_views()
 
-    def tracer(target):
-        count = [0]
-
-        def local(frame, event, arg):
-            if event == "line":
-                count[0] += 1
-                if count[0] == target:
-                    raise KeyboardInterrupt
-            return local
-
-        def outer(frame, event, arg):
-            code = frame.f_code
-            mine = code.co_filename == streamread.__file__ or (code.co_filename, code.co_name) in traced
-            return local if mine and threading.current_thread() is threading.main_thread() else None
-        return outer, count
-
     import tiercache.store as store_module
 
     # the store's side of a held read: taking readers, handing them to views, letting go
     traced = {(store_module.__file__, name) for name in ("read_layer", "read_segments", "_hold_in_memory",
                                                           "_views_of", "release_views", "_let_go")} if memory else set()
+
+    def tracer(target):
+        return line_interrupter(traced, target, files=(streamread.__file__,))
     geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
     trial = [0]
 
