@@ -1247,6 +1247,25 @@ def test_ctrl_c_as_a_call_is_uncounted_does_not_leave_close_waiting(make_store, 
     assert not closer.is_alive(), "close() waits for a call that ended"
 
 
+@pytest.mark.timeout(60)  # a regression waits in close() for good
+def test_a_call_left_counted_by_a_ctrl_c_before_its_leave_is_taken_over_by_the_next(make_store, geometry):
+    """A Ctrl-C can land as ``_uninterrupted(self._leave)`` is entered, before its retry loop
+    (CPython checks for signals as a function starts): the call stays counted, with its
+    thread's mark. The next call on that thread takes the count over and ends it, and
+    close() on that thread does not wait for it. Before, the next call counted itself once
+    more and close() waited for good."""
+    store = make_store()
+    key, block = next(iter(blocks(geometry, 1, seed=32).items()))
+    with store._active_cv:  # what the interrupt leaves: counted, the thread's mark set
+        store._active, store._calls.counted = store._active + 1, True
+    store.put(key, block)  # takes the count over
+    assert store._active == 0 and not store._calls.counted
+    with store._active_cv:
+        store._active, store._calls.counted = store._active + 1, True
+    store.close()  # on the thread that holds the mark (the timeout stops a hang)
+    assert store.closed
+
+
 @pytest.mark.timeout(120)  # a regression hangs on a move left in flight
 @pytest.mark.parametrize("via", ["demote", "ensure_device"])
 def test_ctrl_c_while_a_move_waits_for_room_in_the_queue_rolls_it_back(make_store, geometry, via):

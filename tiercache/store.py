@@ -274,8 +274,11 @@ class BlockStore:
         with self._active_cv:
             if self.closed:
                 raise RuntimeError(f"BlockStore.{name}: the store is closed")
-            self._active += 1
-            self._calls.counted = True
+            # Still counted: a Ctrl-C in this thread's last call's exit kept it so (after the
+            # call, before its ``_leave``); this call takes that count over, and its own
+            # ``_leave`` ends it.
+            if not getattr(self._calls, "counted", False):
+                self._active, self._calls.counted = self._active + 1, True
 
     def _leave(self) -> None:
         """Uncount this thread's outermost call, once: run again after an interrupt (see
@@ -285,8 +288,7 @@ class BlockStore:
             return  # not counted (refused, or done before an interrupt) and nobody to wake
         with self._active_cv:
             if getattr(calls, "counted", False):
-                calls.counted = False
-                self._active -= 1
+                calls.counted, self._active = False, self._active - 1  # one statement: both or neither
             if not self._active:
                 self._active_cv.notify_all()
 
@@ -1904,7 +1906,9 @@ class BlockStore:
             if self.closed:
                 return
             self.closed = True  # new calls are refused from here on
-            own = 1 if getattr(self._calls, "depth", 0) else 0  # a call of this thread that closes
+            # a call of this thread that closes, or one a Ctrl-C in its exit left counted
+            calls = self._calls
+            own = 1 if getattr(calls, "depth", 0) or getattr(calls, "counted", False) else 0
             while self._active > own:
                 self._active_cv.wait()
         try:
