@@ -1294,9 +1294,9 @@ class BlockStore:
         of ``read_layer(keys, hold=True, ahead=ahead)`` would do; returns the device slot of
         ``write_key`` (which stays pinned, and goes into ``pinned`` as ``hold_resident``
         says), for the caller to write its new tokens into before ``read_held`` reads the
-        blocks. The general path's books (a lookup, a wait
-        and a lock per call) cost the host set-up of ``bench decode`` more than a tenth of a
-        step (2026-12-06, docs/measurements.md).
+        blocks. In the host set-up of ``bench decode`` at 8k this took the books of
+        ``update`` from about 10.5 to 8 ms a token, of a ~155 ms step (2026-12-06,
+        docs/measurements.md).
 
         Taken only if the store has no disk tier (with one, ``read_layer`` reads through
         ``DiskStreams``, and so does the general path), every block of ``keys`` is READY on the device or the host (the device
