@@ -34,7 +34,7 @@ from tiercache.table import CopyState, Tier  # noqa: E402
 from conftest import line_interrupter  # noqa: E402
 from test_hf_exactness import (ASSISTANT_TOKENS, BT, CHUNK, FAMILIES, NEW, PAD, PROMPT,  # noqa: E402
                                assert_same, block_bytes, dynamic_cache_supports, generate, layer_windows,
-                               prompt_ids, tiny_model, working_set_blocks)
+                               prompt_ids, registered, tiny_model, working_set_blocks)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -159,6 +159,55 @@ def test_fast_path_falls_back_when_blocks_move(family, prefetch, monkeypatch, tm
     assert_same(ref, out, f"{family}/{prefetch}")
     assert stats["evictions"]["device"] > 0, stats["evictions"]
     assert counts["fast"] > 0 and counts["general"] > 0, counts
+
+
+@pytest.mark.parametrize("base", ["next-layer", "history"])
+def test_a_prefetch_policy_hears_each_layer_once_when_the_fast_path_steps_aside(base, monkeypatch, tmp_path):
+    """The fast path asks the prefetch policy for its plan before it knows whether it can
+    run (the plan is part of what it checks). Where it steps aside, the general path must
+    use that plan, not ask again: a policy that counts what it is told (``history``
+    counts reads) would count the layer twice, and a plug-in would see two ``observe``
+    and two ``plan`` calls for one layer's update.
+
+    Device and disk as in the fall-back test above, so that both paths run, with a plug-in
+    that records every call: one ``observe`` and one ``plan`` per update, layer by layer."""
+    from tiercache.policies import PREFETCH_POLICIES
+
+    heard: list = []
+
+    class Recording(PREFETCH_POLICIES[base]):
+        def observe(self, layer_idx, keys):
+            heard.append(("observe", layer_idx))
+            super().observe(layer_idx, keys)
+
+        def plan(self, layer_idx, num_layers, blocks_of_layer):
+            heard.append(("plan", layer_idx))
+            return super().plan(layer_idx, num_layers, blocks_of_layer)
+
+    model = tiny_model("llama")
+    ids, new, bt = prompt_ids(length=PROMPT + 8), 2 * NEW, 2 * BT
+    layers = model.config.num_hidden_layers
+    bb = block_bytes(model, 1, bt)
+    per_layer = -(-(ids.shape[1] + new) // bt)
+    rec = 4096 + -(-bb // 4096) * 4096
+    ref = generate(model, ids, max_new_tokens=new)
+    counts = _spy_fast(monkeypatch)
+    with registered(PREFETCH_POLICIES, "recording", Recording):
+        cfg = TierConfig(device_budget=(2 * per_layer + 1) * bb, host_budget=0,
+                         disk_dir=str(tmp_path / "kv"), disk_budget=4 * layers * per_layer * rec, block_tokens=bt,
+                         prefetch="recording", io_workers=2, reuse=False)
+        with tiercache.TieredCache(model, cfg) as cache:
+            updates: list = []
+            update = cache.update
+
+            def spy(key_states, value_states, layer_idx, *args, **kwargs):
+                updates.append(layer_idx)
+                return update(key_states, value_states, layer_idx, *args, **kwargs)
+            cache.update = spy
+            out = generate(model, ids, cache=cache, max_new_tokens=new)
+    assert_same(ref, out, base)
+    assert counts["fast"] > 0 and counts["general"] > 0, counts  # both paths ran, and stepped aside
+    assert heard == [(call, layer) for layer in updates for call in ("observe", "plan")]
 
 
 def test_fast_path_views_move_with_the_slots(monkeypatch):

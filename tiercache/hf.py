@@ -287,6 +287,9 @@ class TieredCache(Cache):
             install(model)
         self.store: Optional[BlockStore] = None
         self._pinned: list = []
+        # (blocks read, prefetch plan) the fast path asked the policy for this update, if any:
+        # where it steps aside, the general path uses it (the policy hears each read once)
+        self._asked: Optional[tuple] = None
         self._session_dir: Optional[str] = None
         self._model = model if isinstance(model, torch.nn.Module) else None
         self._text_config = text
@@ -804,6 +807,7 @@ class TieredCache(Cache):
         store.unpin(self._pinned)  # attention of the previous layer is done
         store.release_views()
         self._pinned = []
+        self._asked = None
         if self._plain and not self._injecting:
             out = self._update_resident(layer, key_states, value_states, q)
             if out is not None:
@@ -867,7 +871,8 @@ class TieredCache(Cache):
         # Views of the device pool when the blocks are adjacent there (held until the next
         # update); a copy with retention, which rewrites blocks while attention still runs.
         # The prefetch plan is queued behind this layer's own reads, before waiting for them.
-        ahead = self._plan_ahead(layer_idx, needed)
+        asked = self._asked  # the fast path stepped aside after asking: the policy heard this read
+        ahead = asked[1] if asked is not None and asked[0] == needed else self._plan_ahead(layer_idx, needed)
         if q == 1 and not retained and self._attends_in_place():
             from tiercache.streaming import BlockAttentionPlan
 
@@ -928,7 +933,8 @@ class TieredCache(Cache):
         each, from the pool's geometry kept per layer and slot range. On a CPU store with a
         host tier, on the device or the host (``BlockStore.hold_mixed``), they are gathered
         as ``read_layer`` gathers them. Returns None, having changed nothing, where the
-        general path must run. The caller did what every update does first (capacity, token
+        general path must run; the prefetch plan, if it was asked for, is left in ``_asked``
+        for the general path. The caller did what every update does first (capacity, token
         events, compute stream, unpins, views)."""
         bt, layer_idx = self.tier_config.block_tokens, layer.layer_idx
         start = layer.num_tokens  # no retention: nothing dropped, stored index = absolute
@@ -944,6 +950,7 @@ class TieredCache(Cache):
             return None
         needed = self._keys(layer_idx, lo, tail + 1)
         ahead = self._plan_ahead(layer_idx, needed)
+        self._asked = (needed, ahead)  # if this steps aside, the general path uses this plan
         end = start + q
         offset = read_from - lo * bt
         if mixed:
