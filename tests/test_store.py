@@ -3216,3 +3216,56 @@ def test_read_layer_lets_go_of_its_own_pins_not_another_threads(tmp_path, geomet
         store.check()
     finally:
         store.close()
+
+
+def test_a_block_deleted_while_read_layer_gathers_it_is_not_overwritten_under_the_read(tmp_path, geometry):
+    """``read_layer`` with no host tier gathers from the device slots ``ensure_device``
+    pinned. A delete on another thread drops pins; the slot was then free while the gather
+    still read it, and a put could take it: the read returned another block's bytes under
+    the key it asked for. The gather now holds a reader on each copy, as the mixed path
+    does, so the deleted block's slot is freed once the gather is done.
+
+    One device slot: the put of another block, while the read is held inside its gather,
+    must not land in the slot being read."""
+    store = BlockStore(tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=0), geometry, persistent=False)
+    try:
+        a, b = BlockKey(0, 0, 0), BlockKey(0, 0, 1)
+        block_a, block_b = torch.full(geometry.shape, 1.0), torch.full(geometry.shape, 2.0)
+        store.put(a, block_a)
+        entered, go = threading.Event(), threading.Event()
+        gather = store.device_pool.gather
+
+        def held_gather(*args, **kwargs):
+            entered.set()
+            assert go.wait(30), "the test never let the gather go on"
+            return gather(*args, **kwargs)
+        store.device_pool.gather = held_gather
+        out, refused = [], []
+
+        def put_b():
+            try:
+                store.put(b, block_b)
+            except CapacityError as exc:  # the one slot is read: a put may be refused, not overwrite it
+                refused.append(exc)
+        reader = threading.Thread(target=lambda: out.append(store.read_layer([a], geometry.block_tokens)))
+        writer = threading.Thread(target=put_b)
+        reader.start()
+        try:
+            assert entered.wait(30)
+            store.delete(a)
+            writer.start()
+            writer.join(1.0)  # a put that finds the slot free is done by now; one that waits for it is not
+        finally:
+            go.set()
+            reader.join(30)
+            writer.join(30)
+        assert not reader.is_alive() and not writer.is_alive()
+        k, v = out[0]
+        assert torch.equal(k, block_a[0]) and torch.equal(v, block_a[1]), "the read returned bytes of another block"
+        assert store.table.get(a) is None
+        if refused:  # the read let go: the deleted block's slot is free now
+            store.put(b, block_b)
+        assert torch.equal(store.get(b), block_b)
+        store.check()
+    finally:
+        store.close()

@@ -1223,14 +1223,17 @@ class BlockStore:
         if not self._reads_both:
             pins: list = []
             self.ensure_device(keys, ahead=ahead, _into=pins)
+            # The gather holds a reader on each copy, as views do: a delete on another thread
+            # drops pins, and the slot, freed, could take another block's bytes mid-gather.
+            gathering: list = []
             try:
                 with self._lock:
                     copies = [self.table.copy(k, Tier.DEVICE) for k in keys]
                     slots = [c.slot for c in copies]
-                    if hold and DevicePool.consecutive(slots):
-                        for key, copy in zip(keys, copies):
-                            copy.readers += 1
-                            self._views.append((self.table.get(key), copy))
+                    held = self._views if hold and DevicePool.consecutive(slots) else gathering
+                    for key, copy in zip(keys, copies):
+                        copy.readers, held[_END:] = copy.readers + 1, [(self.table.get(key), copy)]  # no call between
+                    if held is self._views:
                         self.read_stats["views"] += 1
                         return self.device_pool.view(slots[0], len(slots), num_tokens, start_token)
                 t0 = time.perf_counter()
@@ -1239,6 +1242,8 @@ class BlockStore:
                 self.note_compute()  # later copies into these slots wait for the gather
                 return out
             finally:
+                if gathering:
+                    _uninterrupted(lambda: self._let_go(gathering))
                 self._unpin_entries(pins)
         # A held read takes its readers straight into the views' list (empty now): whatever
         # point a Ctrl-C lands at, what it took is listed there, and the next release_views
