@@ -288,6 +288,47 @@ def test_stopping_an_exporter_detaches_it_and_a_failed_one_leaves_nothing_behind
     assert b"tiercache_" not in generate_latest(REGISTRY)
 
 
+def test_an_exporter_closed_while_serve_starts_its_server_leaves_nothing_listening(make_cache, monkeypatch):
+    """``serve`` starts the HTTP server and then lists it; a ``close`` on another thread in
+    between took the list without it, and the server kept answering after ``close``
+    returned, with nothing left to stop it (a review). Now ``serve`` sees the exporter
+    closed when it lists the server, stops it and says so. Scenario: the server is up and
+    ``serve`` is held just before listing it; ``close`` runs; ``serve`` goes on."""
+    from tiercache import metrics as metrics_module
+
+    cache = make_cache()
+    exporter = CacheMetrics(cache)
+    real_start = metrics_module.start_http_server
+    started, go, bound, outcome = threading.Event(), threading.Event(), [], []
+
+    def held_start(*args, **kwargs):
+        server, thread = real_start(*args, **kwargs)
+        bound.append(server.server_address[1])
+        started.set()
+        assert go.wait(30), "the test never let serve go on"
+        return server, thread
+
+    def serve():
+        try:
+            outcome.append(exporter.serve(0))
+        except RuntimeError as exc:
+            outcome.append(exc)
+    monkeypatch.setattr(metrics_module, "start_http_server", held_start)
+    server_thread = threading.Thread(target=serve)
+    server_thread.start()
+    try:
+        assert started.wait(30)
+        scrape(bound[0])  # listening, not listed yet
+        exporter.close()
+    finally:
+        go.set()
+        server_thread.join(30)
+    assert isinstance(outcome[0], RuntimeError) and "closed" in str(outcome[0]), outcome
+    assert exporter.addresses == []
+    with pytest.raises(urllib.error.URLError):
+        scrape(bound[0])
+
+
 def test_an_endpoint_that_cannot_listen_is_one_clear_error(make_cache):
     """A port another socket holds, an address no interface has, a port out of range: one
     error naming the address and the reason (a ``MetricsServerError``, still an

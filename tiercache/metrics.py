@@ -152,7 +152,9 @@ class CacheMetrics(Collector):
         """Serve ``/metrics`` over HTTP from a daemon thread; returns the bound port.
 
         Listens on loopback unless ``addr`` says otherwise ("0.0.0.0" for every interface).
-        ``port=0`` lets the OS pick a free port.
+        ``port=0`` lets the OS pick a free port. A closed exporter (also one that ``close``
+        closed on another thread while this started its server) is a ``RuntimeError``, and
+        no server is left listening.
         """
         if self.closed:
             raise RuntimeError("CacheMetrics is closed")
@@ -162,7 +164,14 @@ class CacheMetrics(Collector):
         except OSError as exc:  # port taken, an address no interface has, a name that does not resolve
             raise MetricsServerError(f"metrics: cannot serve on {addr}:{port} ({exc.strerror or exc})") from exc
         with self._lock:
-            self._servers.append((server, thread))
+            closing = self.closed  # close() ran while the server started: it did not see this one
+            if not closing:
+                self._servers.append((server, thread))
+        if closing:
+            server.shutdown()
+            server.server_close()
+            thread.join()
+            raise RuntimeError("CacheMetrics is closed")
         return int(server.server_address[1])
 
     @property
