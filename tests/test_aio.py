@@ -110,6 +110,53 @@ def test_a_block_deleted_while_its_record_is_read_is_gone_for_good(tmp_path, geo
         assert key not in reopened
 
 
+def test_a_block_deleted_while_its_record_is_read_stays_deleted_when_the_store_closes_first(tmp_path, geometry):
+    """The same, but the store closes before the read ends. ``read_disk_record`` is not a
+    counted call (it spans awaits), so ``close`` does not wait for it: the deleted block's
+    record, held by the read, was never tombstoned and came back on reopen, and the read
+    then failed with a ``TypeError`` from writing that tombstone through the closed file
+    (a review's script). Now ``close`` tombstones what deleted blocks' reads hold, and the
+    read ends with the documented ``RuntimeError``. The file threads are kept busy, so the
+    read holds its slot and waits while the block is deleted and the store closed."""
+    from conftest import tiny_config
+    from tiercache import aio
+
+    cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1, disk_blocks=4)
+    key, kept = BlockKey(7, 0, 0), BlockKey(7, 0, 1)
+    block = torch.randn(geometry.shape)
+    release = threading.Event()
+
+    async def scenario(store):
+        astore = AsyncStore(store)
+        await astore.put(key, torch.randn(geometry.shape))
+        await astore.put(kept, block)
+        await astore.flush()
+        files = aio._file_executor()
+        busy = [files.submit(release.wait) for _ in range(aio.FILE_THREADS)]
+        try:
+            task = asyncio.create_task(astore.read_disk_record(key))
+            await asyncio.sleep(0.05)
+            assert store.table.copy(key, Tier.DISK).readers == 1  # the read holds the record
+            store.delete(key)
+            store.close()
+        finally:
+            release.set()
+        with pytest.raises(RuntimeError, match="closed"):
+            await task
+        for f in busy:
+            f.result()
+
+    store = BlockStore(cfg, geometry)
+    try:
+        asyncio.run(scenario(store))
+    finally:
+        release.set()
+        store.close()
+    with BlockStore(cfg, geometry) as reopened:
+        assert key not in reopened
+        assert torch.equal(reopened.get(kept), block)
+
+
 def test_a_record_still_being_written_is_waited_for(make_store, geometry):
     """A disk copy in flight (FILLING) holds no record yet: read, it gave a stale record's
     bytes or a false integrity error. The read now waits for the write."""

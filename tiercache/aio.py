@@ -253,6 +253,8 @@ class AsyncStore:
                     raise asyncio.CancelledError  # cancelled while the file closed
             finally:
                 store._let_go([(entry, copy)])  # frees the copy if the block was deleted meanwhile
+        if store.closed:  # not waited for by close(), which may have tombstoned the record
+            raise RuntimeError("AsyncStore.read_disk_record: the store was closed during the read")
         await aiofiles.os.wrap(self._verify)(key, view, got, executor=files)
         g = store.geometry
         return raw[HEADER_BYTES:].view(g.dtype).view(g.shape)

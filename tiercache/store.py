@@ -1921,6 +1921,7 @@ class BlockStore:
             self.wait_idle()
             if self.disk is not None and self.disk.persistent:
                 self._flush()
+                self._tombstone_held()
         finally:
             self.engine.close()  # every queued job runs first: streamed reads let go of their copies
             if self._streams is not None:
@@ -1937,6 +1938,18 @@ class BlockStore:
             self.device_pool.release()
         if self._policy_failures:  # a plug-in's failure in the last calls: no later call raised it
             self._raise_policy_failure()
+
+    def _tombstone_held(self) -> None:
+        """``close``: tombstone the disk records of deleted blocks that a read still holds.
+        ``AsyncStore.read_disk_record`` holds its record across awaits, outside any counted
+        call, so ``close`` does not wait for it; the record would be tombstoned when the read
+        lets go, by then through a closed file, and the deleted block would come back on
+        reopen. (``_released`` skips the tombstone once the disk is closed.)"""
+        with self._lock:
+            for entry in list(self.table._zombies.values()):
+                copy = entry.copies.get(Tier.DISK)
+                if copy is not None:
+                    self.disk.tombstone(copy.slot)
 
     def __enter__(self) -> "BlockStore":
         return self
@@ -2073,7 +2086,7 @@ class BlockStore:
 
     def _released(self, key: Hashable, tier: Tier, slot: int) -> None:
         """Under the lock, right after a slot was freed (before anyone can reuse it)."""
-        if tier is Tier.DISK:
+        if tier is Tier.DISK and not self.disk.closed:  # closed: ``_tombstone_held`` did it
             self.disk.tombstone(slot)
         if self.table.copy(key, tier) is not None:
             return  # a zombie's copy went; a newer block with the same key lives on this tier
