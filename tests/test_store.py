@@ -3269,3 +3269,53 @@ def test_a_block_deleted_while_read_layer_gathers_it_is_not_overwritten_under_th
         store.check()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("call", ["ensure_device", "put", "new_blocks"])
+def test_a_call_that_needs_the_slot_a_get_is_reading_waits_for_the_get(tmp_path, geometry, call):
+    """A ``get`` holds its block's copy (a reader) for as long as it copies the bytes out.
+    A call on another thread that needed that device slot found nothing to evict and
+    nothing in flight, and raised ``CapacityError`` ("cannot move down ... release views")
+    though no block was pinned or viewed and the tiers below had room: hundreds of times in
+    three seconds beside two threads doing only ``get`` (a review's script). It now waits
+    for such a call to end, and then makes room as usual.
+
+    One device slot, read by a ``get`` held inside its copy; the call starts, and the get
+    is let go a moment later."""
+    store = BlockStore(tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=2), geometry, persistent=False)
+    try:
+        a, c = BlockKey(0, 0, 0), BlockKey(0, 0, 1)
+        block_a, block_c = torch.full(geometry.shape, 1.0), torch.full(geometry.shape, 3.0)
+        store.put(c, block_c)
+        store.demote_now([c])
+        store.put(a, block_a)  # on the device, c on the host
+        entered, go = threading.Event(), threading.Event()
+        read_block = store.device_pool.read_block
+
+        def held_read(*args, **kwargs):
+            entered.set()
+            assert go.wait(30), "the test never let the get go on"
+            return read_block(*args, **kwargs)
+        store.device_pool.read_block = held_read
+        got: list = []
+        getter = threading.Thread(target=lambda: got.append(store.get(a)))
+        getter.start()
+        try:
+            assert entered.wait(30)
+            threading.Timer(0.2, go.set).start()
+            if call == "ensure_device":
+                store.ensure_device([c], pin=False)
+                assert store.table.is_ready(c, Tier.DEVICE)
+            elif call == "put":
+                store.put(BlockKey(0, 0, 2), torch.zeros(geometry.shape))
+            else:
+                store.new_blocks([BlockKey(0, 0, 2)])
+                store.unpin([BlockKey(0, 0, 2)])
+        finally:
+            go.set()
+            getter.join(30)
+        assert torch.equal(got[0], block_a)
+        assert torch.equal(store.get(a), block_a) and torch.equal(store.get(c), block_c)
+        store.check()
+    finally:
+        store.close()

@@ -39,6 +39,7 @@ log = logging.getLogger("tiercache")
 # again (~1.5 ms, the longest a demand read queued behind it waits).
 _PIECE_BYTES = 8 << 20
 _CHUNK_BYTES = 16 << 20
+_READERS_WAIT_S = 5.0  # how long a call waits out copies read by calls in progress (_wait_out_readers)
 _CUDA_PIECE_BYTES = 64 << 20  # see _submit_all
 _CUDA_JOBS = 2  # copy jobs of a batch, and device staging buffers (_device_lease)
 # _slot_runs' sort key, (src, dst, src_slot) of a Move: a C getter, not a lambda per move
@@ -464,6 +465,7 @@ class BlockStore:
         """``put`` into ``tier``: a slot allocated FILLING (nobody reads, moves or evicts it),
         the bytes copied in, then committed READY; a copy that fails gives the slot back."""
         stall = 0.0
+        since: list = []  # see _wait_out_readers
         while True:
             with self._lock:
                 if self.table.get(key) is not None:  # a put of the same key on another thread won
@@ -475,6 +477,8 @@ class BlockStore:
                         # and then they can move down. Six puts at once on a two-slot device
                         # failed with CapacityError while the disk had room (a helper's run).
                         self._put_done.wait(0.05)
+                        continue
+                    if self._wait_out_readers(tier, {key}, since):
                         continue
                     raise CapacityError(self._full_message(1, tier, {key}))
                 if self.table.num_free(tier) >= 1 and not moves:
@@ -1001,6 +1005,7 @@ class BlockStore:
             seen.add(key)
         protect = set(protect) | seen
         stall = 0.0
+        since: list = []  # see _wait_out_readers
         while True:
             with self._lock:
                 stored = next((k for k in keys if self.table.get(k) is not None), None)
@@ -1008,6 +1013,8 @@ class BlockStore:
                     raise ValueError(f"new_blocks: block {stored!r} is already stored; delete it first")
                 moves = self._room(Tier.DEVICE, len(keys), protect, allow_writeback=True)
                 if self.table.num_free(Tier.DEVICE) < len(keys) and not moves:
+                    if self._wait_out_readers(Tier.DEVICE, protect, since):
+                        continue
                     raise CapacityError(self._full_message(len(keys), Tier.DEVICE, protect))
                 if self.table.num_free(Tier.DEVICE) >= len(keys) and not moves:
                     slots = []
@@ -1046,6 +1053,7 @@ class BlockStore:
         stall = 0.0
         io_failures = 0
         get, device, ready = self.table.get, Tier.DEVICE, CopyState.READY
+        since: list = []  # see _wait_out_readers
         try:
             while True:
                 submit: list = []
@@ -1109,6 +1117,8 @@ class BlockStore:
                     if not missing and not waits:
                         break
                     if not submit and not waits:  # nothing to fetch into, nothing to wait for
+                        if self._wait_out_readers(Tier.DEVICE, protect, since):
+                            continue
                         raise CapacityError(self._resident_message(len(keys), len(missing), protect))
                 mine: list = []
                 futures = self._submit_all(submit, Priority.DEMAND, mine) + waits
@@ -1502,6 +1512,7 @@ class BlockStore:
         counted: set = set()
         stall = 0.0
         io_failures = 0
+        since: list = []  # see _wait_out_readers
         while True:
             submit, waits, missing = [], [], []
             with self._lock:
@@ -1561,6 +1572,8 @@ class BlockStore:
                         raise
                     break
                 if not submit and not waits:
+                    if self._wait_out_readers(Tier.HOST, set(keys), since):
+                        continue
                     raise CapacityError(f"the host tier holds {self.table.num_slots(Tier.HOST)} blocks but this "
                                         f"step reads {len(keys)} and the rest are busy; raise host_budget")
             mine: list = []
@@ -1979,6 +1992,45 @@ class BlockStore:
     # ---- internals: eviction ------------------------------------------------------------
     def _lower(self, tier: Tier) -> Optional[Tier]:
         return self._below.get(tier)
+
+    def _wait_out_readers(self, tier: Tier, protect: set, since: list) -> bool:
+        """Under the lock, where a call found no room on ``tier`` and nothing in flight to
+        wait for, before it raises ``CapacityError``: if a copy there is held only for the
+        length of a call in progress (``_held_for_now``), wait a moment (the lock let go)
+        and return True, for the caller to look again. A ``get`` on another thread holds
+        its block's copy for microseconds; ``ensure_device``, ``put`` and ``new_blocks``
+        raised ``CapacityError`` ("cannot move down") hundreds of times in three seconds
+        beside two threads doing only ``get`` (a review's script). ``since``: the caller's
+        list, [when it first waited]; past ``_READERS_WAIT_S`` the error goes out."""
+        now = time.monotonic()
+        if since and now - since[0] > _READERS_WAIT_S:
+            return False
+        if not self._held_for_now(tier, protect):
+            return False
+        if not since:
+            since.append(now)
+        self._put_done.wait(0.001)
+        return True
+
+    def _held_for_now(self, tier: Tier, protect: set) -> bool:
+        """Under the lock: whether a copy on ``tier`` that is not kept by the caller
+        (``protect``), not pinned and not one of attention's views is read or filled right
+        now (a call in progress: a ``get``, a gather, a ``put``), or is a deleted block's
+        copy still read. Such a copy can go once that call ends; a pin or a view stays
+        until its owner lets go."""
+        viewed = {id(c) for _, c in self._views}
+        table, filling = self.table, CopyState.FILLING
+        for key in table.keys_on(tier):
+            if key in protect:
+                continue
+            entry = table.get(key)
+            c = entry.copies.get(tier) if entry is not None else None
+            if c is None or id(c) in viewed or (tier is Tier.DEVICE and entry.pins):
+                continue
+            if c.readers or c.state is filling:
+                return True
+        return any(c is not None and (c.readers or c.state is filling) and id(c) not in viewed
+                   for c in (z.copies.get(tier) for z in table._zombies.values()))
 
     def _room(self, tier: Tier, n: int, protect: set, allow_writeback: bool) -> list:
         """Under the lock: free up to ``n`` slots on ``tier``. Clean copies are dropped now;
