@@ -143,3 +143,41 @@ def test_every_integer_setting_is_refused_just_outside_its_range_and_taken_at_it
             TierConfig(**{field: bad})
     for good in (low, high) if field not in ("block_tokens", "selection_budget") else ():
         assert getattr(TierConfig(**{field: good}), field) == good
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("device_budget", 10 ** 23, "more than 1048576.0 TiB"),  # overflowed inside torch when the pool was made
+    ("disk_budget", "2000000TiB", "more than any machine holds"),
+    ("host_budget", "0.5", "'0.5' is not a whole number of bytes"),  # was 0 bytes: the host tier silently off
+    ("device_budget", "1.5B", "not a whole number of bytes"),
+    ("eviction", ["lru"], r"eviction: unknown policy \['lru'\]; known: .*lru"),  # was TypeError: unhashable
+    ("prefetch", {}, r"prefetch: unknown policy \{\}; known: .*next-layer"),
+    ("selection", ["quest"], r"selection: unknown policy \['quest'\]"),
+    ("retention", ["h2o"], r"retention: unknown policy \['h2o'\]; known: .*\(or None\)"),
+])
+def test_values_that_were_tracebacks_or_silently_wrong_are_named(field, value, message, tmp_path):
+    """Found by a review: each was a traceback from inside torch or Python, or a budget
+    silently rounded to nothing."""
+    kwargs = {field: value}
+    if field == "disk_budget":
+        kwargs["disk_dir"] = str(tmp_path / "kv")
+    with pytest.raises(ValueError, match=f"{field}: " if "unknown" not in message else message) as info:
+        TierConfig(**kwargs)
+    assert re.search(message, str(info.value)), info.value
+
+
+def test_numpy_numbers_and_a_home_folder_are_taken_as_python_ones(tmp_path, monkeypatch):
+    """numpy's ints and floats (a sweep's values) were refused with messages that read as
+    wrong ("must be an integer ..., got np.int64(16)"); a disk_dir of "~/kv" made a folder
+    named "~" in the working directory."""
+    import numpy as np
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = TierConfig(block_tokens=np.int64(16), device_budget=np.int64(1 << 20), host_budget=np.float64(4096.0),
+                     remote_timeout=np.float32(0.5), disk_dir="~/kv", disk_budget="1MiB", reuse=False)
+    assert (cfg.block_tokens, cfg.device_budget, cfg.host_budget, cfg.remote_timeout) == (16, 1 << 20, 4096, 0.5)
+    assert all(type(v) is t for v, t in [(cfg.block_tokens, int), (cfg.device_budget, int), (cfg.host_budget, int),
+                                         (cfg.remote_timeout, float)])
+    assert cfg.disk_dir == str(tmp_path / "kv")
+    with pytest.raises(ValueError, match="block_tokens"):
+        TierConfig(block_tokens=np.bool_(True))

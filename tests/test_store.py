@@ -6,6 +6,7 @@ import dataclasses
 import gc
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -3319,3 +3320,22 @@ def test_a_call_that_needs_the_slot_a_get_is_reading_waits_for_the_get(tmp_path,
         store.check()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("args,message", [
+    ((0, 2, 4, 16, torch.float32), "BlockGeometry.batch: must be a positive integer, got 0"),  # ZeroDivisionError
+    ((1, 2, 4, 0, torch.float32), "BlockGeometry.head_dim: must be a positive integer"),
+    ((1, -2, 4, 16, torch.float32), "BlockGeometry.kv_heads: must be a positive integer, got -2"),
+    ((1.5, 2, 4, 16, torch.float32), "BlockGeometry.batch: must be a positive integer, got 1.5"),  # torch's TypeError
+    ((1, 2, 4, 16, "float32"), "BlockGeometry.dtype: must be a torch.dtype"),  # torch's TypeError at allocation
+])
+def test_a_bad_block_geometry_is_named_where_it_is_made(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BlockGeometry(*args)
+
+
+def test_a_geometry_whose_block_tokens_differ_from_the_configs_is_refused():
+    """Taken silently: the budgets counted one block size, the store used another."""
+    g = BlockGeometry(1, 2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="geometry: block_tokens=8, but the TierConfig says block_tokens=4"):
+        BlockStore(TierConfig(device_budget=4 * g.block_bytes, host_budget=0, block_tokens=4), g)

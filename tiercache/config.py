@@ -1,6 +1,7 @@
 """The one configuration object: a frozen, validated ``TierConfig``."""
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import tempfile
@@ -18,6 +19,7 @@ _UNITS = {
     "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
     "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
 }
+MAX_BUDGET = 1 << 60  # 1 EiB: past any machine; a pool sized from a larger budget overflowed inside torch
 _BUDGET_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")
 DISK_IO_BACKENDS = ("auto", "posix", "kvikio")
@@ -93,11 +95,11 @@ def parse_bytes(value: Budget, field_name: str = "budget") -> int:
 
     Raises ``ValueError`` naming ``field_name`` and the value when it is negative or unparsable.
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool):  # numpy's bools are not numbers.Integral: refused below
         raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}")
-    if isinstance(value, int):
-        num_bytes = value
-    elif isinstance(value, float) and value.is_integer():
+    if isinstance(value, numbers.Integral):  # numpy's ints too
+        num_bytes = int(value)
+    elif isinstance(value, numbers.Real) and float(value).is_integer():
         num_bytes = int(value)
     elif isinstance(value, str):
         match = _BUDGET_RE.match(value)
@@ -106,11 +108,17 @@ def parse_bytes(value: Budget, field_name: str = "budget") -> int:
             raise ValueError(
                 f"{field_name}: cannot parse {value!r}; use bytes or a size such as "
                 f"'512KiB', '64MiB', '1.5GiB'")
-        num_bytes = int(float(match.group(1)) * _UNITS[unit])
+        exact = float(match.group(1)) * _UNITS[unit]
+        if _UNITS[unit] == 1 and not exact.is_integer():  # "0.5" was 0 bytes: the tier silently off
+            raise ValueError(f"{field_name}: {value!r} is not a whole number of bytes")
+        num_bytes = int(exact)
     else:
         raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}")
     if num_bytes < 0:
         raise ValueError(f"{field_name}: must not be negative, got {value!r}")
+    if num_bytes > MAX_BUDGET:  # past what any machine holds; a pool this size overflowed inside torch
+        raise ValueError(f"{field_name}: {value!r} is more than {format_bytes(MAX_BUDGET)}, more than any "
+                         f"machine holds")
     return num_bytes
 
 
@@ -211,12 +219,8 @@ class TierConfig:
         self._check_int("prefetch_depth", 1, 1024)
         self._check_int("io_workers", 1, 256)
         self._check_int("queue_depth", 1, 1 << 16)
-        if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction: unknown policy {self.eviction!r}; known: "
-                             f"{', '.join(sorted(EVICTION_POLICIES))}")
-        if self.prefetch not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch: unknown policy {self.prefetch!r}; known: "
-                             f"{', '.join(sorted(PREFETCH_POLICIES))}")
+        self._check_name("eviction", EVICTION_POLICIES)
+        self._check_name("prefetch", PREFETCH_POLICIES)
         self._check_selection_and_retention()
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io: must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
@@ -225,7 +229,7 @@ class TierConfig:
         if self.disk_dir is not None:
             if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
                 raise ValueError(f"disk_dir: expected a directory path, got {self.disk_dir!r}")
-            object.__setattr__(self, "disk_dir", os.path.abspath(os.fspath(self.disk_dir)))
+            object.__setattr__(self, "disk_dir", os.path.abspath(os.path.expanduser(os.fspath(self.disk_dir))))
             if self.disk_budget > 0:
                 _check_dir_usable(self.disk_dir)
         if self.device is not None:  # a name torch cannot parse failed at the first generate()
@@ -266,9 +270,10 @@ class TierConfig:
             raise ValueError(f"remote_namespace: 1-64 letters, digits, '_', '.' or '-', got {self.remote_namespace!r}")
         self._check_bool("attend_in_place")
         self._check_bool("remote_cluster")
-        if (isinstance(self.remote_timeout, bool) or not isinstance(self.remote_timeout, (int, float))
+        if (isinstance(self.remote_timeout, bool) or not isinstance(self.remote_timeout, numbers.Real)
                 or not 0 < self.remote_timeout <= 600):
             raise ValueError(f"remote_timeout: seconds in (0, 600], got {self.remote_timeout!r}")
+        object.__setattr__(self, "remote_timeout", float(self.remote_timeout))
         if self.remote_url is None:
             # Only what is told apart from its default: remote_budget None, remote_cluster False
             # (a namespace or timeout equal to its default may have been given, or not).
@@ -314,9 +319,7 @@ class TierConfig:
         return self.remote_url is not None
 
     def _check_selection_and_retention(self) -> None:
-        if self.selection not in SELECTION_POLICIES:
-            raise ValueError(f"selection: unknown policy {self.selection!r}; known: "
-                             f"{', '.join(sorted(SELECTION_POLICIES))}")
+        self._check_name("selection", SELECTION_POLICIES)
         self._check_int("selection_budget", 1, 1 << 30)
         if (self.selection != "full" and self.selection_budget == _DEFAULT_SELECTION_BUDGET
                 and (self.selection_budget % self.block_tokens or self.selection_budget < 3 * self.block_tokens)):
@@ -335,9 +338,7 @@ class TierConfig:
                 f"selection_budget: {self.selection_budget} tokens is not a whole number of blocks of block_tokens="
                 f"{self.block_tokens} ({self.selection} reads whole blocks; the budget was rounded down, so one "
                 f"that covered the context was not exact); use {lower} or {lower + self.block_tokens}")
-        if self.retention is not None and self.retention not in RETENTION_POLICIES:
-            raise ValueError(f"retention: unknown policy {self.retention!r}; known: "
-                             f"{', '.join(sorted(RETENTION_POLICIES))} (or None)")
+        self._check_name("retention", RETENTION_POLICIES, none_ok=True)
         self._check_int("retention_budget", 1, 1 << 30)
         if self.retention is not None:
             low = RETENTION_POLICIES[self.retention]().min_budget()
@@ -350,8 +351,19 @@ class TierConfig:
 
     def _check_int(self, name: str, low: int, high: int) -> None:
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
             raise ValueError(f"{name}: must be an integer in [{low}, {high}], got {value!r}")
+        object.__setattr__(self, name, int(value))  # numpy's ints as int
+
+    def _check_name(self, name: str, registry: dict, none_ok: bool = False) -> None:
+        """A policy name: one of ``registry``'s keys (a list or dict given was a bare
+        ``TypeError: unhashable type`` naming no field)."""
+        value = getattr(self, name)
+        if none_ok and value is None:
+            return
+        if not isinstance(value, str) or value not in registry:
+            raise ValueError(f"{name}: unknown policy {value!r}; known: {', '.join(sorted(registry))}"
+                             f"{' (or None)' if none_ok else ''}")
 
     @property
     def host_enabled(self) -> bool:

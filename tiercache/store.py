@@ -163,6 +163,9 @@ class BlockStore:
         self.config = config = as_tier_config(config)
         if not isinstance(geometry, BlockGeometry):
             raise TypeError(f"geometry: expected a tiercache BlockGeometry, got {type(geometry).__name__}")
+        if geometry.block_tokens != config.block_tokens:  # taken silently, one size in the budgets, another in use
+            raise ValueError(f"geometry: block_tokens={geometry.block_tokens}, but the TierConfig says "
+                             f"block_tokens={config.block_tokens}; give both the same")
         self.geometry = geometry
         self.device = torch.device(device if device is not None else (config.device or "cpu"))
         self.events = events if events is not None else Events(config.eviction)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import mmap
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -35,6 +36,17 @@ class BlockGeometry:
     block_tokens: int
     head_dim: int
     dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        """A zero or fractional size was a ZeroDivisionError or a torch error from inside the
+        store; a dtype named by a string, torch's error at the first allocation."""
+        for name in ("batch", "kv_heads", "block_tokens", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"BlockGeometry.{name}: must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"BlockGeometry.dtype: must be a torch.dtype such as torch.float16, got {self.dtype!r}")
 
     @property
     def shape(self) -> tuple:
