@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from tiercache.cli import WORKER_ERROR, doc_summary, work_dir, worker_failure
+from tiercache.cli import WORKER_ERROR, doc_summary, model_positions, work_dir, worker_failure
 
 POSITION_MARGIN = 8  # tokens left below the model's positions
 
@@ -436,7 +436,16 @@ def run(argv: Optional[list] = None) -> int:
     work_dir("--dir", args.dir or ".")  # the temporary folder goes here
     from tiercache.models import load_config
 
-    load_config(args.model)  # a bad --model: one line now, not each worker's traceback
+    # a bad --model: one line now, not each worker's traceback; and the prompt must fit the
+    # model's positions (it was cut to them silently) and hold the conversation's turns
+    # (refused only after two whole workers had run)
+    limit = model_positions(load_config(args.model)[1])
+    if limit is not None and args.context > limit - POSITION_MARGIN:
+        raise ValueError(f"--context: {args.context} tokens exceed the model's {limit} positions less the "
+                         f"{POSITION_MARGIN} this benchmark leaves for the answers (at most {limit - POSITION_MARGIN})")
+    if args.turns and (args.context - args.turns * args.answer_tokens) // args.turns < 1:
+        raise ValueError(f"--context: {args.context} tokens are too short for {args.turns} turns of "
+                         f"{args.answer_tokens}-token answers")
     if args.remote:
         import uuid
 

@@ -65,6 +65,27 @@ def test_disk_dir_that_is_a_file_is_refused(tmp_path):
     assert proc.returncode == 2 and "disk_dir:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_disk_dir_others_can_read_is_refused_once_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """A --disk-dir with permissions 0755 was refused only after the model had loaded (7 s
+    with the default model), and the error came twice: as the prefix cache's warning, then
+    as the error (a review)."""
+    from tiercache.cli import main
+
+    import tiercache.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the folder was checked")
+
+    monkeypatch.setattr(tiercache.models, "load_model", no_model)
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    assert main(["generate", "--prompt", "hi", "--disk-dir", str(loose)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiercache: error: disk_dir: ") and "has permissions 0o755" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_unsupported_model_family_is_named(tmp_path):
     from transformers import T5Config
     T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2).save_pretrained(tmp_path)
@@ -455,6 +476,32 @@ def test_a_benchmark_worker_that_fails_on_bad_input_is_one_line(name, tmp_path):
     assert f"cannot load a model from {str(model)!r}" in last
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the work folder removed
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--context", "100000", "--turns", "0"], "--context: 100000 tokens exceed the model's 512 positions less the 8"),
+    (["--context", "20", "--turns", "5"], "--context: 20 tokens are too short for 5 turns of 16-token answers"),
+])
+def test_bench_prefix_refuses_a_context_that_cannot_be_run_before_any_worker(argv, message, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A context past the model's positions was cut to them silently (the log still said
+    100000 tokens); one too short for the turns was refused by the conversation worker,
+    after two whole workers had prefilled it (a review). Both now fail before any worker."""
+    from transformers import LlamaConfig
+
+    from tiercache.bench import prefix
+    from tiercache.cli import main
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(prefix, "_spawn", no_worker)
+    model = tmp_path / "model"
+    LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=512).save_pretrained(model)
+    assert main(["bench", "prefix", "--model", str(model), "--dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_an_output_file_under_a_regular_file_says_so(tmp_path):

@@ -75,9 +75,11 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
                          remote_budget=args.remote_budget, remote_namespace=args.remote_namespace,
                          remote_cluster=args.remote_cluster, remote_timeout=args.remote_timeout)
         if cfg.disk_enabled:
-            from tiercache.disk import resolve_disk_io
+            from tiercache.disk import ensure_private_dir, resolve_disk_io
 
             resolve_disk_io(cfg.disk_io)  # before the model loads: kvikio asked for where it cannot run
+            # and a folder others can read: refused after the model had loaded, and printed twice
+            ensure_private_dir(cfg.disk_dir, cfg.shared_dir)
         return cfg
     except ValueError as exc:
         raise CLIError(str(exc)) from None
