@@ -629,6 +629,37 @@ def test_offload_and_prefetch_move_a_layer_between_tiers_and_stay_exact(tmp_path
     assert stats["moves"]["device->host"]["blocks"] > 0 and stats["moves"]["host->device"]["blocks"] > 0
 
 
+def test_the_cache_api_names_a_wrong_argument(tmp_path):
+    """Found by a review: ``offload(99)`` was an IndexError from inside transformers,
+    ``prefetch("a")`` a TypeError, ``offload(-1)`` taken as the last layer; ``trace=123``
+    was accepted and failed mid-generate(); ``load_prefix`` of a list was an AttributeError
+    from inside and of a 1-D tensor a silent miss (0 tokens loaded); ``serve_metrics({})``
+    an AttributeError. Each is now an error that names the argument; nothing was changed."""
+    from tiercache.metrics import serve_metrics
+
+    model = tiny_model("llama")
+    cfg = TierConfig(device_budget="1MiB", host_budget="1MiB", disk_dir=str(tmp_path / "kv"), disk_budget="4MiB",
+                     block_tokens=BT)
+    ids = prompt_ids()
+    with pytest.raises(TypeError, match="trace: expected a file path or a tiercache.lab.trace.TraceWriter, got int"):
+        tiercache.TieredCache(model, cfg, trace=123)
+    with tiercache.TieredCache(model, cfg) as cache:
+        generate(model, ids, cache=cache, max_new_tokens=2)
+        layers = len(cache.layers)
+        for call in (cache.offload, cache.prefetch):
+            for bad in (layers, -1, "a", 1.0, True):
+                with pytest.raises(ValueError, match=rf"layer_idx must be an integer in \[0, {layers}\), got "):
+                    call(bad)
+    with tiercache.TieredCache(model, cfg) as fresh:
+        with pytest.raises(TypeError, match=r"input_ids must be a torch.Tensor of token ids shaped \[1, N\]"):
+            fresh.load_prefix(ids[0].tolist())
+        with pytest.raises(ValueError, match=r"input_ids must be shaped \[1, N\] .*got \(\d+,\); .*ids\[None\]"):
+            fresh.load_prefix(ids[0])
+        assert fresh.load_prefix(ids) > 0  # the same prompt, as generate() takes it: loaded
+    with pytest.raises(TypeError, match="metrics: expected a TieredCache or a BlockStore, got dict"):
+        serve_metrics({})
+
+
 def test_offload_and_prefetch_from_another_thread_during_generate(tmp_path):
     """A thread calling offload() and prefetch() on random layers as fast as it can while
     generate() runs on the cache: the block table was read without the store's lock (a
@@ -865,6 +896,7 @@ def test_capacity_error_states_minimum(family, when, tmp_path):
     match = _MIN_RE.search(str(info.value))
     assert match, str(info.value)
     assert int(match.group(1)) == need * block_bytes(model, 1), str(info.value)
+    assert "for this step" in str(info.value) and "min_device_budget" in str(info.value)  # a later step needs more
     assert lengths == {tokens_before}, "a layer was written by the forward that failed"
 
 

@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import numbers
 import os
 import shutil
 import threading
@@ -454,8 +455,14 @@ class TieredCache(Cache):
         ``prefill_chunk_size``: pass the same here, and no more is loaded than keeps those
         chunks within the device budget. ``wrap()`` and ``tiercache generate`` call this for you.
         """
-        if (not self._reuse or input_ids.dim() != 2 or input_ids.shape[0] != 1
-                or any(layer.num_tokens for layer in self.layers)):
+        # a list was an AttributeError from inside, a 1-D tensor a silent miss (a review)
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"load_prefix: input_ids must be a torch.Tensor of token ids shaped [1, N] (as generate() "
+                            f"takes them), got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"load_prefix: input_ids must be shaped [1, N] (as generate() takes them), got "
+                             f"{tuple(input_ids.shape)}; for one sequence of ids, pass ids[None]")
+        if not self._reuse or input_ids.shape[0] != 1 or any(layer.num_tokens for layer in self.layers):
             return 0
         prefix = self._ensure_prefix()
         if prefix is None:
@@ -571,7 +578,12 @@ class TieredCache(Cache):
     # ---- traces and attention scores -----------------------------------------------------
     @staticmethod
     def _open_trace(trace: Union[str, "TraceWriter", None]) -> Optional["TraceWriter"]:
-        if trace is None or not isinstance(trace, (str, os.PathLike)):
+        if trace is None:
+            return None
+        if not isinstance(trace, (str, os.PathLike)):  # trace=123 failed mid-generate() (a review)
+            if not all(callable(getattr(trace, name, None)) for name in ("record", "now_us", "waited", "close")):
+                raise TypeError(f"trace: expected a file path or a tiercache.lab.trace.TraceWriter, got "
+                                f"{type(trace).__name__}")
             return trace
         from tiercache.lab.trace import TraceWriter
         return TraceWriter(os.fspath(trace))
@@ -726,7 +738,9 @@ class TieredCache(Cache):
                 f"device_budget={format_bytes(self.tier_config.device_budget)} holds "
                 f"{store.num_slots(store.tiers[0])} blocks of {format_bytes(g.block_bytes)}, but attention "
                 f"needs one whole layer resident: {widest} blocks; minimum device_budget = "
-                f"{widest * g.block_bytes} bytes ({format_bytes(widest * g.block_bytes)})")
+                f"{widest * g.block_bytes} bytes ({format_bytes(widest * g.block_bytes)}) for this step, one block "
+                f"more per {bt} tokens after it (TieredCache.min_device_budget(prompt_tokens, new_tokens) gives a "
+                f"whole run's)")
         if not new_blocks:  # every live block has a slot already (len(store) walks the table)
             return
         live = len(store)
@@ -1199,15 +1213,24 @@ class TieredCache(Cache):
         progress stay. A sliding layer is skipped when ``only_non_sliding``, as in
         transformers. The layer's tokens stay in the cache: the next forward (or
         ``prefetch``) brings them back."""
-        super().offload(layer_idx, only_non_sliding)
+        super().offload(self._layer_index(layer_idx, "offload"), only_non_sliding)
 
     def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
         """transformers' ``Cache.prefetch``, in tiers: start bringing the blocks of
         ``layer_idx`` up to the device without waiting (as far as the device budget allows;
         the next forward waits for what is still on its way). A sliding layer is skipped
         when ``only_non_sliding``."""
+        layer_idx = self._layer_index(layer_idx, "prefetch")
         if not (only_non_sliding and self.layers[layer_idx].is_sliding):
             self.layers[layer_idx].prefetch()
+
+    def _layer_index(self, layer_idx: Any, call: str) -> int:
+        """``layer_idx`` checked: an int in [0, layers) (99 was an IndexError from inside
+        transformers, "a" a TypeError; -1 was taken as the last layer)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) \
+                or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"{call}: layer_idx must be an integer in [0, {len(self.layers)}), got {layer_idx!r}")
+        return int(layer_idx)
 
     def _offload_layer(self, layer_idx: int) -> None:
         store = self.store

@@ -54,6 +54,8 @@ class CacheMetrics(Collector):
 
     def __init__(self, cache: Any, registry: Optional[CollectorRegistry] = None,
                  register_default: bool = False) -> None:
+        if not (hasattr(cache, "events") and callable(getattr(cache, "stats", None))):  # a dict was an AttributeError
+            raise TypeError(f"metrics: expected a TieredCache or a BlockStore, got {type(cache).__name__}")
         self.cache = cache
         self.registry = registry if registry is not None else CollectorRegistry()
         self.closed = False

@@ -47,7 +47,7 @@ class TraceWriter:
         try:
             self._file = open(path, "w", encoding="ascii", newline="")
         except OSError as exc:
-            raise TraceError(f"--trace-out: cannot write {path!r} ({exc.strerror})") from None
+            raise TraceError(f"trace: cannot write {path!r} ({exc.strerror})") from None
         self._file.write(",".join(HEADER) + "\n")
         self._buf = io.StringIO()
         self._t0 = time.perf_counter()
