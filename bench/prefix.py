@@ -54,7 +54,7 @@ def _setup(args: argparse.Namespace) -> tuple:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    context = min(args.context, positions - POSITION_MARGIN) if positions else args.context
+    context = _context(args.context, positions)
     ids = make_prompt_ids(tokenizer, context).to(next(model.parameters()).device)
     kv = kv_bytes_per_token(model) * (context + args.block_tokens)
     cfg = TierConfig(device_budget=max(int(kv * 1.2), 1 << 24), host_budget=max(int(kv * 1.2), 1 << 24),
@@ -212,6 +212,12 @@ def _turn(model: Any, ids, cfg, answer_tokens: int, prefill_chunk: int) -> tuple
                                  **_gen_kwargs(ids, prefill_chunk, ids.shape[1] - loaded))
         stats = cache.stats()
     return clock.t_first - t0, seq[:, ids.shape[1]:], stats
+
+
+def _context(asked: int, positions: Optional[int]) -> int:
+    """The prompt's tokens: ``asked``, less what keeps ``POSITION_MARGIN`` of the model's
+    positions free for the answers."""
+    return min(asked, positions - POSITION_MARGIN) if positions else asked
 
 
 def worker_conversation(args: argparse.Namespace) -> dict:
@@ -440,11 +446,11 @@ def run(argv: Optional[list] = None) -> int:
     # model's positions (it was cut to them silently) and hold the conversation's turns
     # (refused only after two whole workers had run)
     limit = model_positions(load_config(args.model)[1])
-    if limit is not None and args.context > limit - POSITION_MARGIN:
-        raise ValueError(f"--context: {args.context} tokens exceed the model's {limit} positions less the "
-                         f"{POSITION_MARGIN} this benchmark leaves for the answers (at most {limit - POSITION_MARGIN})")
-    if args.turns and (args.context - args.turns * args.answer_tokens) // args.turns < 1:
-        raise ValueError(f"--context: {args.context} tokens are too short for {args.turns} turns of "
+    if limit is not None and args.context > limit:
+        raise ValueError(f"--context: {args.context} tokens exceed the model's {limit} positions")
+    context = _context(args.context, limit)  # the prompt the workers make (the default 8192: 8184 tokens)
+    if args.turns and (context - args.turns * args.answer_tokens) // args.turns < 1:
+        raise ValueError(f"--context: {context} tokens are too short for {args.turns} turns of "
                          f"{args.answer_tokens}-token answers")
     if args.remote:
         import uuid
@@ -456,7 +462,7 @@ def run(argv: Optional[list] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-prefix-", dir=args.dir or ".") as workdir:
         os.chmod(workdir, 0o700)
         log = (lambda m: print(m, file=sys.stderr))
-        log(f"bench prefix: recompute and warm from host at {args.context} tokens ...")
+        log(f"bench prefix: recompute and warm from host at {context} tokens ...")
         cold = _spawn("cold", args, workdir)
         log("bench prefix: warm from disk in a fresh process ...")
         disk = _spawn("disk", args, workdir)
