@@ -446,8 +446,6 @@ def run(argv: Optional[list] = None) -> int:
     # model's positions (it was cut to them silently) and hold the conversation's turns
     # (refused only after two whole workers had run)
     limit = model_positions(load_config(args.model)[1])
-    if limit is not None and args.context > limit:
-        raise ValueError(f"--context: {args.context} tokens exceed the model's {limit} positions")
     context = _context(args.context, limit)  # the prompt the workers make (the default 8192: 8184 tokens)
     if args.turns and (context - args.turns * args.answer_tokens) // args.turns < 1:
         raise ValueError(f"--context: {context} tokens are too short for {args.turns} turns of "
@@ -462,7 +460,9 @@ def run(argv: Optional[list] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-prefix-", dir=args.dir or ".") as workdir:
         os.chmod(workdir, 0o700)
         log = (lambda m: print(m, file=sys.stderr))
-        log(f"bench prefix: recompute and warm from host at {context} tokens ...")
+        cut = f" (--context {args.context} cut to the model's {limit} positions less {POSITION_MARGIN})" \
+            if context < args.context else ""
+        log(f"bench prefix: recompute and warm from host at {context} tokens{cut} ...")
         cold = _spawn("cold", args, workdir)
         log("bench prefix: warm from disk in a fresh process ...")
         disk = _spawn("disk", args, workdir)
