@@ -1016,7 +1016,7 @@ class BlockStore:
                     raise ValueError(f"new_blocks: block {stored!r} is already stored; delete it first")
                 moves = self._room(Tier.DEVICE, len(keys), protect, allow_writeback=True)
                 if self.table.num_free(Tier.DEVICE) < len(keys) and not moves:
-                    if self._wait_out_readers(Tier.DEVICE, protect, since):
+                    if self._wait_out_readers(Tier.DEVICE, protect, since, len(keys)):
                         continue
                     raise CapacityError(self._full_message(len(keys), Tier.DEVICE, protect))
                 if self.table.num_free(Tier.DEVICE) >= len(keys) and not moves:
@@ -1996,33 +1996,62 @@ class BlockStore:
     def _lower(self, tier: Tier) -> Optional[Tier]:
         return self._below.get(tier)
 
-    def _wait_out_readers(self, tier: Tier, protect: set, since: list) -> bool:
-        """Under the lock, where a call found no room on ``tier`` and nothing in flight to
-        wait for, before it raises ``CapacityError``: if a copy there is held only for the
-        length of a call in progress (``_held_for_now``), wait a moment (the lock let go)
-        and return True, for the caller to look again. A ``get`` on another thread holds
-        its block's copy for microseconds; ``ensure_device``, ``put`` and ``new_blocks``
-        raised ``CapacityError`` ("cannot move down") hundreds of times in three seconds
-        beside two threads doing only ``get`` (a review's script). ``since``: the caller's
-        list, [when it first waited]; past ``_READERS_WAIT_S`` the error goes out."""
+    def _wait_out_readers(self, tier: Tier, protect: set, since: list, n: int = 1) -> bool:
+        """Under the lock, where a call found no room for ``n`` blocks on ``tier`` and nothing
+        in flight to wait for, before it raises ``CapacityError``: if the room is held only
+        by calls in progress (``_room_after_calls``), wait a moment (the lock let go) and
+        return True, for the caller to look again. A ``get`` on another thread holds its
+        block's copy for microseconds; ``ensure_device``, ``put`` and ``new_blocks`` raised
+        ``CapacityError`` ("cannot move down") hundreds of times in three seconds beside two
+        threads doing only ``get`` (a review's script). ``since``: the caller's list, [when
+        it first waited, waits so far]; the waits grow from 1 to 20 ms, and past
+        ``_READERS_WAIT_S`` the error goes out."""
         now = time.monotonic()
         if since and now - since[0] > _READERS_WAIT_S:
             return False
-        if not self._held_for_now(tier, protect):
+        if not self._room_after_calls(tier, protect, n):
             return False
         if not since:
-            since.append(now)
-        self._put_done.wait(0.001)
+            since.extend((now, 0))
+        self._put_done.wait(min(0.001 * (1 << since[1]), 0.02))
+        since[1] = min(since[1] + 1, 5)
         return True
 
-    def _held_for_now(self, tier: Tier, protect: set) -> bool:
-        """Under the lock: whether a copy on ``tier`` that is not kept by the caller
-        (``protect``), not pinned and not one of attention's views is read or filled right
-        now (a call in progress: a ``get``, a gather, a ``put``), or is a deleted block's
-        copy still read. Such a copy can go once that call ends; a pin or a view stays
-        until its owner lets go."""
-        viewed = {id(c) for _, c in self._views}
+    def _room_after_calls(self, tier: Tier, protect: set, n: int) -> bool:
+        """Under the lock, after ``_room`` found nothing to free or move: whether ``n`` slots
+        on ``tier`` can be had once the calls in progress end, and only then. A copy read or
+        filled by such a call (a ``get``, a gather, a ``put``; not a pin, not one of
+        attention's views, not one the caller keeps: ``protect``) can go then, if it has a
+        copy below or there is room below; a deleted block's copy still read is freed then;
+        and a copy here that could move down but for a full tier below can, if a copy there
+        is held so. A request larger than the tier, or one that no such call blocks, fails
+        at once, as before."""
         table, filling = self.table, CopyState.FILLING
+        if n > table.num_slots(tier):
+            return False
+        viewed = {id(c) for _, c in self._views}
+
+        def busy(c) -> bool:
+            return (c.readers or c.state is filling) and id(c) not in viewed
+
+        def frees_on(t: Tier) -> bool:  # a copy on t held by a call, that can go once it ends
+            if any(c is not None and busy(c) for c in (z.copies.get(t) for z in table._zombies.values())):
+                return True
+            for key in table.keys_on(t):
+                entry = table.get(key)
+                c = entry.copies.get(t) if entry is not None else None
+                if c is not None and busy(c) and any(u > t and other.state is CopyState.READY
+                                                     for u, other in entry.copies.items()):
+                    return True
+            return False
+
+        lower = self._lower(tier)
+        busy_below, below = False, lower
+        while below is not None and not busy_below:
+            busy_below, below = frees_on(below), self._lower(below)
+        room_below = lower is not None and (table.num_free(lower) > 0 or busy_below)
+        zombies = sum(1 for c in (z.copies.get(tier) for z in table._zombies.values()) if c is not None and busy(c))
+        free, held = table.num_free(tier) + zombies, zombies
         for key in table.keys_on(tier):
             if key in protect:
                 continue
@@ -2030,10 +2059,13 @@ class BlockStore:
             c = entry.copies.get(tier) if entry is not None else None
             if c is None or id(c) in viewed or (tier is Tier.DEVICE and entry.pins):
                 continue
-            if c.readers or c.state is filling:
-                return True
-        return any(c is not None and (c.readers or c.state is filling) and id(c) not in viewed
-                   for c in (z.copies.get(tier) for z in table._zombies.values()))
+            clean = any(t is not tier and other.state is CopyState.READY for t, other in entry.copies.items())
+            if busy(c):
+                held += 1
+                free += clean or room_below
+            elif busy_below and not clean:  # it moves down once a copy below is let go
+                free += 1
+        return bool(held or busy_below) and free >= n
 
     def _room(self, tier: Tier, n: int, protect: set, allow_writeback: bool) -> list:
         """Under the lock: free up to ``n`` slots on ``tier``. Clean copies are dropped now;
