@@ -3388,13 +3388,28 @@ def test_a_call_that_needs_room_below_a_get_is_reading_waits_for_the_get(tmp_pat
         store.close()
 
 
-def test_a_request_larger_than_the_tier_fails_at_once_while_a_get_reads(tmp_path, geometry):
-    """Waiting out a get helps only where its end can make the room: three new blocks on a
-    two-slot device fail at once, as before, not after the wait's 5 s (a review)."""
-    store = BlockStore(tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=2), geometry, persistent=False)
+@pytest.mark.parametrize("case", ["new blocks past the tier", "fetch past the tier", "past every tier",
+                                  "a prefix block"])
+def test_a_request_that_a_gets_end_cannot_help_fails_at_once(tmp_path, geometry, case):
+    """Waiting out a get helps only where its end can make the room; elsewhere the
+    CapacityError comes at once, as before, not after the wait's 5 s (two reviews):
+    three new blocks on a two-slot device; ensure_device of three other blocks there; two new
+    blocks with two stored and three slots in all (the gets hold both); a put whose only
+    candidate, the block the get reads, is a prefix block with a pinned extension."""
+    host = {"past every tier": 1, "fetch past the tier": 3}.get(case, 2)  # 3: room below for the block read
+    cfg = TierConfig(device_budget=2 * geometry.block_bytes, host_budget=host * geometry.padded_bytes,
+                     block_tokens=geometry.block_tokens)
+    store = BlockStore(cfg, geometry, persistent=False)
     try:
-        a = BlockKey(0, 0, 0)
+        a, b = BlockKey(0, 0, 0), BlockKey(0, 0, 1)
         store.put(a, torch.ones(geometry.shape))
+        store.put(b, torch.ones(geometry.shape))
+        if case == "a prefix block":
+            store.link(b, a)
+            store.ensure_device([b])  # pinned: a cannot go while b, which extends it, is there
+        if case == "fetch past the tier":
+            for i in range(2):
+                store.put(BlockKey(2, 0, i), torch.zeros(geometry.shape), tier=Tier.HOST)
         entered, go = threading.Event(), threading.Event()
         read_block = store.device_pool.read_block
 
@@ -3403,16 +3418,26 @@ def test_a_request_larger_than_the_tier_fails_at_once_while_a_get_reads(tmp_path
             assert go.wait(30), "the test never let the get go on"
             return read_block(*args, **kwargs)
         store.device_pool.read_block = held_read
-        getter = threading.Thread(target=store.get, args=(a,))
-        getter.start()
+        getters = [threading.Thread(target=store.get, args=(k,)) for k in ([a, b] if case == "past every tier" else [a])]
+        for getter in getters:
+            getter.start()
         try:
             assert entered.wait(30)
+            time.sleep(0.05)  # every getter inside its copy
             t0 = time.monotonic()
-            with pytest.raises(CapacityError, match="the device tier holds 2 blocks"):
-                store.new_blocks([BlockKey(1, 0, i) for i in range(3)])
+            with pytest.raises(CapacityError):
+                if case == "new blocks past the tier":
+                    store.new_blocks([BlockKey(1, 0, i) for i in range(3)])
+                elif case == "fetch past the tier":
+                    store.ensure_device([b, BlockKey(2, 0, 0), BlockKey(2, 0, 1)], pin=False)
+                elif case == "past every tier":
+                    store.new_blocks([BlockKey(1, 0, i) for i in range(2)])
+                else:
+                    store.put(BlockKey(1, 0, 0), torch.zeros(geometry.shape))
             assert time.monotonic() - t0 < 1.0
         finally:
             go.set()
-            getter.join(30)
+            for getter in getters:
+                getter.join(30)
     finally:
         store.close()

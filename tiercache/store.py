@@ -481,7 +481,7 @@ class BlockStore:
                         # failed with CapacityError while the disk had room (a helper's run).
                         self._put_done.wait(0.05)
                         continue
-                    if self._wait_out_readers(tier, {key}, since):
+                    if self._wait_out_readers(tier, {key}, since, new=1):
                         continue
                     raise CapacityError(self._full_message(1, tier, {key}))
                 if self.table.num_free(tier) >= 1 and not moves:
@@ -1016,7 +1016,7 @@ class BlockStore:
                     raise ValueError(f"new_blocks: block {stored!r} is already stored; delete it first")
                 moves = self._room(Tier.DEVICE, len(keys), protect, allow_writeback=True)
                 if self.table.num_free(Tier.DEVICE) < len(keys) and not moves:
-                    if self._wait_out_readers(Tier.DEVICE, protect, since, len(keys)):
+                    if self._wait_out_readers(Tier.DEVICE, protect, since, len(keys), len(keys), len(keys)):
                         continue
                     raise CapacityError(self._full_message(len(keys), Tier.DEVICE, protect))
                 if self.table.num_free(Tier.DEVICE) >= len(keys) and not moves:
@@ -1120,7 +1120,7 @@ class BlockStore:
                     if not missing and not waits:
                         break
                     if not submit and not waits:  # nothing to fetch into, nothing to wait for
-                        if self._wait_out_readers(Tier.DEVICE, protect, since):
+                        if self._wait_out_readers(Tier.DEVICE, protect, since, total=len(keys)):
                             continue
                         raise CapacityError(self._resident_message(len(keys), len(missing), protect))
                 mine: list = []
@@ -1996,20 +1996,27 @@ class BlockStore:
     def _lower(self, tier: Tier) -> Optional[Tier]:
         return self._below.get(tier)
 
-    def _wait_out_readers(self, tier: Tier, protect: set, since: list, n: int = 1) -> bool:
-        """Under the lock, where a call found no room for ``n`` blocks on ``tier`` and nothing
-        in flight to wait for, before it raises ``CapacityError``: if the room is held only
-        by calls in progress (``_room_after_calls``), wait a moment (the lock let go) and
-        return True, for the caller to look again. A ``get`` on another thread holds its
-        block's copy for microseconds; ``ensure_device``, ``put`` and ``new_blocks`` raised
-        ``CapacityError`` ("cannot move down") hundreds of times in three seconds beside two
-        threads doing only ``get`` (a review's script). ``since``: the caller's list, [when
-        it first waited, waits so far]; the waits grow from 1 to 20 ms, and past
-        ``_READERS_WAIT_S`` the error goes out."""
+    def _wait_out_readers(self, tier: Tier, protect: set, since: list, need: int = 1, new: int = 0,
+                          total: int = 1) -> bool:
+        """Under the lock, where a call found no room for ``need`` blocks on ``tier`` and
+        nothing in flight to wait for, before it raises ``CapacityError``: if the room is
+        held only by calls in progress on other threads (``_room_after_calls``), wait a
+        moment (the lock let go) and return True, for the caller to look again. A ``get``
+        holds its block's copy for microseconds; ``ensure_device``, ``put`` and
+        ``new_blocks`` raised ``CapacityError`` ("cannot move down") hundreds of times in
+        three seconds beside two threads doing only ``get`` (a review's script).
+
+        A request that can never fit fails at once, as before: ``total`` blocks needed on
+        ``tier`` at once against its slots, ``new`` blocks more than every tier holds.
+        ``since``: the caller's list, [when it first waited, waits so far]; the waits grow
+        from 1 to 20 ms, and past ``_READERS_WAIT_S`` the error goes out."""
         now = time.monotonic()
         if since and now - since[0] > _READERS_WAIT_S:
             return False
-        if not self._room_after_calls(tier, protect, n):
+        if not since and (total > self.table.num_slots(tier)
+                          or (new and len(self.table) + new > self.capacity_blocks())):
+            return False
+        if not self._room_after_calls(tier, protect, need):
             return False
         if not since:
             since.extend((now, 0))
@@ -2017,55 +2024,59 @@ class BlockStore:
         since[1] = min(since[1] + 1, 5)
         return True
 
-    def _room_after_calls(self, tier: Tier, protect: set, n: int) -> bool:
-        """Under the lock, after ``_room`` found nothing to free or move: whether ``n`` slots
-        on ``tier`` can be had once the calls in progress end, and only then. A copy read or
-        filled by such a call (a ``get``, a gather, a ``put``; not a pin, not one of
-        attention's views, not one the caller keeps: ``protect``) can go then, if it has a
-        copy below or there is room below; a deleted block's copy still read is freed then;
-        and a copy here that could move down but for a full tier below can, if a copy there
-        is held so. A request larger than the tier, or one that no such call blocks, fails
-        at once, as before."""
-        table, filling = self.table, CopyState.FILLING
-        if n > table.num_slots(tier):
-            return False
+    def _room_after_calls(self, tier: Tier, protect: set, need: int) -> bool:
+        """Under the lock, after ``_room`` found nothing to free or move: whether ``need``
+        slots on ``tier`` can be had once the calls in progress end, and only then. A copy
+        read or filled by such a call (a ``get``, a gather, a ``put``) can go then if it has
+        a copy below, or moves down if there is a slot below; a deleted block's copy still
+        read is freed then; and a copy that could move down but for a full tier below can,
+        as far as such calls free slots there. Not a pin, one of attention's views, a copy
+        the caller keeps (``protect``) or a prefix block with an extension on the tier."""
+        table, filling, ready = self.table, CopyState.FILLING, CopyState.READY
         viewed = {id(c) for _, c in self._views}
 
         def busy(c) -> bool:
             return (c.readers or c.state is filling) and id(c) not in viewed
 
-        def frees_on(t: Tier) -> bool:  # a copy on t held by a call, that can go once it ends
-            if any(c is not None and busy(c) for c in (z.copies.get(t) for z in table._zombies.values())):
-                return True
-            for key in table.keys_on(t):
-                entry = table.get(key)
-                c = entry.copies.get(t) if entry is not None else None
-                if c is not None and busy(c) and any(u > t and other.state is CopyState.READY
-                                                     for u, other in entry.copies.items()):
-                    return True
-            return False
-
         lower = self._lower(tier)
-        busy_below, below = False, lower
-        while below is not None and not busy_below:
-            busy_below, below = frees_on(below), self._lower(below)
-        room_below = lower is not None and (table.num_free(lower) > 0 or busy_below)
+        free_below = table.num_free(lower) if lower is not None else 0
+        freed_below = self._freed_by_calls(lower, busy) if lower is not None else 0
         zombies = sum(1 for c in (z.copies.get(tier) for z in table._zombies.values()) if c is not None and busy(c))
-        free, held = table.num_free(tier) + zombies, zombies
+        free, held, dirty = table.num_free(tier) + zombies, zombies, 0
         for key in table.keys_on(tier):
             if key in protect:
                 continue
             entry = table.get(key)
             c = entry.copies.get(tier) if entry is not None else None
-            if c is None or id(c) in viewed or (tier is Tier.DEVICE and entry.pins):
+            if (c is None or id(c) in viewed or (tier is Tier.DEVICE and entry.pins)
+                    or (self._children and self._extended_on(key, tier))):
                 continue
-            clean = any(t is not tier and other.state is CopyState.READY for t, other in entry.copies.items())
+            clean = any(t is not tier and other.state is ready for t, other in entry.copies.items())
             if busy(c):
                 held += 1
-                free += clean or room_below
-            elif busy_below and not clean:  # it moves down once a copy below is let go
-                free += 1
-        return bool(held or busy_below) and free >= n
+                free += clean
+                dirty += not clean
+            elif freed_below and not clean:  # it moves down once a call frees a slot below
+                dirty += 1
+        free += min(dirty, free_below + freed_below)
+        return bool(held or freed_below) and free >= need
+
+    def _freed_by_calls(self, tier: Tier, busy) -> int:
+        """Under the lock: slots of ``tier`` that the end of calls in progress frees: copies
+        they hold (``busy``) of deleted blocks, or with a copy further down (droppable then).
+        The last tier has nothing below: only the deleted blocks' copies (its keys are not
+        walked; a disk may hold millions)."""
+        table = self.table
+        count = sum(1 for c in (z.copies.get(tier) for z in table._zombies.values()) if c is not None and busy(c))
+        if self._lower(tier) is None:
+            return count
+        for key in table.keys_on(tier):
+            entry = table.get(key)
+            c = entry.copies.get(tier) if entry is not None else None
+            if c is not None and busy(c) and any(u > tier and other.state is CopyState.READY
+                                                 for u, other in entry.copies.items()):
+                count += 1
+        return count
 
     def _room(self, tier: Tier, n: int, protect: set, allow_writeback: bool) -> list:
         """Under the lock: free up to ``n`` slots on ``tier``. Clean copies are dropped now;
