@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -31,18 +32,25 @@ def blocks(geometry, n, seed=0):
     return {BlockKey(0, 0, i): torch.randn(geometry.shape, generator=g) for i in range(n)}
 
 
-def hold_batch_copies(store) -> tuple:
-    """Make each copy of a batch's run wait: returns (entered, go), events set when a copy
-    has started and, by the test, when it may go on."""
+def hold_inside(owner, name: str, threads: Optional[list] = None) -> tuple:
+    """Make each call of ``owner.name`` (on the threads in ``threads``, if given; the list
+    may be filled later) wait inside until the test lets it go: returns (entered, go),
+    events set when a call has started and, by the test, when it may go on."""
     entered, go = threading.Event(), threading.Event()
-    copy_run = store._copy_run
+    real = getattr(owner, name)
 
-    def held_copy_run(run, *args, **kwargs):
-        entered.set()
-        assert go.wait(30)
-        return copy_run(run, *args, **kwargs)
-    store._copy_run = held_copy_run
+    def held(*args, **kwargs):
+        if threads is None or threading.current_thread() in threads:
+            entered.set()
+            assert go.wait(30), f"the test never let {name} go on"
+        return real(*args, **kwargs)
+    setattr(owner, name, held)
     return entered, go
+
+
+def hold_batch_copies(store) -> tuple:
+    """Make each copy of a batch's run wait: returns (entered, go)."""
+    return hold_inside(store, "_copy_run")
 
 
 def assert_all_come_up_exact(store, data):
@@ -2948,15 +2956,7 @@ def _reorder_behind_a_held_read(store, first, second, swap, in_read, go_on, got)
 # ---- a review of the store's core (2026-12-06): races and arguments --------------------
 def _paused_writes(store) -> tuple:
     """Make the next ``put``'s copy into its device slot wait: returns (entered, go)."""
-    entered, go = threading.Event(), threading.Event()
-    write_block = store.device_pool.write_block
-
-    def paused(slot, block):
-        entered.set()
-        assert go.wait(30), "the test never let the write go on"
-        return write_block(slot, block)
-    store.device_pool.write_block = paused
-    return entered, go
+    return hold_inside(store.device_pool, "write_block")
 
 
 def test_a_block_deleted_while_its_put_copies_in_leaves_no_slot_behind(make_store, geometry):
@@ -3194,14 +3194,7 @@ def test_read_layer_lets_go_of_its_own_pins_not_another_threads(tmp_path, geomet
     try:
         key = BlockKey(0, 0, 0)
         store.put(key, torch.randn(geometry.shape))
-        entered, go = threading.Event(), threading.Event()
-        gather = store.device_pool.gather
-
-        def held_gather(*args, **kwargs):
-            entered.set()
-            assert go.wait(30), "the test never let the gather go on"
-            return gather(*args, **kwargs)
-        store.device_pool.gather = held_gather
+        entered, go = hold_inside(store.device_pool, "gather")
         reader = threading.Thread(target=store.read_layer, args=([key], geometry.block_tokens))
         reader.start()
         try:
@@ -3233,14 +3226,7 @@ def test_a_block_deleted_while_read_layer_gathers_it_is_not_overwritten_under_th
         a, b = BlockKey(0, 0, 0), BlockKey(0, 0, 1)
         block_a, block_b = torch.full(geometry.shape, 1.0), torch.full(geometry.shape, 2.0)
         store.put(a, block_a)
-        entered, go = threading.Event(), threading.Event()
-        gather = store.device_pool.gather
-
-        def held_gather(*args, **kwargs):
-            entered.set()
-            assert go.wait(30), "the test never let the gather go on"
-            return gather(*args, **kwargs)
-        store.device_pool.gather = held_gather
+        entered, go = hold_inside(store.device_pool, "gather")
         out, refused = [], []
 
         def put_b():
@@ -3290,14 +3276,7 @@ def test_a_call_that_needs_the_slot_a_get_is_reading_waits_for_the_get(tmp_path,
         store.put(c, block_c)
         store.demote_now([c])
         store.put(a, block_a)  # on the device, c on the host
-        entered, go = threading.Event(), threading.Event()
-        read_block = store.device_pool.read_block
-
-        def held_read(*args, **kwargs):
-            entered.set()
-            assert go.wait(30), "the test never let the get go on"
-            return read_block(*args, **kwargs)
-        store.device_pool.read_block = held_read
+        entered, go = hold_inside(store.device_pool, "read_block")
         got: list = []
         getter = threading.Thread(target=lambda: got.append(store.get(a)))
         getter.start()
@@ -3360,15 +3339,8 @@ def test_a_call_that_needs_room_below_a_get_is_reading_waits_for_the_get(tmp_pat
         store.put(a, data[a])
         store.wait_idle()
         assert [sorted(store.tiers_of(k)) for k in (a, h, x)] == [[Tier.DEVICE], [Tier.HOST, Tier.DISK], [Tier.DISK]]
-        entered, go, me = threading.Event(), threading.Event(), []
-        view = store.host_pool.view
-
-        def held_view(*args, **kwargs):
-            if threading.current_thread() in me:
-                entered.set()
-                assert go.wait(30), "the test never let the get go on"
-            return view(*args, **kwargs)
-        store.host_pool.view = held_view
+        me: list = []
+        entered, go = hold_inside(store.host_pool, "view", me)  # the getter's copy only
         got: list = []
         getter = threading.Thread(target=lambda: got.append(store.get(h)))
         me.append(getter)
@@ -3410,14 +3382,7 @@ def test_a_request_that_a_gets_end_cannot_help_fails_at_once(tmp_path, geometry,
         if case == "fetch past the tier":
             for i in range(2):
                 store.put(BlockKey(2, 0, i), torch.zeros(geometry.shape), tier=Tier.HOST)
-        entered, go = threading.Event(), threading.Event()
-        read_block = store.device_pool.read_block
-
-        def held_read(*args, **kwargs):
-            entered.set()
-            assert go.wait(30), "the test never let the get go on"
-            return read_block(*args, **kwargs)
-        store.device_pool.read_block = held_read
+        entered, go = hold_inside(store.device_pool, "read_block")
         getters = [threading.Thread(target=store.get, args=(k,)) for k in ([a, b] if case == "past every tier" else [a])]
         for getter in getters:
             getter.start()
