@@ -2032,7 +2032,7 @@ class BlockStore:
         read is freed then; and a copy that could move down but for a full tier below can,
         as far as such calls free slots there. Not a pin, one of attention's views, a copy
         the caller keeps (``protect``) or a prefix block with an extension on the tier."""
-        table, filling, ready = self.table, CopyState.FILLING, CopyState.READY
+        table, filling = self.table, CopyState.FILLING
         viewed = {id(c) for _, c in self._views}
 
         def busy(c) -> bool:
@@ -2041,7 +2041,7 @@ class BlockStore:
         lower = self._lower(tier)
         free_below = table.num_free(lower) if lower is not None else 0
         freed_below = self._freed_by_calls(lower, busy) if lower is not None else 0
-        zombies = sum(1 for c in (z.copies.get(tier) for z in table._zombies.values()) if c is not None and busy(c))
+        zombies = self._held_zombie_copies(tier, busy)
         free, held, dirty = table.num_free(tier) + zombies, zombies, 0
         for key in table.keys_on(tier):
             if key in protect:
@@ -2051,7 +2051,7 @@ class BlockStore:
             if (c is None or id(c) in viewed or (tier is Tier.DEVICE and entry.pins)
                     or (self._children and self._extended_on(key, tier))):
                 continue
-            clean = any(t is not tier and other.state is ready for t, other in entry.copies.items())
+            clean = _ready_elsewhere(entry, tier)
             if busy(c):
                 held += 1
                 free += clean
@@ -2063,20 +2063,24 @@ class BlockStore:
 
     def _freed_by_calls(self, tier: Tier, busy) -> int:
         """Under the lock: slots of ``tier`` that the end of calls in progress frees: copies
-        they hold (``busy``) of deleted blocks, or with a copy further down (droppable then).
-        The last tier has nothing below: only the deleted blocks' copies (its keys are not
-        walked; a disk may hold millions)."""
+        they hold (``busy``) of deleted blocks, or of blocks READY on another tier (droppable
+        then). The last tier has nothing below: only the deleted blocks' copies (its keys are
+        not walked; a disk may hold millions)."""
         table = self.table
-        count = sum(1 for c in (z.copies.get(tier) for z in table._zombies.values()) if c is not None and busy(c))
+        count = self._held_zombie_copies(tier, busy)
         if self._lower(tier) is None:
             return count
         for key in table.keys_on(tier):
             entry = table.get(key)
             c = entry.copies.get(tier) if entry is not None else None
-            if c is not None and busy(c) and any(u > tier and other.state is CopyState.READY
-                                                 for u, other in entry.copies.items()):
+            if c is not None and busy(c) and _ready_elsewhere(entry, tier):
                 count += 1
         return count
+
+    def _held_zombie_copies(self, tier: Tier, busy) -> int:
+        """Under the lock: copies on ``tier`` of deleted blocks that calls in progress hold
+        (``busy``): each slot is freed when its call lets go."""
+        return sum(1 for c in (z.copies.get(tier) for z in self.table._zombies.values()) if c is not None and busy(c))
 
     def _room(self, tier: Tier, n: int, protect: set, allow_writeback: bool) -> list:
         """Under the lock: free up to ``n`` slots on ``tier``. Clean copies are dropped now;
@@ -3048,6 +3052,12 @@ def _pieces(runs: list, most: int) -> list:
 def _touches_device(move: Move) -> bool:
     """A move to or from the device: counted in ``BlockStore._copying``."""
     return move.src is Tier.DEVICE or move.dst is Tier.DEVICE
+
+
+def _ready_elsewhere(entry, tier: Tier) -> bool:
+    """Whether the block has a READY copy on a tier other than ``tier`` (its copy there can
+    be dropped without loss)."""
+    return any(t is not tier and c.state is CopyState.READY for t, c in entry.copies.items())
 
 
 def _slot_runs(todo: list) -> list:
