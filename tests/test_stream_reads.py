@@ -417,11 +417,11 @@ def test_a_disk_copy_being_read_ahead_is_held_until_the_read_ends(tmp_path):
         entered, go = threading.Event(), threading.Event()
         read_into = store.disk.read_into
 
-        def held_read(slot, key, parts):
+        def held_read(slot, key, parts, **kw):
             if key == b[0]:
                 entered.set()
                 assert go.wait(30), "the test never let the read go on"
-            return read_into(slot, key, parts)
+            return read_into(slot, key, parts, **kw)
         store.disk.read_into = held_read
         try:
             store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
@@ -454,3 +454,47 @@ def _fill_the_disk_around(store: BlockStore, held: int, g: torch.Generator) -> N
             break
         assert not store.table._slots[Tier.DISK].is_free(held), "the slot being read was freed"
         assert all(c.slot != held for c in _disk_copies(store)), "the slot being read was given to another block"
+
+
+def test_read_destinations_are_made_once_per_buffer_and_follow_it_when_it_grows(tmp_path):
+    """An I/O thread reads a disk block into byte views of its planes in the layer's
+    buffer. The views (and whether direct I/O can use them) are made on a position's first
+    read and kept with the buffer: making and checking them cost as much CPU per block as
+    a third of the read itself. The story: a short layer is read, then a longer one, which
+    makes the buffer grow, then the short one again. Every read must land in the buffer it
+    returns (views kept from the buffer before the growth would write into freed memory and
+    leave the result wrong); the planes here are whole pages, so every read may use direct
+    I/O; and a position read twice into one buffer reuses its views."""
+    geometry = BlockGeometry(1, 2, 16, 64, torch.float32)  # a plane: 16 x 64 x 4 B = one page
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=2, disk_blocks=40), geometry,
+                    persistent=False) as store:
+        g = torch.Generator().manual_seed(5)
+        short = [BlockKey(0, 0, i) for i in range(2)]
+        long = [BlockKey(0, 1, i) for i in range(9)]
+        data = {}
+        for key in short + long:
+            data[key] = torch.randn(geometry.shape, generator=g)
+            store.put(key, data[key])
+        store.flush()
+        for key in short + long:
+            _to_disk(store, key)
+        hints = []
+        read_into = store.disk.read_into
+
+        def noted(slot, key, parts, aligned=None):
+            hints.append(aligned)
+            return read_into(slot, key, parts, aligned=aligned)
+        store.disk.read_into = noted
+        made = []
+        for keys in (short, short, long, long, short, long):  # each buffer is first short, then grows
+            k, v = store.read_layer(keys, len(keys) * geometry.block_tokens, 0, hold=True)
+            assert torch.equal(k, torch.cat([data[key][0] for key in keys], dim=-2))
+            assert torch.equal(v, torch.cat([data[key][1] for key in keys], dim=-2))
+            store.release_views()
+            made.append([list(bufs[2]) for bufs in store._streams._bufs if bufs is not None])
+        assert len(hints) == 3 * (len(short) + len(long))
+        assert all(hint is True for hint in hints)
+        # the buffers did not grow after the fourth read: the views made by then are reused
+        assert all(a is b or a is None for x, y in zip(made[3], made[5]) for a, b in zip(x, y))
+        assert any(a is not None and a is b for x, y in zip(made[3], made[5]) for a, b in zip(x, y))
+        store.check()

@@ -18,7 +18,7 @@ import stat
 import struct
 import threading
 import weakref
-from typing import Iterator
+from typing import Iterator, Optional
 
 import crc32c
 import numpy as np
@@ -225,6 +225,12 @@ def _addr(mv: memoryview) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if len(mv) else 0
+
+
+def aligned_parts(parts: list) -> bool:
+    """Whether every part of a scattered destination is page-aligned in address and length
+    (direct I/O can read into it: ``DiskTier.read_into``)."""
+    return all(len(p) % ALIGN == 0 and _addr(p) % ALIGN == 0 for p in parts)
 
 
 def _ptr_aligned(t: torch.Tensor) -> bool:
@@ -603,21 +609,22 @@ class DiskTier(RecordCodec):
             raise RecordError("payload checksum mismatch")
         return num_tokens
 
-    def read_into(self, slot: int, key: BlockKey, parts: list) -> int:
+    def read_into(self, slot: int, key: BlockKey, parts: list, aligned: Optional[bool] = None) -> int:
         """Read and verify the record in ``slot`` straight into ``parts``: writable byte
         memoryviews whose lengths add up to the payload (a scattered destination, e.g. the
         planes of a block inside a larger tensor). Returns the token count.
 
-        Direct I/O when every part is page-aligned in address and length. The payload's
-        CRC32C is checked over the parts; on any failure (``RecordError``) the parts hold
-        garbage and must not be used.
+        Direct I/O when every part is page-aligned in address and length: ``aligned``, the
+        caller's ``aligned_parts(parts)`` for parts it reuses, or None to check here. The
+        payload's CRC32C is checked over the parts; on any failure (``RecordError``) the
+        parts hold garbage and must not be used.
         """
         self._check_slot(slot)
         if sum(len(p) for p in parts) != self.payload_bytes:
             raise ValueError(f"parts hold {sum(len(p) for p in parts)} bytes; a payload is {self.payload_bytes}")
         _, _, hmv = self._header_buf()
         fd = self._fd
-        if self._fd_direct is not None and all(len(p) % ALIGN == 0 and _addr(p) % ALIGN == 0 for p in parts):
+        if self._fd_direct is not None and (aligned_parts(parts) if aligned is None else aligned):
             fd = self._fd_direct
         got = os.preadv(fd, [hmv, *parts], slot * self.record_bytes)
         if got < HEADER_BYTES + self.payload_bytes:

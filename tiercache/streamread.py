@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
 import torch
 
-from tiercache.disk import RecordError
+from tiercache.disk import RecordError, aligned_parts
 from tiercache.table import BlockKey, CopyState, Tier
 from tiercache.tiers import aligned_buffer
 from tiercache.transfer import Priority
@@ -124,7 +124,8 @@ class DiskStreams:
             raw, owner = aligned_buffer(2 * self._rows * capacity * self._width * g.itemsize)
             with torch.inference_mode(False):
                 flat = raw.view(g.dtype).view(2, self._rows, capacity, self._width)
-            have = self._bufs[b] = ((flat[0], flat[1]), owner)
+            # the last item: each position's read destination, made once (``_planes``)
+            have = self._bufs[b] = ((flat[0], flat[1]), owner, [None] * capacity)
         return have[0]
 
     def _drop_pending(self) -> None:
@@ -167,10 +168,10 @@ class DiskStreams:
     def _start(self, group: _Group, reads: list, priority: Priority) -> None:
         """Queue the registered ``reads`` ([(position, _Read)]), one I/O job each: a layer's
         few blocks then go to every I/O thread at once."""
-        k, v = self._bufs[group.buf][0]
+        buf = self._bufs[group.buf]
         submit = self.store.engine.submit
         for pos, read in reads:
-            submit(lambda p=pos, r=read: self._job(k, v, p, r), priority)
+            submit(lambda p=pos, r=read: self._job(buf, p, r), priority)
 
     def _cancel(self, group: _Group) -> None:
         """After an interrupt or error while reads were registered or queued: every read not
@@ -197,10 +198,10 @@ class DiskStreams:
             for t, slot in store.table._collect(read.entry):
                 store._released(read.key, t, slot)
 
-    @torch.inference_mode()
-    def _job(self, k: torch.Tensor, v: torch.Tensor, pos: int, read: _Read) -> None:
-        """On an I/O thread: read the record into its position and check it, then let go of
-        the disk copy (under the store's lock) before ``read.done`` is set."""
+    def _job(self, buf: tuple, pos: int, read: _Read) -> None:
+        """On an I/O thread: read the record into its position of ``buf`` (an item of
+        ``_bufs``) and check it, then let go of the disk copy (under the store's lock)
+        before ``read.done`` is set."""
         store = self.store
         with store._lock:
             if read.state is not _QUEUED:  # cancelled
@@ -208,7 +209,8 @@ class DiskStreams:
             read.state = _RUNNING
         t0 = time.perf_counter()
         try:
-            store.disk.read_into(read.copy.slot, read.key, self._planes(k, v, pos))
+            parts, aligned = self._planes(buf, pos)
+            store.disk.read_into(read.copy.slot, read.key, parts, aligned=aligned)
         except Exception as exc:  # noqa: BLE001 - the reader reads this block the usual way
             read.error = exc
             if not isinstance(exc, (RecordError, OSError)):
@@ -223,9 +225,19 @@ class DiskStreams:
             finally:
                 _finish(read.done)
 
-    def _planes(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> list:
-        """Byte views of position ``pos``'s [T*D] planes, K rows then V rows: a record's payload order."""
-        return [memoryview(t[r, pos].view(torch.uint8).numpy()) for t in (k, v) for r in range(self._rows)]
+    def _planes(self, buf: tuple, pos: int) -> tuple:
+        """Byte views of position ``pos``'s [T*D] planes in ``buf``, K rows then V rows (a
+        record's payload order), and whether direct I/O can read into them
+        (``DiskTier.read_into``'s ``aligned``). Made on a position's first read and kept
+        with its buffer: making them took ~20 us a block, and checking their alignment as
+        much again, of the I/O threads' CPU, which the model's threads share."""
+        made = buf[2][pos]
+        if made is None:
+            (k, v), _, cache = buf
+            with torch.inference_mode():
+                parts = [memoryview(t[r, pos].view(torch.uint8).numpy()) for t in (k, v) for r in range(self._rows)]
+            made = cache[pos] = (parts, aligned_parts(parts))
+        return made
 
     def _plan_ahead(self, keys: list, ahead: Sequence[Hashable]) -> None:
         """Read the disk-only blocks of the plan's first layer into the other buffer
