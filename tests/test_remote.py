@@ -136,6 +136,21 @@ def test_config_names_every_bad_remote_setting(tmp_path):
     assert redact_url("redis://u:secret@127.0.0.1:notaport/0") == "redis://u:***@127.0.0.1:notaport/0"
     assert redact_url("redis://team:s3cr/et#?@h:6379/0") == "redis://team:***@h:6379/0"  # not percent-encoded
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert redact_url("unix:///r.sock?db=1&password=pw&ssl_password=k#x") == "unix:///r.sock?db=1&password=***&ssl_password=***#x"
+    # Options redis-py would not parse, or that override the tier's own timeouts (the
+    # query's win: ?socket_timeout=30 held a compute thread 30 s on a paused server), and a
+    # unix URL with no path: accepted, then every connection failed, counted as a server
+    # fault every 5 s (a review)
+    for url, message in [("unix:///tmp/r.sock?db=abc", "the option 'db' has a value redis-py cannot parse"),
+                         ("redis://127.0.0.1:6379/0?health_check_interval=x", "the option 'health_check_interval'"),
+                         ("unix:///r.sock?password=pw&max_connections=z", "the option 'max_connections'"),
+                         ("redis://127.0.0.1:6379/0?socket_timeout=30", "the option 'socket_timeout' .* remote_timeout"),
+                         ("redis://127.0.0.1:6379/0?retry_on_timeout=yes", "the option 'retry_on_timeout'"),
+                         ("unix://", "no socket path")]:
+        with pytest.raises(ValueError, match=f"remote_url: {message}") as err:
+            TierConfig(**{**good, "remote_url": url})
+        assert "pw" not in str(err.value)
+    TierConfig(**{**good, "remote_url": "unix:///tmp/r.sock?db=3&password=pw"})  # good options pass
 
 
 def test_password_never_shows_and_comes_from_the_environment(tmp_path, monkeypatch):
@@ -753,6 +768,28 @@ def test_credentials_from_the_environment_and_a_wrong_password(tmp_path, model, 
     monkeypatch.setenv("TIERCACHE_REMOTE_PASSWORD", "wrong")
     out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "c")))
     assert loaded == 0 and stats["remote"]["errors"]["auth"] >= 1
+    assert_same(reference(model, ids), out)
+
+
+def test_a_password_in_the_urls_query_never_shows(tmp_path, model, server, caplog):
+    """redis-py takes a password from the URL's query too (``?password=``, the usual way
+    with ``unix://`` sockets). It authenticated, and then the password showed in
+    ``stats()["remote"]["url"]``, in the log lines and in the CLI's summary (a review)."""
+    client = server.client()
+    client.config_set("requirepass", "s3cret")
+    ids = prompt(length=PROMPT_LEN)
+    url = server.url + "?password=s3cret"
+    config = cfg(tmp_path, url, "a")
+    caplog.set_level("INFO", logger="tiercache")
+    run(model, ids, config)
+    out, stats, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
+    assert loaded == 28, "the query's password did not authenticate"
+    assert stats["remote"]["url"] == server.url + "?password=***"
+    wrong = config.replace(disk_dir=str(tmp_path / "c"), remote_url=server.url + "?password=WRONGs3cret")
+    out, stats, loaded = run(model, ids, wrong)
+    assert loaded == 0 and stats["remote"]["errors"]["auth"] >= 1
+    assert "is up" in caplog.text and "unavailable" in caplog.text  # both kinds of line were logged
+    assert "s3cret" not in caplog.text and "s3cret" not in json.dumps(stats)
     assert_same(reference(model, ids), out)
 
 

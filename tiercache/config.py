@@ -38,11 +38,27 @@ def redact_url(url: Optional[str]) -> Optional[str]:
     # percent-encoded) cuts urlsplit's netloc short, and it found no password to hide; and a
     # port that does not parse must not make this raise (it is called from error paths).
     scheme, sep, rest = url.partition("://")
-    at = rest.rfind("@")
-    if not sep or at < 0 or ":" not in rest[:at]:
+    if not sep:
         return url
-    user = rest[:at].split(":", 1)[0]
-    return f"{scheme}://{user}:***@{rest[at + 1:]}"
+    at = rest.rfind("@")
+    head = ""
+    if at >= 0:
+        head, rest = rest[:at + 1], rest[at + 1:]
+        if ":" in head:
+            head = head.split(":", 1)[0] + ":***@"
+    # redis-py also takes a password from the query (?password=...), the usual way with unix://
+    base, qmark, query = rest.partition("?")
+    if qmark:
+        query, hash_, fragment = query.partition("#")
+        items = [(name + "=***" if _secret_option(name) and eq else name + eq + value)
+                 for name, eq, value in (item.partition("=") for item in query.split("&"))]
+        rest = base + "?" + "&".join(items) + hash_ + fragment
+    return f"{scheme}://{head}{rest}"
+
+
+def _secret_option(name: str) -> bool:
+    """A URL query option that holds a secret (redis-py's ``password``, ``ssl_password``)."""
+    return "password" in unquote(name).lower()
 
 
 _DEFAULT_SELECTION_BUDGET = 4096  # TierConfig.selection_budget's default, rounded to whole blocks when not chosen
@@ -53,9 +69,11 @@ def _check_remote_address(url: str, scheme: str) -> None:
     that does not parse was accepted and then raised from the remote tier's writer thread
     (or made it count a server error every 5 s); a database index that is not a number
     silently meant database 0."""
-    if scheme == "unix":
-        return
     parts = urlsplit(url)
+    if scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"remote_url: no socket path in {redact_url(url)} (expected unix:///path/to/redis.sock)")
+        return
     try:
         port = parts.port
     except ValueError:
@@ -70,15 +88,36 @@ def _check_remote_address(url: str, scheme: str) -> None:
 
 
 # redis-py options in remote_url's query that the tier cannot work with: replies decoded as
-# text (records are bytes: every lookup failed to decode, counted as a server fault every 5 s)
-_REMOTE_OPTIONS_REFUSED = {"decode_responses": "records are bytes; leave it out (the tier reads bytes)"}
+# text (records are bytes: every lookup failed to decode, counted as a server fault every 5 s),
+# and the timeouts and retries (the query's win over the tier's own, which bound how long a
+# compute thread waits for the server: remote_timeout, and no retry)
+_TIMEOUT_OPTION = "the tier bounds every server call with remote_timeout and does not retry; set remote_timeout instead"
+_REMOTE_OPTIONS_REFUSED = {"decode_responses": "records are bytes; leave it out (the tier reads bytes)",
+                           "socket_timeout": _TIMEOUT_OPTION, "socket_connect_timeout": _TIMEOUT_OPTION,
+                           "timeout": _TIMEOUT_OPTION, "retry_on_timeout": _TIMEOUT_OPTION,
+                           "retry_on_error": _TIMEOUT_OPTION}
 
 
 def _check_remote_options(url: str) -> None:
-    for name, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+    """Options in remote_url's query: those the tier cannot work with are refused, and a
+    value redis-py would not parse (``?db=abc``) is named here: it was accepted, then every
+    connection failed, counted as a server fault every 5 s (a review)."""
+    try:
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS as parsers
+    except ImportError:  # no redis-py: the remote tier says so when it opens
+        parsers = {}
+    for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
         why = _REMOTE_OPTIONS_REFUSED.get(name.lower())
         if why is not None:
             raise ValueError(f"remote_url: the option {name!r} in {redact_url(url)} cannot be used: {why}")
+        parse = parsers.get(name)
+        if parse is None or not value:
+            continue
+        try:
+            parse(value)
+        except (TypeError, ValueError):
+            shown = "***" if _secret_option(name) else repr(value)
+            raise ValueError(f"remote_url: the option {name!r} has a value redis-py cannot parse: {shown}") from None
 
 
 def remote_credentials(url: str) -> tuple:
