@@ -685,6 +685,25 @@ def test_admission_stores_a_block_only_once_it_was_seen_before(tmp_path):
     assert s3["reused_tokens"] == 28
 
 
+def test_admission_counts_each_request_of_a_cache_reused_through_reset(tmp_path):
+    """One cache serving request after request (``reset()`` between them, as a server
+    does): it kept its first "not yet" per block for its whole life, so with
+    reuse_admission="reused" it stored nothing, ever (a review). Each request is a sighting."""
+    model, ids = tiny_model(), prompt()
+    ref = reference(model, ids)
+    with TieredCache(model, config(tmp_path, reuse_admission="reused")) as cache, torch.no_grad():
+        seen = []
+        for _ in range(3):
+            cache.reset()
+            loaded = cache.load_prefix(ids)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+            assert_same(ref, out)
+            seen.append((loaded, cache.stats()["published_blocks"]))
+    assert seen[0] == (0, 0)  # first sighting: remembered, not stored
+    assert seen[1][0] == 0 and seen[1][1] > 0  # second: stored
+    assert seen[2][0] == 28  # third: loaded
+
+
 def test_clear_forgets_everything_or_one_tier(tmp_path):
     model, ids = tiny_model(), prompt()
     run(model, ids, config(tmp_path))
@@ -1972,6 +1991,64 @@ def test_prompt_counting_covers_embeddings_and_a_callers_cache(tmp_path):
             wrapped.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, prefill_chunk_size=1, **GEN)
             stats = cache.stats()
     assert (stats["prefill_tokens"], stats["decode_tokens"]) == (PROMPT, NEW - 1), stats
+
+
+def test_blocks_too_long_for_a_records_token_ids_turn_the_prefix_cache_off(tmp_path):
+    """A record's header holds its block's token ids, at most ``MAX_TOKEN_IDS`` (1333).
+    ``block_tokens=2048`` with a disk_dir (the prefix cache on by default) failed
+    generate() from inside the forward, at the first full block's publish, with "token_ids:
+    packed ids ..." (a review). Automatic reuse is now off for such blocks and the run is
+    exact; ``reuse=True`` is refused by name when the config is made."""
+    from tiercache.disk import RecordCodec
+
+    bt = 2048
+    assert bt > RecordCodec.MAX_TOKEN_IDS
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, initializer_range=0.2, max_position_embeddings=4096, eos_token_id=None,
+        pad_token_id=0)).eval()
+    ids = prompt(length=bt + 60)
+    cfg = TierConfig(device_budget="1MiB", host_budget="1MiB", disk_dir=str(tmp_path / "kv"), disk_budget="16MiB",
+                     block_tokens=bt)
+    assert not cfg.reuse_enabled
+    out, stats = run(model, ids, cfg)
+    assert stats["published_blocks"] == 0
+    assert_same(reference(model, ids), out)
+    with pytest.raises(ValueError, match="reuse: .* at most 1333; block_tokens=2048"):
+        cfg.replace(reuse=True)
+    assert config(tmp_path).reuse_enabled  # short blocks: on, as before
+
+
+def test_close_all_on_another_thread_during_a_prefix_load_is_a_miss(tmp_path):
+    """``close_all()`` (README: how new prefix settings apply) landing while another
+    thread's request loads its prefix closed the store under the load: that generate()
+    failed with "BlockStore.read_into: the store is closed" (a review's four threads). The
+    load is now a miss, the prompt is computed, and the tokens are the same; so is a
+    close() of the cache racing the same close_all()."""
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path)
+    run(model, ids, cfg)
+    ref = reference(model, ids)
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        store = cache._ensure_prefix().store
+        read_into = store.read_into
+
+        def closed_under(*args, **kw):  # the other thread's close_all() comes first
+            close_all()
+            return read_into(*args, **kw)
+        store.read_into = closed_under
+        assert cache.load_prefix(ids) == 0
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        assert_same(ref, out)
+        flush = cache.prefix.flush
+
+        def flushed_under():  # close() checks the prefix cache is open, then it closes
+            close_all()
+            return flush()
+        cache.prefix.flush = flushed_under
+    _, stats = run(model, ids, cfg)  # the directory is whole: the next request loads the prefix
+    assert stats["reused_tokens"] == 28
 
 
 def test_close_all_under_an_open_cache_reopens_the_prefix_cache(tmp_path):

@@ -61,6 +61,13 @@ def _secret_option(name: str) -> bool:
     return "password" in unquote(name).lower()
 
 
+def _max_reuse_block_tokens() -> int:
+    """The longest block the prefix cache can store: a record's header holds its token ids."""
+    from tiercache.disk import RecordCodec
+
+    return RecordCodec.MAX_TOKEN_IDS
+
+
 _DEFAULT_SELECTION_BUDGET = 4096  # TierConfig.selection_budget's default, rounded to whole blocks when not chosen
 
 
@@ -289,6 +296,10 @@ class TierConfig:
                              f"disk_budget > 0, or leave shared_dir False")
         if self.reuse and not self.disk_enabled:
             raise ValueError("reuse: the prefix cache lives in disk_dir; set disk_dir (and a disk_budget > 0)")
+        if self.reuse and self.block_tokens > _max_reuse_block_tokens():
+            raise ValueError(f"reuse: a prefix block's record holds its token ids in the header, at most "
+                             f"{_max_reuse_block_tokens()}; block_tokens={self.block_tokens} (use block_tokens <= "
+                             f"{_max_reuse_block_tokens()}, or reuse=False)")
         if self.reuse and self.retention is not None:
             raise ValueError(f"reuse: the prefix cache stores exact KV; retention={self.retention!r} drops tokens "
                              f"(set reuse=False or retention=None)")
@@ -334,8 +345,9 @@ class TierConfig:
         _check_remote_address(url, scheme)
         _check_remote_options(url)
         if not self.reuse_enabled:
-            raise ValueError("remote_url: the remote tier shares prefix-cache blocks; it needs the prefix cache "
-                             "(set disk_dir with a disk_budget > 0, and reuse not False)")
+            raise ValueError(f"remote_url: the remote tier shares prefix-cache blocks; it needs the prefix cache "
+                             f"(set disk_dir with a disk_budget > 0, block_tokens <= {_max_reuse_block_tokens()}, "
+                             f"and reuse not False)")
         if self.remote_max_inflight < 1 << 20:
             raise ValueError(f"remote_max_inflight: at least 1MiB, got {self.remote_max_inflight!r}")
         import importlib.util
@@ -416,7 +428,9 @@ class TierConfig:
     def reuse_enabled(self) -> bool:
         if self.retention is not None:
             return False
-        return self.disk_enabled if self.reuse is None else self.reuse
+        if self.reuse is None:  # blocks too long for a record's token ids: off (True is refused)
+            return self.disk_enabled and self.block_tokens <= _max_reuse_block_tokens()
+        return self.reuse
 
     def replace(self, **changes) -> "TierConfig":
         """A copy with ``changes`` applied (and validated)."""

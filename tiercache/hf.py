@@ -495,6 +495,10 @@ class TieredCache(Cache):
             except TierIOError as exc:
                 self._prefix_failed(exc)
                 usable, kv = 0, []
+            except RuntimeError:
+                if not prefix.closed:
+                    raise
+                usable, kv = 0, []  # close_all() on another thread during the load: a miss
             finally:
                 if opening is not None:
                     self.store = opening.result()
@@ -1259,6 +1263,9 @@ class TieredCache(Cache):
         self._token_ids = [] if self._token_ids is not None else None
         self._chain = []
         self._prompt_pending = 0
+        # a new request: a block it computes again is a new sighting (reuse_admission="reused"
+        # stored nothing in a cache reused through reset(), its first answer kept for good)
+        self._admitted = {}
 
     # ---- tiercache API ------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -1294,11 +1301,15 @@ class TieredCache(Cache):
             self.trace.close()
         try:
             if self.prefix is not None and not self.prefix.closed and not forked:
+                prefix = self.prefix
                 try:
-                    self.prefix.drop_unfinished(self._chain, owner=self)  # a forward that stopped half way
-                    self.prefix.flush()  # what this run published survives the process
+                    prefix.drop_unfinished(self._chain, owner=self)  # a forward that stopped half way
+                    prefix.flush()  # what this run published survives the process
                 except (TierIOError, CapacityError) as exc:
                     self._prefix_failed(exc)
+                except RuntimeError:
+                    if not prefix.closed:
+                        raise  # else close_all() on another thread, which flushed it
         finally:
             self._layer_views = [None] * self.num_layers
             if self.store is not None:
