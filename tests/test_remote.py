@@ -489,22 +489,23 @@ def test_a_key_of_another_type_is_counted_corrupt_and_replaced(tmp_path, model, 
 
 
 @needs_binary
-@pytest.mark.parametrize("damage", ["bytes not a number", "lru not a sorted set"])
+@pytest.mark.parametrize("damage", ["reservations not a sorted set", "lru not a sorted set"])
 def test_bad_budget_keys_are_reset_not_fatal(tmp_path, model, server, damage):
-    """With remote_budget, the namespace's byte count and eviction list are keys too. A
-    count that is not a number, or a list that is not a sorted set, stopped every write of
-    the model for good (each batch failed and marked the server down). They are reset and
-    counted corrupt once; the blocks are written, and a second machine loads them."""
+    """With remote_budget, the namespace's reservations and eviction list are keys too. A
+    budget key of the wrong kind stopped every write of the model for good (each batch
+    failed and marked the server down). It is reset and counted corrupt once; the blocks
+    are written, and a second machine loads them."""
     probe_cfg = cfg(tmp_path, server.url, "p")
     close_all()
     with TieredCache(model, probe_cfg) as probe:
         remote = probe._ensure_prefix().remote
-        block_bytes, bytes_key, lru_key = remote.block_bytes, remote.bytes_key, remote.lru_key
+        res_key, lru_key = remote.res_key, remote.lru_key
     close_all()
-    config = cfg(tmp_path, server.url, "a", remote_budget=64 * block_bytes, remote_namespace=probe_cfg.remote_namespace)
+    config = cfg(tmp_path, server.url, "a", remote_budget=64 * remote.block_bytes,
+                 remote_namespace=probe_cfg.remote_namespace)
     client = server.client()
-    if damage == "bytes not a number":
-        client.set(bytes_key, b"abc")
+    if damage == "reservations not a sorted set":
+        client.set(res_key, b"abc")
     else:
         client.set(lru_key, b"a string")
     ids = prompt(length=PROMPT_LEN)
@@ -513,9 +514,9 @@ def test_bad_budget_keys_are_reset_not_fatal(tmp_path, model, server, damage):
     assert stats["remote"]["blocks_written"] >= 7 and stats["remote"]["errors"]["server"] == 0
     manifests = len([k for k in keys_of(client, config.remote_namespace) if k.endswith(":m")])
     assert manifests >= 7 and client.type(lru_key) == b"zset"
-    # the count and the eviction list hold every block on the server (the first repair
-    # zeroed the batch's reservations and left its blocks unlisted: over budget, for good)
-    assert int(client.get(bytes_key)) == manifests * block_bytes and client.zcard(lru_key) == manifests
+    # the eviction list holds every block on the server, and nothing is left reserved (a
+    # repair that forgot the batch's reservations left its blocks uncounted: over budget)
+    assert client.zcard(lru_key) == manifests and client.zcard(res_key) == 0
     out, stats_b, loaded = run(model, ids, config.replace(disk_dir=str(tmp_path / "b")))
     assert loaded == 28
     assert_same(reference(model, ids), out)
@@ -550,9 +551,9 @@ def _publish(tier, blocks: list) -> list:
 
 
 def _held(client, tier) -> int:
-    """Bytes of the values the namespace holds (the budget's count and list aside)."""
-    prefix = tier.bytes_key[:-len("}:bytes")]  # every key of the namespace: "<ns>:{<version>-<tag>...}:..."
-    keys = [k for k in client.scan_iter(f"{prefix}*") if k.decode() not in (tier.bytes_key, tier.lru_key)]
+    """Bytes of the values the namespace holds (the budget's sorted sets aside)."""
+    prefix = tier.lru_key[:-len("}:lru")]  # every key of the namespace: "<ns>:{<version>-<tag>...}:..."
+    keys = [k for k in client.scan_iter(f"{prefix}*") if k.decode() not in (tier.res_key, tier.lru_key)]
     return sum(client.strlen(k) for k in keys)
 
 
@@ -573,7 +574,7 @@ def test_a_block_sent_again_after_its_eviction_is_counted_again(tmp_path, server
         for step, blocks in (("a, b", [a, b]), ("c", [c]), ("b again", [b]), ("a again", [a])):
             assert all(_publish(tier, blocks)), step
             held = _held(client, tier)
-            assert held <= budget and int(client.get(tier.bytes_key)) == held, (step, held, budget)
+            assert held <= budget and _counted(client, tier) == held, (step, held, budget)
         assert tier.stats()["evicted_blocks"] >= 2
     finally:
         tier.close()
@@ -624,6 +625,174 @@ def test_records_close_throws_away_are_counted_dropped(tmp_path, server):
         server.resume()
 
 
+def _counted(client, tier) -> int:
+    """Bytes the budget counts: the blocks listed and those being written."""
+    return (client.zcard(tier.lru_key) + client.zcard(tier.res_key)) * tier.block_bytes
+
+
+_WORKER = """
+import sys, torch
+from tiercache.config import TierConfig
+from tiercache.disk import RecordCodec
+from tiercache.prefix import chain
+from tiercache.remote import RemoteTier
+from tiercache.tiers import BlockGeometry
+
+url, ns, budget, kv_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+config = TierConfig(disk_dir=kv_dir, remote_url=url, remote_namespace=ns, remote_budget=budget)
+tier = RemoteTier(config, RecordCodec(BlockGeometry(1, 2, 4, 8, torch.float32), b"D" * 16), "tag-abab", 2)
+for r in range(25):  # chains of its own: no block is written by two workers
+    ids = torch.randint(0, 1000, (3 * 4,), generator=torch.Generator().manual_seed(seed * 1000 + r)).tolist()
+    for block in chain(ids, 4, b"salt"):
+        for layer in range(2):
+            tier.put(block, layer, torch.full((2, 1, 2, 4, 8), float(block.index)))
+    if r % 4 == 0:
+        tier.flush(10)
+tier.flush(30)
+tier.close()
+"""
+
+
+@needs_binary
+def test_several_workers_keep_the_namespace_within_the_budget(tmp_path, server):
+    """Three processes write their own prompts' blocks into one namespace with a budget of
+    six blocks. The budget was a byte counter each worker resynced to its own blocks being
+    written whenever its eviction list ran empty, forgetting the other workers' blocks being
+    written: four workers left five times the budget on the server, and it never came back
+    (a review). Now every worker counts the blocks listed and those any worker is writing
+    (two sorted sets): sampled from another thread while they write, the namespace never
+    holds more than the budget and one block (the one an eviction is deleting), and at the
+    end what it holds is what the budget counts, nothing reserved left behind."""
+    probe = _remote_tier(tmp_path, server.url)
+    block_bytes = probe.block_bytes
+    probe.close()
+    budget = 6 * block_bytes
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    client = server.client()
+    total = client.register_script("""
+        local s = 0
+        for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
+            if redis.call('TYPE', k).ok == 'string' then s = s + redis.call('STRLEN', k) end
+        end
+        return s""")
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], int(total(args=[f"{ns}:*"])))
+            time.sleep(0.002)
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        workers = [subprocess.Popen([sys.executable, "-c", _WORKER, server.url, ns, str(budget),
+                                     str(tmp_path / f"kv{i}"), str(i)], stderr=subprocess.PIPE, text=True)
+                   for i in range(3)]
+        for proc in workers:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err
+    finally:
+        stop.set()
+        watcher.join()
+    config = TierConfig(disk_dir=str(tmp_path / "kv-check"), remote_url=server.url, remote_namespace=ns,
+                        remote_budget=budget)
+    from tiercache.remote import RemoteTier
+    from tiercache.tiers import BlockGeometry
+    tier = RemoteTier(config, RecordCodec(BlockGeometry(1, 2, 4, 8, torch.float32), b"D" * 16), "tag-abab", _LAYERS)
+    try:
+        held = _held(client, tier)
+        assert 0 < held <= budget, (held, budget)
+        assert _counted(client, tier) == held and client.zcard(tier.res_key) == 0
+        assert 0 < peak[0] <= budget + block_bytes, (peak[0], budget)
+    finally:
+        tier.close()
+
+
+@needs_binary
+def test_a_block_whose_publish_stopped_leaves_nothing_counted(tmp_path, server):
+    """One worker, a budget of two blocks. A block whose first layer went out and whose
+    next record was dropped (the queue full), or whose publish the prefix cache gave up
+    (``abandon``: no room locally, a forward that stopped), was counted for the life of the
+    process: never listed, so never evicted, each took a block of the budget, and once they
+    filled it every later write was refused (a review). Now its reservation goes, with the
+    record it sent; the good blocks after them are all written."""
+    probe = _remote_tier(tmp_path, server.url)
+    budget = 2 * probe.block_bytes
+    probe.close()
+    tier = _remote_tier(tmp_path, server.url, remote_budget=budget)
+    client = server.client()
+    try:
+        assert all(_publish(tier, _chain(2, seed=30)))
+        for i in range(3):
+            half_dropped, half_abandoned = _chain(1, seed=40 + i)[0], _chain(1, seed=50 + i)[0]
+            assert tier.put(half_dropped, 0, torch.zeros(2, 1, 2, 4, 8))
+            tier.flush(10)
+            limit, tier.max_inflight = tier.max_inflight, 0  # the queue is full: layer 1 is dropped
+            assert not tier.put(half_dropped, 1, torch.zeros(2, 1, 2, 4, 8))
+            tier.max_inflight = limit
+            assert tier.put(half_abandoned, 0, torch.zeros(2, 1, 2, 4, 8))
+            tier.flush(10)
+            tier.abandon(half_abandoned)
+            tier.flush(10)
+            assert client.zcard(tier.res_key) == 0 and not tier._unlisted, i
+            assert _held(client, tier) == _counted(client, tier) <= budget, i
+        good = _chain(2, seed=60)
+        assert all(_publish(tier, good))
+        assert tier.lookup(good) == 2  # written, not refused: the budget was not full of ghosts
+        stats = tier.stats()
+        assert stats["writes_dropped"] == 3 and stats["blocks_written"] == 4
+    finally:
+        tier.close()
+
+
+@needs_binary
+def test_releases_the_server_is_not_there_for_do_not_hold_up_close(tmp_path, server):
+    """With remote_budget, a block whose record is dropped gives its reservation back on
+    the writer thread. With the server gone, nothing can be given back: flush() and close()
+    must not wait for that (a flush waits for the writer's work, up to 20 server timeouts)."""
+    probe = _remote_tier(tmp_path, server.url)
+    budget = 4 * probe.block_bytes
+    probe.close()
+    tier = _remote_tier(tmp_path, server.url, remote_budget=budget, remote_timeout=0.5)
+    assert _publish(tier, _chain(1, seed=90)) == [True] * _LAYERS
+    server.stop()
+    _publish(tier, _chain(1, seed=91))  # the writer finds the server gone: down, and idle
+    assert tier.stats()["state"] == "down"
+    _publish_no_wait(tier, _chain(2, seed=92))  # refused by put(): nothing else wakes the writer
+    t0 = time.monotonic()
+    assert tier.flush()
+    tier.close()
+    assert time.monotonic() - t0 < 3.0
+    stats = tier.stats()
+    assert stats["bytes_written"] // tier.record_bytes + stats["writes_dropped"] == 4 * _LAYERS
+
+
+@needs_binary
+def test_a_writer_gone_mid_block_does_not_hold_the_budget(tmp_path, server):
+    """A worker killed mid-block leaves a reservation and some records, which no one would
+    ever list or delete. A reservation no record has refreshed for ``STALE_RESERVATION_S``
+    is cleared, with its records, when the budget has nothing else left to free."""
+    from tiercache.remote import STALE_RESERVATION_S
+
+    probe = _remote_tier(tmp_path, server.url)
+    budget = 2 * probe.block_bytes
+    probe.close()
+    tier = _remote_tier(tmp_path, server.url, remote_budget=budget)
+    client = server.client()
+    try:
+        ghosts = [_chain(1, seed=70 + i)[0] for i in range(2)]
+        for ghost in ghosts:  # what the killed worker left: a reservation, its first record
+            client.zadd(tier.res_key, {f"{ghost.h:016x}": time.time() - STALE_RESERVATION_S - 5})
+            client.set(tier.record_key(ghost.h, 0), b"x" * 100)
+        good = _chain(2, seed=80)
+        assert all(_publish(tier, good))
+        assert tier.lookup(good) == 2
+        assert client.zcard(tier.res_key) == 0
+        assert not any(client.exists(tier.record_key(ghost.h, 0)) for ghost in ghosts)
+        assert _held(client, tier) == _counted(client, tier) <= budget
+    finally:
+        tier.close()
+
+
 def _publish_no_wait(tier, blocks: list) -> list:
     return [tier.put(b, layer, torch.zeros(2, 1, 2, 4, 8)) for b in blocks for layer in range(_LAYERS)]
 
@@ -638,7 +807,7 @@ def test_a_block_already_on_the_server_is_not_counted_twice(tmp_path, model, ser
     close_all()
     with TieredCache(model, probe_cfg) as probe:
         remote = probe._ensure_prefix().remote
-        block_bytes, bytes_key = remote.block_bytes, remote.bytes_key
+        block_bytes, tier = remote.block_bytes, remote
     close_all()
     config = cfg(tmp_path, server.url, "a", remote_budget=64 * block_bytes, remote_namespace=probe_cfg.remote_namespace)
     client = server.client()
@@ -647,7 +816,7 @@ def test_a_block_already_on_the_server_is_not_counted_twice(tmp_path, model, ser
     for machine in range(4):
         _, stats, _ = run(model, ids, config.replace(disk_dir=str(tmp_path / f"m{machine}")))
         listed = len([k for k in keys_of(client, config.remote_namespace) if k.endswith(":m")])
-        counts.append((int(client.get(bytes_key)), listed * block_bytes))
+        counts.append((_counted(client, tier), listed * block_bytes))
         assert stats["remote"]["evicted_blocks"] == 0
     assert all(count == held for count, held in counts), counts
 
@@ -680,7 +849,7 @@ def test_a_value_from_another_model_or_format_is_refused(tmp_path, model, server
     errors = stats["remote"]["errors"]
     assert loaded == 2 * BT and errors["foreign"] == 2 and errors["corrupt"] == 0
     assert_same(reference(model, ids), out)
-    assert ":{v1.1-" in remote.manifest_key(blocks[0].h)
+    assert ":{v1.2-" in remote.manifest_key(blocks[0].h)
 
 
 @needs_binary
@@ -725,7 +894,7 @@ def test_remote_budget_is_never_exceeded(tmp_path, model, server):
     total = server.client().register_script("""
         local s = 0
         for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
-            if redis.call('TYPE', k).ok == 'string' and not string.find(k, ':bytes$') then
+            if redis.call('TYPE', k).ok == 'string' then
                 s = s + redis.call('STRLEN', k)
             end
         end
@@ -749,7 +918,8 @@ def test_remote_budget_is_never_exceeded(tmp_path, model, server):
     assert stats_2["remote"]["evicted_blocks"] >= 1
     assert 0 < peak[0] <= budget, (peak[0], budget)
     assert len([k for k in keys_of(client, ns) if k.endswith(":m")]) <= 3
-    assert int(client.get(f"{ns}:{{{tag}}}:bytes")) <= budget  # the shared counter agrees
+    counted = client.zcard(f"{ns}:{{{tag}}}:lru") + client.zcard(f"{ns}:{{{tag}}}:res")
+    assert counted * block_bytes <= budget  # the shared count agrees
     out, stats, loaded = run(model, second, config.replace(disk_dir=str(tmp_path / "b")))
     assert loaded >= BT and stats["remote"]["hits"] >= 1  # the newest prompt's first blocks
     assert_same(reference(model, second), out)
@@ -799,7 +969,12 @@ def test_an_acl_user_limited_to_its_namespace(tmp_path, model, server):
     refused by the server (NOPERM, counted as auth) and generation goes on locally."""
     admin = server.client()
     admin.execute_command("ACL", "SETUSER", "team-a", "on", ">secret", "~team-a:*", "+get", "+set", "+del",
-                          "+zadd", "+zpopmin", "+zcard", "+incrby", "+decrby", "+ping")
+                          "+zadd", "+zrem", "+zpopmin", "+zcard", "+zrangebyscore", "+ping")
+    # every command the budget uses, the rare ones too (a writer gone mid-block: its stale
+    # reservation is read and cleared), is allowed on the namespace's keys
+    for command in (("ZRANGEBYSCORE", "team-a:{x}:res", "-inf", "1"), ("ZREM", "team-a:{x}:res", "a"),
+                    ("ZPOPMIN", "team-a:{x}:lru", "1"), ("ZCARD", "team-a:{x}:res"), ("DEL", "team-a:{x}:0")):
+        assert admin.execute_command("ACL", "DRYRUN", "team-a", *command) == b"OK", command
     ids = prompt(length=PROMPT_LEN)
     url = f"redis://team-a:secret@127.0.0.1:{server.port}/0"
     config = cfg(tmp_path, url, "a", remote_namespace="team-a", remote_budget="64MiB")

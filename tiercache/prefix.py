@@ -651,6 +651,8 @@ class PrefixCache:
                     or not self._room(block)):
                 if layer:  # what is stored of it could never be served
                     self.forget([block])
+                    if self.remote is not None:  # nor what the server got of it
+                        self.remote.abandon(block)
                 return False
             if layer + 1 < self.num_layers:  # before the put: an interrupt after it leaves it marked
                 self._filling[(block.h, block.index)] = owner
@@ -726,6 +728,9 @@ class PrefixCache:
             gone = [b for b in blocks if self._filling.get((b.h, b.index), _NOBODY) is owner]
             if gone:
                 self.forget(gone)
+        if self.remote is not None:
+            for block in gone:
+                self.remote.abandon(block)
         return len(gone)
 
     def forget(self, blocks: list) -> None:

@@ -8,7 +8,8 @@ model digest and block geometry::
     <namespace>:{<tag>:<h>}:m        manifest of block h: index, parent, token ids, layers
     <namespace>:{<tag>:<h>}:<layer>  one layer's record, in the disk tier's record format
     <namespace>:{<tag>}:lru          sorted set of stored blocks by last use (remote_budget)
-    <namespace>:{<tag>}:bytes        bytes of the stored blocks (remote_budget)
+    <namespace>:{<tag>}:res          sorted set of blocks being written, by when a record of
+                                     theirs was last sent (remote_budget)
 
 The ``{...}`` hash tags keep a block's keys on one cluster slot. Values are checked bytes,
 never pickled: a record carries its key, model digest, geometry, token ids and CRC32Cs, and
@@ -44,12 +45,17 @@ from tiercache.table import BlockKey
 log = logging.getLogger("tiercache")
 
 MANIFEST_MAGIC = b"TCMF"
-MANIFEST_VERSION = 1
+# 2: the budget counts the blocks listed and those being written (two sorted sets, seen by
+# every worker), no byte counter: workers of version 1 keep their own namespaces
+MANIFEST_VERSION = 2
 _MANIFEST = struct.Struct("<4sHH16sQQqI")  # magic, version, layers, digest, h, index, parent (-1), ids length
 _CRC = struct.Struct("<I")
 ERROR_KINDS = ("unavailable", "timeout", "auth", "server", "corrupt", "foreign")
 RETRY_SECONDS = 5.0  # after a failure the server is left alone this long, then tried again
 BATCH_BYTES = 32 << 20  # bytes of values per pipeline (reads and writes)
+# A block being written whose records stopped coming this long ago: its writer is gone (a
+# process killed mid-block). Its reservation goes, with the records it sent.
+STALE_RESERVATION_S = 600.0
 
 
 class RemoteTier:
@@ -77,7 +83,7 @@ class RemoteTier:
         self._ns, self._tag = config.remote_namespace, tag
         self.namespace = f"{config.remote_namespace}:{tag}"
         self.lru_key = f"{self._ns}:{{{tag}}}:lru"
-        self.bytes_key = f"{self._ns}:{{{tag}}}:bytes"
+        self.res_key = f"{self._ns}:{{{tag}}}:res"
         self.record_bytes = HEADER_BYTES + codec.payload_bytes
         self.manifest_bytes = _MANIFEST.size + 3 * codec.geometry.block_tokens + _CRC.size
         self.block_bytes = num_layers * self.record_bytes + self.manifest_bytes  # what one block occupies
@@ -97,7 +103,9 @@ class RemoteTier:
         # blocks with a dropped or failed record in the current publish of them (it began with
         # layer 0): its later records are dropped and it gets no manifest (insertion ordered)
         self._poisoned: dict = {}
-        self._unlisted: set = set()  # blocks counted in the budget whose manifest is not written yet (writer)
+        self._unlisted: set = set()  # blocks this process reserved (``res_key``) and has not listed (writer)
+        self._to_release: set = set()  # blocks whose publish stopped: their reservations go (writer)
+        self._release_later: set = set()  # releases the server was not there for (writer's own)
         self._evicted: set = set()  # blocks the writer's evictions deleted in the batch it is writing
         self._writer: Optional[threading.Thread] = None
         self.closed = False
@@ -392,9 +400,9 @@ class RemoteTier:
             self._connection()  # up or down now, not "unknown" until the first request
         while True:
             with self._cv:
-                while not self._queue and not self.closed:
+                while not self._queue and not self._to_release and not self.closed:
                     self._cv.wait()
-                if not self._queue and self.closed:
+                if not self._queue and not self._to_release:  # closed, and nothing left to do
                     return
                 batch, size = [], 0
                 while self._queue and size < BATCH_BYTES:
@@ -414,14 +422,22 @@ class RemoteTier:
         client = self._connection()
         with self._lock:
             poisoned = set(self._poisoned)
+            release, self._to_release = self._to_release | self._release_later, set()
+        # blocks whose publish stopped (a dropped record, an abandoned block) and that are not
+        # being published again: their reservations go, and the records they sent
+        release = [h for h in release if h in self._unlisted and h in poisoned]
+        self._release_later = set()
         items = [it for it in batch if it[0] == "touch" or it[1].h not in poisoned]
         if client is None:
             self._drop(batch)
+            self._release_later.update(release)  # with the next batch (not a loop while down)
             return
         try:
+            self._release(client, release)
             items = self._reserve(client, items)
             pipe = client.pipeline(transaction=False)
             wrote_records = wrote_blocks = 0
+            listed: list = []
             for kind, block, layer, kv in items:
                 if kind == "record":
                     key = BlockKey(block.h, layer, block.index)
@@ -431,36 +447,56 @@ class RemoteTier:
                     wrote_records += 1
                 elif kind == "manifest":  # after the block's records: a reader that sees it finds them
                     pipe.set(self.manifest_key(block.h), self.encode_manifest(block))
-                    if self.budget is not None:
+                    if self.budget is not None:  # listed, then no longer being written: counted once
                         pipe.zadd(self.lru_key, {f"{block.h:016x}": self._score(block)})
-                        self._unlisted.discard(block.h)
+                        pipe.zrem(self.res_key, f"{block.h:016x}")
+                        listed.append(block.h)
                     wrote_blocks += 1
                 else:  # touch: only blocks still listed (XX), never resurrecting an evicted one
                     pipe.zadd(self.lru_key, {f"{b.h:016x}": self._score(b) for b in block}, xx=True)
+            if self.budget is not None:  # the blocks still being written sent a record just now
+                sending = {f"{block.h:016x}": time.time() for kind, block, _, _ in items
+                           if kind == "record" and block.h in self._unlisted and block.h not in listed}
+                if sending:
+                    pipe.zadd(self.res_key, sending, xx=True)
             results = pipe.execute(raise_on_error=False)
+            self._unlisted.difference_update(listed)
             failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:  # only the eviction list's ZADDs can meet a wrong type: the records went in
+            if failed:  # only the budget's sorted sets can meet a wrong type: the records went in
                 if self.budget is None or not all(_wrong_type(r) for r in failed):
                     raise failed[0]
                 self._repair_budget(client, failed[0], [block for kind, block, _, _ in items if kind == "manifest"])
+            if listed and self.budget is not None:
+                # A block listed when this batch began (not counted again) may have been
+                # evicted by another worker and written back here: counted again now that it
+                # is listed, it may put the namespace over; back within the budget at once.
+                self._fit(client)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "writing blocks")
             self._drop(batch)
+            self._release_later.update(h for h in release if h in self._unlisted)
             return
         self._count(bytes_written=wrote_records * self.record_bytes, blocks_written=wrote_blocks)
 
     def _reserve(self, client: Any, items: list) -> list:
-        """With remote_budget: count each new block's bytes before its first record is
-        written, deleting least recently used blocks until the count is within the budget, so
-        the namespace never holds more than remote_budget. A block that cannot get room is
-        not written (its records are dropped and counted). Returns the items to write."""
+        """With remote_budget: reserve each new block (``res_key``, seen by every worker)
+        before its first record is written, then delete least recently used blocks until the
+        blocks listed and reserved fit the budget (``_fit``), so the namespace never holds
+        more than remote_budget. A block that cannot get room is not written (its records are
+        dropped and counted). Returns the items to write.
+
+        Reserving first and counting after makes racing workers careful, not generous: each
+        counts the others' reservations too. (A byte counter kept per worker was resynced to
+        that worker's own blocks being written when its eviction list ran empty: other
+        workers' blocks went uncounted, and four workers held five times the budget, for
+        good; a review.)"""
         if self.budget is None:
             return items
         blocks = list(dict.fromkeys(it[1].h for it in items if it[0] == "record"))
-        # Counted already: blocks whose records this process is writing (``_unlisted``), and
-        # blocks listed on the server (written by another worker, or by this one before),
-        # which are rewritten in place. Not those that left it: a block written, evicted and
-        # then written again was never counted again, and the namespace outgrew the budget.
+        # Counted already: blocks this process reserved (``_unlisted``), and blocks listed on
+        # the server (written by another worker, or by this one before), which are rewritten
+        # in place. Not those that left it: a block written, evicted and then written again
+        # was never counted again, and the namespace outgrew the budget.
         fresh = [h for h in blocks if h not in self._unlisted]
         on_server: set = set()
         if fresh:
@@ -473,11 +509,9 @@ class RemoteTier:
         self._evicted = set()
         while todo:
             h = todo.pop(0)
-            self._unlisted.add(h)
-            used = self._count_bytes(client, self.block_bytes)
-            if used > self.budget and not self._evict(client):
-                client.decrby(self.bytes_key, self.block_bytes)
-                self._unlisted.discard(h)
+            self._reserve_one(client, h)
+            if not self._fit(client):
+                self._release(client, [h])
                 refused.add(h)
             gone = on_server & self._evicted  # rewritten here, deleted to make room: counted anew
             on_server -= gone
@@ -487,6 +521,99 @@ class RemoteTier:
         kept = [it for it in items if it[0] == "touch" or it[1].h not in refused]
         self._drop([it for it in items if it[0] != "touch" and it[1].h in refused])
         return kept
+
+    def _reserve_one(self, client: Any, h: int) -> None:
+        """Count block ``h`` as being written by this process (``res_key``, ``_unlisted``)."""
+        from redis.exceptions import ResponseError
+
+        self._unlisted.add(h)  # first: a reservation made and not known here would never go
+        try:
+            client.zadd(self.res_key, {f"{h:016x}": time.time()})
+        except ResponseError as exc:
+            if not _wrong_type(exc):
+                raise
+            self._repair_budget(client, exc)  # reserves every block of ``_unlisted``: this one too
+
+    def _used(self, client: Any) -> int:
+        """Blocks the budget counts: listed on the server plus being written, by any worker."""
+        pipe = client.pipeline(transaction=False)
+        pipe.zcard(self.lru_key)
+        pipe.zcard(self.res_key)
+        listed, writing = pipe.execute(raise_on_error=False)
+        for value in (listed, writing):
+            if isinstance(value, BaseException):
+                if not _wrong_type(value):
+                    raise value
+                self._repair_budget(client, value)
+                return self._used(client)  # both are sorted sets (or absent) now
+        return int(listed) + int(writing)
+
+    def _fit(self, client: Any) -> bool:
+        """Delete least recently used blocks until the blocks listed and being written fit
+        remote_budget; False when that is not possible (everything counted is being written,
+        after reservations left by a writer that is gone were cleared)."""
+        from redis.exceptions import ResponseError
+
+        cleared = False
+        while True:
+            if self._used(client) * self.block_bytes <= self.budget:
+                return True
+            try:
+                popped = client.zpopmin(self.lru_key, 1)
+            except ResponseError as exc:
+                if not _wrong_type(exc):
+                    raise  # refused, out of memory, read-only, ...: the server's error, not a bad key
+                self._repair_budget(client, exc)
+                continue
+            if not popped:
+                if not cleared:
+                    cleared = True
+                    if self._clear_stale(client):
+                        continue
+                return False
+            try:
+                h = int(popped[0][0], 16)
+            except ValueError:  # not a member this code wrote; it is gone now
+                continue
+            keys = self.block_keys(h)
+            pipe = client.pipeline(transaction=False)
+            pipe.delete(keys[0])  # the manifest first: readers stop seeing the block at once
+            pipe.delete(*keys[1:])
+            pipe.execute()
+            self._evicted.add(h)
+            self._count(evicted_blocks=1)
+
+    def _clear_stale(self, client: Any) -> int:
+        """Reservations no record has refreshed for ``STALE_RESERVATION_S`` (their writer was
+        killed mid-block): they go, with the records they sent. Returns how many went."""
+        cutoff = time.time() - STALE_RESERVATION_S
+        stale = client.zrangebyscore(self.res_key, "-inf", cutoff)
+        if not stale:
+            return 0
+        hs = []
+        for member in stale:
+            try:
+                hs.append(int(member, 16))
+            except ValueError:  # not a member this code wrote
+                client.zrem(self.res_key, member)
+        self._release(client, hs, own=False)
+        return len(stale)
+
+    def _release(self, client: Any, hs: Sequence[int], own: bool = True) -> None:
+        """Blocks ``hs`` will not be listed (by this process, or, ``own`` False, by a writer
+        that is gone): their reservations go, and so do the records they sent, unless the
+        block is listed after all (another worker wrote it whole)."""
+        if not hs:
+            return
+        there = self._pipeline_get(client, [self.manifest_key(h) for h in hs])
+        pipe = client.pipeline(transaction=False)
+        for h, manifest in zip(hs, there):
+            if not manifest:  # the records first: uncounted, they are gone already
+                pipe.delete(*self.block_keys(h)[1:])
+            pipe.zrem(self.res_key, f"{h:016x}")
+        pipe.execute()
+        if own:
+            self._unlisted.difference_update(hs)
 
     def _drop(self, batch: list) -> None:
         with self._lock:
@@ -498,87 +625,52 @@ class RemoteTier:
     _POISON_KEPT = 1 << 16  # blocks remembered: far more than the queue holds records of
 
     def _poison(self, h: int) -> None:
-        """Under the lock: block ``h`` lost a record; it gets no manifest in this publish."""
+        """Under the lock: block ``h`` lost a record; it gets no manifest in this publish,
+        and its reservation goes (``_write_batch``) unless a new publish of it comes first."""
         self._pending.pop(h, None)
         self._poisoned[h] = None
+        if self.budget is not None:
+            self._to_release.add(h)
+            self._cv.notify_all()  # the writer releases it (and a flush waits for that)
         while len(self._poisoned) > self._POISON_KEPT:  # the oldest left the queue long ago
             self._poisoned.pop(next(iter(self._poisoned)))
 
-    def _count_bytes(self, client: Any, delta: int) -> int:
-        """Add ``delta`` (a block's bytes, the block already in ``_unlisted``) to the
-        namespace's byte count; its new value. A count key that holds no integer (or another
-        type) stopped every write of the model for good: it is reset from the blocks listed
-        for eviction and those being written (``_repair_budget``) and counted corrupt."""
-        from redis.exceptions import ResponseError
-
-        try:
-            return int(client.incrby(self.bytes_key, delta))
-        except ResponseError as exc:
-            if not _bad_value_error(exc):
-                raise
-            self._repair_budget(client, exc)  # counts the blocks being written: this one too
-            return int(client.get(self.bytes_key))
+    def abandon(self, block: Any) -> None:
+        """The caller stops publishing ``block`` before its last layer (the prefix cache
+        could not store it, or the forward stopped): it gets no manifest, and with
+        remote_budget its reservation goes with the records sent. A block left half sent
+        stayed counted for good: the budget filled with such blocks and refused every
+        later write (a review)."""
+        with self._cv:
+            if self.closed or (block.h not in self._pending and self.budget is None):
+                return
+            self._poison(block.h)
 
     def _repair_budget(self, client: Any, exc: BaseException, relist: Sequence[Any] = ()) -> None:
-        """The byte count or the eviction list held a value of the wrong kind: rebuild them.
-        A list that is not a sorted set is deleted (its order is lost); ``relist``, the
-        blocks just written whose listing failed on it, are listed again; the count becomes
-        the listed blocks plus this process's blocks being written. Only for a bad value:
-        a refused command (an ACL without ZCARD, say) is the server's error, raised."""
+        """An eviction list or reservation set held a value of the wrong kind: such a key is
+        deleted (the order it kept is lost); ``relist``, the blocks just written whose
+        listing failed on it, are listed again, and this process's blocks being written are
+        reserved again. Counted corrupt. Only for a bad value: a refused command (an ACL
+        without ZCARD, say) is the server's error, raised."""
         from redis.exceptions import ResponseError
 
         with self._lock:
             self._errors["corrupt"] += 1
         log.warning("remote tier: the budget's keys %s, %s held bad values (%s); resetting them",
-                    self.bytes_key, self.lru_key, exc)
-        try:
-            client.zcard(self.lru_key)
-        except ResponseError as err:
-            if not _wrong_type(err):
-                raise
-            client.delete(self.lru_key)  # not a sorted set: the eviction order is lost with it
+                    self.lru_key, self.res_key, exc)
+        for key in (self.lru_key, self.res_key):
+            try:
+                client.zcard(key)
+            except ResponseError as err:
+                if not _wrong_type(err):
+                    raise
+                client.delete(key)  # not a sorted set
         if relist:
             client.zadd(self.lru_key, {f"{b.h:016x}": self._score(b) for b in relist})
-        listed = int(client.zcard(self.lru_key))
-        client.set(self.bytes_key, (listed + len(self._unlisted)) * self.block_bytes)
-
-    def _evict(self, client: Any) -> bool:
-        """Delete least recently used blocks until this namespace is within remote_budget;
-        False when that is not possible (every counted block is still being written)."""
-        from redis.exceptions import ResponseError
-
-        while True:
-            try:
-                used = int(client.get(self.bytes_key) or 0)
-                popped = client.zpopmin(self.lru_key, 1) if used > self.budget else None
-            except (ResponseError, ValueError) as exc:
-                if isinstance(exc, ResponseError) and not _bad_value_error(exc):
-                    raise  # refused, out of memory, read-only, ...: the server's error, not a bad key
-                self._repair_budget(client, exc)
-                continue
-            if used <= self.budget:
-                return True
-            if not popped:
-                # Nothing listed is left to delete: the counter holds blocks being written, or
-                # drifted (blocks evicted by the server, a worker that died mid-write). Resync it
-                # to what this process is writing; other workers' unlisted blocks are forgotten.
-                own = len(self._unlisted) * self.block_bytes
-                if used > own:
-                    client.set(self.bytes_key, own)
-                    continue
-                return False
-            try:
-                h = int(popped[0][0], 16)
-            except ValueError:  # not a member this code wrote; it is gone now
-                continue
-            keys = self.block_keys(h)
-            pipe = client.pipeline(transaction=False)
-            pipe.delete(keys[0])  # the manifest first: readers stop seeing the block at once
-            pipe.delete(*keys[1:])
-            pipe.decrby(self.bytes_key, self.block_bytes)
-            pipe.execute()
-            self._evicted.add(h)
-            self._count(evicted_blocks=1)
+            client.zrem(self.res_key, *[f"{b.h:016x}" for b in relist])
+            self._unlisted.difference_update(b.h for b in relist)
+        if self._unlisted:
+            client.zadd(self.res_key, {f"{h:016x}": time.time() for h in self._unlisted})
 
     # ---- lifecycle --------------------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
@@ -586,7 +678,7 @@ class RemoteTier:
         write has been sent; True when the queue drained."""
         deadline = time.monotonic() + (timeout if timeout is not None else max(5.0, 20 * self.timeout))
         with self._cv:
-            while self._queue or self._busy:
+            while self._queue or self._busy or self._to_release:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -606,6 +698,10 @@ class RemoteTier:
         """Send what is queued (bounded wait), stop the writer and disconnect."""
         if self.closed:
             return
+        with self._cv:  # blocks whose last layers never came: never listed, their reservations go
+            for h in list(self._pending):
+                self._poison(h)
+            self._cv.notify_all()
         drained = self.flush(timeout)
         with self._cv:
             self.closed = True
