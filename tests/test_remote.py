@@ -137,6 +137,10 @@ def test_config_names_every_bad_remote_setting(tmp_path):
     assert redact_url("redis://team:s3cr/et#?@h:6379/0") == "redis://team:***@h:6379/0"  # not percent-encoded
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
     assert redact_url("unix:///r.sock?db=1&password=pw&ssl_password=k#x") == "unix:///r.sock?db=1&password=***&ssl_password=***#x"
+    # an '@' in the query's password was taken for the user-info's: the password showed
+    assert redact_url("unix:///r.sock?db=2&password=p@ss") == "unix:///r.sock?db=2&password=***"
+    assert redact_url("rediss://u:pw@h:6380/0?ssl_password=k@p") == "rediss://u:***@h:6380/0?ssl_password=***"
+    assert redact_url("redis://h:1/0?pass%77ord=abc") == "redis://h:1/0?pass%77ord=***"  # redis-py decodes names
     # Options redis-py would not parse, or that override the tier's own timeouts (the
     # query's win: ?socket_timeout=30 held a compute thread 30 s on a paused server), and a
     # unix URL with no path: accepted, then every connection failed, counted as a server
@@ -530,8 +534,8 @@ def _remote_tier(tmp_path, url: str, **kw):
     from tiercache.remote import RemoteTier
     from tiercache.tiers import BlockGeometry
 
-    config = TierConfig(disk_dir=str(tmp_path / f"kv-{uuid.uuid4().hex[:8]}"), remote_url=url,
-                        remote_namespace=f"t{uuid.uuid4().hex[:10]}", **kw)
+    kw.setdefault("remote_namespace", f"t{uuid.uuid4().hex[:10]}")
+    config = TierConfig(disk_dir=str(tmp_path / f"kv-{uuid.uuid4().hex[:8]}"), remote_url=url, **kw)
     return RemoteTier(config, RecordCodec(BlockGeometry(1, 2, 4, 8, torch.float32), b"D" * 16), "tag-abab", _LAYERS)
 
 
@@ -766,11 +770,83 @@ def test_releases_the_server_is_not_there_for_do_not_hold_up_close(tmp_path, ser
     assert stats["bytes_written"] // tier.record_bytes + stats["writes_dropped"] == 4 * _LAYERS
 
 
+def _two_workers(tmp_path, server, blocks_in_budget: int) -> tuple:
+    """Two RemoteTiers on one namespace (two workers), and the block size."""
+    probe = _remote_tier(tmp_path, server.url)
+    block_bytes, ns = probe.block_bytes, probe.namespace.split(":", 1)[0]
+    probe.close()
+    budget = blocks_in_budget * block_bytes
+    return (_remote_tier(tmp_path, server.url, remote_budget=budget, remote_namespace=ns),
+            _remote_tier(tmp_path, server.url, remote_budget=budget, remote_namespace=ns), block_bytes)
+
+
+@needs_binary
+def test_a_worker_that_gives_up_a_shared_block_leaves_the_others_writing_it(tmp_path, server):
+    """Two workers publish the same block at once (the same prompt); one of them gives it
+    up. Reservations were one per block: the one that gave up took back the other's too,
+    and deleted the record it had sent; the other then listed a block whose first layer was
+    gone: found by every lookup, never served (a review). Each worker now holds its own
+    reservation, and records go only when no worker's remains."""
+    x, y, _ = _two_workers(tmp_path, server, 4)
+    client = server.client()
+    reader = _remote_tier(tmp_path, server.url, remote_namespace=x.namespace.split(":", 1)[0])
+    try:
+        a = _chain(1, seed=100)[0]
+        assert x.put(a, 0, torch.zeros(2, 1, 2, 4, 8)) and y.put(a, 0, torch.zeros(2, 1, 2, 4, 8))
+        x.flush(10)
+        y.flush(10)
+        assert client.zcard(x.res_key) == 2  # each counts it while writing it
+        x.abandon(a)
+        x.flush(10)
+        assert client.zcard(x.res_key) == 1 and client.exists(x.record_key(a.h, 0))
+        assert y.put(a, 1, torch.zeros(2, 1, 2, 4, 8))
+        y.flush(10)
+        assert reader.lookup([a]) == 1
+        assert reader.fetch([a], lambda block, layers: True) == 1, "a listed block must be whole"
+        assert client.zcard(x.res_key) == 0 and _held(client, x) == _counted(client, x)
+    finally:
+        for tier in (x, y, reader):
+            tier.close()
+
+
+@needs_binary
+def test_a_block_rewritten_in_place_and_evicted_meanwhile_leaves_nothing_when_given_up(tmp_path, server):
+    """A worker that finds a block listed rewrites it without reserving it (it is counted).
+    If another worker evicts it before those records land, they are uncounted; and if the
+    rewriting worker then gives the block up, nothing ever listed or deleted them: over
+    the budget for good (a review). Giving up such a block now deletes what it sent when the
+    block is no longer listed."""
+    x, y, block_bytes = _two_workers(tmp_path, server, 1)
+    client = server.client()
+    try:
+        a, c = _chain(1, seed=110)[0], _chain(1, seed=111)[0]
+        assert all(_publish(x, [a]))
+        reserve = y._reserve
+
+        def evicted_meanwhile(conn, items):  # y found a listed; x needs the room right then
+            out = reserve(conn, items)
+            if any(item[0] == "record" and item[1].h == a.h for item in items):
+                assert all(_publish(x, [c]))
+            return out
+        y._reserve = evicted_meanwhile
+        assert y.put(a, 0, torch.zeros(2, 1, 2, 4, 8))
+        y.flush(10)
+        y._reserve = reserve
+        y.abandon(a)
+        y.flush(10)
+        assert not client.exists(y.record_key(a.h, 0)), "the record sent in place outlived its block"
+        assert _held(client, x) == _counted(client, x) <= block_bytes
+    finally:
+        x.close()
+        y.close()
+
+
 @needs_binary
 def test_a_writer_gone_mid_block_does_not_hold_the_budget(tmp_path, server):
     """A worker killed mid-block leaves a reservation and some records, which no one would
     ever list or delete. A reservation no record has refreshed for ``STALE_RESERVATION_S``
-    is cleared, with its records, when the budget has nothing else left to free."""
+    is cleared, with its records, before anything live is evicted (cleared only once the
+    list was empty, they held the budget for good in a busy namespace: a review)."""
     from tiercache.remote import STALE_RESERVATION_S
 
     probe = _remote_tier(tmp_path, server.url)
@@ -779,9 +855,10 @@ def test_a_writer_gone_mid_block_does_not_hold_the_budget(tmp_path, server):
     tier = _remote_tier(tmp_path, server.url, remote_budget=budget)
     client = server.client()
     try:
+        assert all(_publish(tier, _chain(1, seed=69)))  # the list is not empty: cleared all the same
         ghosts = [_chain(1, seed=70 + i)[0] for i in range(2)]
         for ghost in ghosts:  # what the killed worker left: a reservation, its first record
-            client.zadd(tier.res_key, {f"{ghost.h:016x}": time.time() - STALE_RESERVATION_S - 5})
+            client.zadd(tier.res_key, {f"{ghost.h:016x}:gone": time.time() - STALE_RESERVATION_S - 5})
             client.set(tier.record_key(ghost.h, 0), b"x" * 100)
         good = _chain(2, seed=80)
         assert all(_publish(tier, good))
@@ -969,11 +1046,11 @@ def test_an_acl_user_limited_to_its_namespace(tmp_path, model, server):
     refused by the server (NOPERM, counted as auth) and generation goes on locally."""
     admin = server.client()
     admin.execute_command("ACL", "SETUSER", "team-a", "on", ">secret", "~team-a:*", "+get", "+set", "+del",
-                          "+zadd", "+zrem", "+zpopmin", "+zcard", "+zrangebyscore", "+ping")
+                          "+zadd", "+zrem", "+zpopmin", "+zcard", "+zrangebyscore", "+zscan", "+ping")
     # every command the budget uses, the rare ones too (a writer gone mid-block: its stale
     # reservation is read and cleared), is allowed on the namespace's keys
     for command in (("ZRANGEBYSCORE", "team-a:{x}:res", "-inf", "1"), ("ZREM", "team-a:{x}:res", "a"),
-                    ("ZPOPMIN", "team-a:{x}:lru", "1"), ("ZCARD", "team-a:{x}:res"), ("DEL", "team-a:{x}:0")):
+                    ("ZPOPMIN", "team-a:{x}:lru", "1"), ("ZCARD", "team-a:{x}:res"), ("ZSCAN", "team-a:{x}:res", "0"), ("DEL", "team-a:{x}:0")):
         assert admin.execute_command("ACL", "DRYRUN", "team-a", *command) == b"OK", command
     ids = prompt(length=PROMPT_LEN)
     url = f"redis://team-a:secret@127.0.0.1:{server.port}/0"

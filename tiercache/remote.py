@@ -8,8 +8,8 @@ model digest and block geometry::
     <namespace>:{<tag>:<h>}:m        manifest of block h: index, parent, token ids, layers
     <namespace>:{<tag>:<h>}:<layer>  one layer's record, in the disk tier's record format
     <namespace>:{<tag>}:lru          sorted set of stored blocks by last use (remote_budget)
-    <namespace>:{<tag>}:res          sorted set of blocks being written, by when a record of
-                                     theirs was last sent (remote_budget)
+    <namespace>:{<tag>}:res          sorted set of blocks being written, "<h>:<worker>", by
+                                     when a record of theirs was last sent (remote_budget)
 
 The ``{...}`` hash tags keep a block's keys on one cluster slot. Values are checked bytes,
 never pickled: a record carries its key, model digest, geometry, token ids and CRC32Cs, and
@@ -32,6 +32,7 @@ import logging
 import struct
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
@@ -104,6 +105,8 @@ class RemoteTier:
         # layer 0): its later records are dropped and it gets no manifest (insertion ordered)
         self._poisoned: dict = {}
         self._unlisted: set = set()  # blocks this process reserved (``res_key``) and has not listed (writer)
+        self._in_place: set = set()  # blocks it rewrites unreserved: listed when their writes began (writer)
+        self._worker = uuid.uuid4().hex[:12]  # this tier's name in its reservations: "<h>:<worker>"
         self._to_release: set = set()  # blocks whose publish stopped: their reservations go (writer)
         self._release_later: set = set()  # releases the server was not there for (writer's own)
         self._evicted: set = set()  # blocks the writer's evictions deleted in the batch it is writing
@@ -425,7 +428,7 @@ class RemoteTier:
             release, self._to_release = self._to_release | self._release_later, set()
         # blocks whose publish stopped (a dropped record, an abandoned block) and that are not
         # being published again: their reservations go, and the records they sent
-        release = [h for h in release if h in self._unlisted and h in poisoned]
+        release = [h for h in release if (h in self._unlisted or h in self._in_place) and h in poisoned]
         self._release_later = set()
         items = [it for it in batch if it[0] == "touch" or it[1].h not in poisoned]
         if client is None:
@@ -449,18 +452,19 @@ class RemoteTier:
                     pipe.set(self.manifest_key(block.h), self.encode_manifest(block))
                     if self.budget is not None:  # listed, then no longer being written: counted once
                         pipe.zadd(self.lru_key, {f"{block.h:016x}": self._score(block)})
-                        pipe.zrem(self.res_key, f"{block.h:016x}")
+                        pipe.zrem(self.res_key, self._member(block.h))
                         listed.append(block.h)
                     wrote_blocks += 1
                 else:  # touch: only blocks still listed (XX), never resurrecting an evicted one
                     pipe.zadd(self.lru_key, {f"{b.h:016x}": self._score(b) for b in block}, xx=True)
             if self.budget is not None:  # the blocks still being written sent a record just now
-                sending = {f"{block.h:016x}": time.time() for kind, block, _, _ in items
+                sending = {self._member(block.h): time.time() for kind, block, _, _ in items
                            if kind == "record" and block.h in self._unlisted and block.h not in listed}
                 if sending:
                     pipe.zadd(self.res_key, sending, xx=True)
             results = pipe.execute(raise_on_error=False)
             self._unlisted.difference_update(listed)
+            self._in_place.difference_update(listed)
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:  # only the budget's sorted sets can meet a wrong type: the records went in
                 if self.budget is None or not all(_wrong_type(r) for r in failed):
@@ -474,7 +478,7 @@ class RemoteTier:
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "writing blocks")
             self._drop(batch)
-            self._release_later.update(h for h in release if h in self._unlisted)
+            self._release_later.update(h for h in release if h in self._unlisted or h in self._in_place)
             return
         self._count(bytes_written=wrote_records * self.record_bytes, blocks_written=wrote_blocks)
 
@@ -505,6 +509,9 @@ class RemoteTier:
             there = self._pipeline_get(client, [self.manifest_key(h) for h in fresh])
             on_server = {h for h, value in zip(fresh, there) if value}
         todo = [h for h in fresh if h not in on_server]
+        # Rewritten unreserved: if another worker evicts one meanwhile, what is sent here is
+        # uncounted until it is listed; if its publish stops first, ``_release`` deletes it.
+        self._in_place.update(on_server)
         refused: set = set()
         self._evicted = set()
         while todo:
@@ -515,6 +522,7 @@ class RemoteTier:
                 refused.add(h)
             gone = on_server & self._evicted  # rewritten here, deleted to make room: counted anew
             on_server -= gone
+            self._in_place -= gone
             todo.extend(gone)
         if not refused:
             return items
@@ -528,7 +536,7 @@ class RemoteTier:
 
         self._unlisted.add(h)  # first: a reservation made and not known here would never go
         try:
-            client.zadd(self.res_key, {f"{h:016x}": time.time()})
+            client.zadd(self.res_key, {self._member(h): time.time()})
         except ResponseError as exc:
             if not _wrong_type(exc):
                 raise
@@ -558,6 +566,10 @@ class RemoteTier:
         while True:
             if self._used(client) * self.block_bytes <= self.budget:
                 return True
+            if not cleared:  # before evicting anything live: a busy list is never empty
+                cleared = True
+                if self._clear_stale(client):
+                    continue
             try:
                 popped = client.zpopmin(self.lru_key, 1)
             except ResponseError as exc:
@@ -566,10 +578,6 @@ class RemoteTier:
                 self._repair_budget(client, exc)
                 continue
             if not popped:
-                if not cleared:
-                    cleared = True
-                    if self._clear_stale(client):
-                        continue
                 return False
             try:
                 h = int(popped[0][0], 16)
@@ -583,6 +591,12 @@ class RemoteTier:
             self._evicted.add(h)
             self._count(evicted_blocks=1)
 
+    def _member(self, h: int) -> str:
+        """This tier's reservation of block ``h``: one per worker, so that a worker giving
+        up a block that another is writing too takes back only its own (one member per
+        block took back the other's as well, and deleted the records it was sending)."""
+        return f"{h:016x}:{self._worker}"
+
     def _clear_stale(self, client: Any) -> int:
         """Reservations no record has refreshed for ``STALE_RESERVATION_S`` (their writer was
         killed mid-block): they go, with the records they sent. Returns how many went."""
@@ -590,30 +604,43 @@ class RemoteTier:
         stale = client.zrangebyscore(self.res_key, "-inf", cutoff)
         if not stale:
             return 0
-        hs = []
+        members: dict = {}
         for member in stale:
             try:
-                hs.append(int(member, 16))
+                members.setdefault(int(member.split(b":", 1)[0], 16), []).append(member)
             except ValueError:  # not a member this code wrote
                 client.zrem(self.res_key, member)
-        self._release(client, hs, own=False)
+        self._release(client, members)
         return len(stale)
 
-    def _release(self, client: Any, hs: Sequence[int], own: bool = True) -> None:
-        """Blocks ``hs`` will not be listed (by this process, or, ``own`` False, by a writer
-        that is gone): their reservations go, and so do the records they sent, unless the
-        block is listed after all (another worker wrote it whole)."""
+    def _release(self, client: Any, hs: Any) -> None:
+        """Take back reservations of blocks that will not be listed: ``hs``, this process's
+        blocks (their reservation is its own member; a block it rewrote unreserved has
+        none), or a dict of block -> stale members (writers that are gone). The records they
+        sent go too, unless the block is listed after all (another worker wrote it whole)
+        or another worker's reservation of it remains (it is sending them too)."""
         if not hs:
             return
-        there = self._pipeline_get(client, [self.manifest_key(h) for h in hs])
+        own = not isinstance(hs, dict)
+        members = {h: [self._member(h)] for h in hs} if own else hs
         pipe = client.pipeline(transaction=False)
-        for h, manifest in zip(hs, there):
-            if not manifest:  # the records first: uncounted, they are gone already
+        for h, mine in members.items():
+            pipe.zrem(self.res_key, *mine)
+        pipe.execute()
+        blocks = list(members)
+        there = self._pipeline_get(client, [self.manifest_key(h) for h in blocks])
+        pipe = client.pipeline(transaction=False)
+        for h, manifest in zip(blocks, there):
+            if not manifest and not self._reserved_elsewhere(client, h):
                 pipe.delete(*self.block_keys(h)[1:])
-            pipe.zrem(self.res_key, f"{h:016x}")
         pipe.execute()
         if own:
             self._unlisted.difference_update(hs)
+            self._in_place.difference_update(hs)
+
+    def _reserved_elsewhere(self, client: Any, h: int) -> bool:
+        """Whether a reservation of block ``h`` remains (another worker is writing it)."""
+        return any(True for _ in client.zscan_iter(self.res_key, match=f"{h:016x}:*", count=64))
 
     def _drop(self, batch: list) -> None:
         with self._lock:
@@ -667,10 +694,10 @@ class RemoteTier:
                 client.delete(key)  # not a sorted set
         if relist:
             client.zadd(self.lru_key, {f"{b.h:016x}": self._score(b) for b in relist})
-            client.zrem(self.res_key, *[f"{b.h:016x}" for b in relist])
+            client.zrem(self.res_key, *[self._member(b.h) for b in relist])
             self._unlisted.difference_update(b.h for b in relist)
         if self._unlisted:
-            client.zadd(self.res_key, {f"{h:016x}": time.time() for h in self._unlisted})
+            client.zadd(self.res_key, {self._member(h): time.time() for h in self._unlisted})
 
     # ---- lifecycle --------------------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
