@@ -40,20 +40,17 @@ def redact_url(url: Optional[str]) -> Optional[str]:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    # redis-py also takes a password from the query (?password=..., the usual way with
+    # unix://). Those values go first, wherever a query could start: an '@' in one of them
+    # was then taken for the user-info's, and the whole password showed (a review).
+    rest = _OPTION_RE.sub(lambda m: m.group(1) + m.group(2) + "=***" if _secret_option(m.group(2)) else m.group(0), rest)
     at = rest.rfind("@")
-    head = ""
-    if at >= 0:
-        head, rest = rest[:at + 1], rest[at + 1:]
-        if ":" in head:
-            head = head.split(":", 1)[0] + ":***@"
-    # redis-py also takes a password from the query (?password=...), the usual way with unix://
-    base, qmark, query = rest.partition("?")
-    if qmark:
-        query, hash_, fragment = query.partition("#")
-        items = [(name + "=***" if _secret_option(name) and eq else name + eq + value)
-                 for name, eq, value in (item.partition("=") for item in query.split("&"))]
-        rest = base + "?" + "&".join(items) + hash_ + fragment
-    return f"{scheme}://{head}{rest}"
+    if at >= 0 and ":" in rest[:at]:
+        rest = rest[:at].split(":", 1)[0] + ":***" + rest[at:]
+    return f"{scheme}://{rest}"
+
+
+_OPTION_RE = re.compile(r"([?&])([^=&?#]*)=[^&#]*")  # a query option: separator, name, value
 
 
 def _secret_option(name: str) -> bool:
