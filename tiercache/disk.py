@@ -204,6 +204,7 @@ def probe_direct_io(directory: str) -> bool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     except OSError:
         return False
+    view = None  # a signal turned into an exception (SIGTERM in the CLI) may land before it is made
     try:
         view = memoryview(buf.numpy())
         os.pwritev(fd, [view], 0)
