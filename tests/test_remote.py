@@ -539,6 +539,41 @@ def _remote_tier(tmp_path, url: str, **kw):
     return RemoteTier(config, RecordCodec(BlockGeometry(1, 2, 4, 8, torch.float32), b"D" * 16), "tag-abab", _LAYERS)
 
 
+def _block_bytes(tmp_path, url: str) -> int:
+    """What one block of ``_remote_tier``'s geometry occupies on the server."""
+    probe = _remote_tier(tmp_path, url)
+    probe.close()
+    return probe.block_bytes
+
+
+class _PeakBytes:
+    """Samples, on a thread, the bytes of the string values under ``<ns>:*`` (summed inside
+    the server by one script, so each sample is an atomic snapshot); ``peak`` after ``with``."""
+
+    def __init__(self, client, ns: str) -> None:
+        self._total = client.register_script("""
+            local s = 0
+            for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
+                if redis.call('TYPE', k).ok == 'string' then s = s + redis.call('STRLEN', k) end
+            end
+            return s""")
+        self._pattern, self.peak, self._stop = f"{ns}:*", 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, int(self._total(args=[self._pattern])))
+            time.sleep(0.002)
+
+    def __enter__(self) -> "_PeakBytes":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _chain(n: int, seed: int) -> list:
     from tiercache.prefix import chain
 
@@ -568,9 +603,7 @@ def test_a_block_sent_again_after_its_eviction_is_counted_again(tmp_path, server
     the namespace outgrew the budget, and each later eviction of it took off bytes never
     added (a review). Every write of a block the server does not list is counted now: after
     each step the namespace holds no more than the budget, and the count is what it holds."""
-    probe = _remote_tier(tmp_path, server.url)
-    budget = 2 * probe.block_bytes
-    probe.close()
+    budget = 2 * _block_bytes(tmp_path, server.url)
     tier = _remote_tier(tmp_path, server.url, remote_budget=budget)
     client = server.client()
     a, b, c = _chain(3, seed=1)
@@ -667,36 +700,17 @@ def test_several_workers_keep_the_namespace_within_the_budget(tmp_path, server):
     (two sorted sets): sampled from another thread while they write, the namespace never
     holds more than the budget and one block (the one an eviction is deleting), and at the
     end what it holds is what the budget counts, nothing reserved left behind."""
-    probe = _remote_tier(tmp_path, server.url)
-    block_bytes = probe.block_bytes
-    probe.close()
+    block_bytes = _block_bytes(tmp_path, server.url)
     budget = 6 * block_bytes
     ns = f"t{uuid.uuid4().hex[:10]}"
     client = server.client()
-    total = client.register_script("""
-        local s = 0
-        for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
-            if redis.call('TYPE', k).ok == 'string' then s = s + redis.call('STRLEN', k) end
-        end
-        return s""")
-    peak, stop = [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], int(total(args=[f"{ns}:*"])))
-            time.sleep(0.002)
-    watcher = threading.Thread(target=sample)
-    watcher.start()
-    try:
+    with _PeakBytes(client, ns) as sampled:
         workers = [subprocess.Popen([sys.executable, "-c", _WORKER, server.url, ns, str(budget),
                                      str(tmp_path / f"kv{i}"), str(i)], stderr=subprocess.PIPE, text=True)
                    for i in range(3)]
         for proc in workers:
             _, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err
-    finally:
-        stop.set()
-        watcher.join()
     config = TierConfig(disk_dir=str(tmp_path / "kv-check"), remote_url=server.url, remote_namespace=ns,
                         remote_budget=budget)
     from tiercache.remote import RemoteTier
@@ -706,7 +720,7 @@ def test_several_workers_keep_the_namespace_within_the_budget(tmp_path, server):
         held = _held(client, tier)
         assert 0 < held <= budget, (held, budget)
         assert _counted(client, tier) == held and client.zcard(tier.res_key) == 0
-        assert 0 < peak[0] <= budget + block_bytes, (peak[0], budget)
+        assert 0 < sampled.peak <= budget + block_bytes, (sampled.peak, budget)
     finally:
         tier.close()
 
@@ -719,9 +733,7 @@ def test_a_block_whose_publish_stopped_leaves_nothing_counted(tmp_path, server):
     process: never listed, so never evicted, each took a block of the budget, and once they
     filled it every later write was refused (a review). Now its reservation goes, with the
     record it sent; the good blocks after them are all written."""
-    probe = _remote_tier(tmp_path, server.url)
-    budget = 2 * probe.block_bytes
-    probe.close()
+    budget = 2 * _block_bytes(tmp_path, server.url)
     tier = _remote_tier(tmp_path, server.url, remote_budget=budget)
     client = server.client()
     try:
@@ -753,9 +765,7 @@ def test_releases_the_server_is_not_there_for_do_not_hold_up_close(tmp_path, ser
     """With remote_budget, a block whose record is dropped gives its reservation back on
     the writer thread. With the server gone, nothing can be given back: flush() and close()
     must not wait for that (a flush waits for the writer's work, up to 20 server timeouts)."""
-    probe = _remote_tier(tmp_path, server.url)
-    budget = 4 * probe.block_bytes
-    probe.close()
+    budget = 4 * _block_bytes(tmp_path, server.url)
     tier = _remote_tier(tmp_path, server.url, remote_budget=budget, remote_timeout=0.5)
     assert _publish(tier, _chain(1, seed=90)) == [True] * _LAYERS
     server.stop()
@@ -772,9 +782,7 @@ def test_releases_the_server_is_not_there_for_do_not_hold_up_close(tmp_path, ser
 
 def _two_workers(tmp_path, server, blocks_in_budget: int) -> tuple:
     """Two RemoteTiers on one namespace (two workers), and the block size."""
-    probe = _remote_tier(tmp_path, server.url)
-    block_bytes, ns = probe.block_bytes, probe.namespace.split(":", 1)[0]
-    probe.close()
+    block_bytes, ns = _block_bytes(tmp_path, server.url), f"t{uuid.uuid4().hex[:10]}"
     budget = blocks_in_budget * block_bytes
     return (_remote_tier(tmp_path, server.url, remote_budget=budget, remote_namespace=ns),
             _remote_tier(tmp_path, server.url, remote_budget=budget, remote_namespace=ns), block_bytes)
@@ -849,9 +857,7 @@ def test_a_writer_gone_mid_block_does_not_hold_the_budget(tmp_path, server):
     list was empty, they held the budget for good in a busy namespace: a review)."""
     from tiercache.remote import STALE_RESERVATION_S
 
-    probe = _remote_tier(tmp_path, server.url)
-    budget = 2 * probe.block_bytes
-    probe.close()
+    budget = 2 * _block_bytes(tmp_path, server.url)
     tier = _remote_tier(tmp_path, server.url, remote_budget=budget)
     client = server.client()
     try:
@@ -965,35 +971,13 @@ def test_remote_budget_is_never_exceeded(tmp_path, model, server):
     budget = 3 * block_bytes
     config = cfg(tmp_path, server.url, "a", remote_budget=budget)
     ns = config.remote_namespace
-    peak, stop = [0], threading.Event()
-
-    # Summed inside the server by one script, so each sample is an atomic snapshot.
-    total = server.client().register_script("""
-        local s = 0
-        for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
-            if redis.call('TYPE', k).ok == 'string' then
-                s = s + redis.call('STRLEN', k)
-            end
-        end
-        return s""")
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], int(total(args=[f"{ns}:*"])))
-            time.sleep(0.002)
-
     first, second = prompt(seed=1, length=60), prompt(seed=2, length=60)
-    watcher = threading.Thread(target=sample)
-    watcher.start()
-    try:
+    with _PeakBytes(server.client(), ns) as sampled:
         _, stats_1, _ = run(model, first, config)
         _, stats_2, _ = run(model, second, config.replace(disk_dir=str(tmp_path / "a2")))
-    finally:
-        stop.set()
-        watcher.join()
     assert stats_1["remote"]["writes_dropped"] >= 1
     assert stats_2["remote"]["evicted_blocks"] >= 1
-    assert 0 < peak[0] <= budget, (peak[0], budget)
+    assert 0 < sampled.peak <= budget, (sampled.peak, budget)
     assert len([k for k in keys_of(client, ns) if k.endswith(":m")]) <= 3
     counted = client.zcard(f"{ns}:{{{tag}}}:lru") + client.zcard(f"{ns}:{{{tag}}}:res")
     assert counted * block_bytes <= budget  # the shared count agrees

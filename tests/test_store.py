@@ -2144,7 +2144,7 @@ def test_read_segments_gives_views_of_every_block_where_it_lies_and_holds_them(m
              (store.device_pool.v.untyped_storage().data_ptr(), store.device_pool.v.untyped_storage().nbytes()),
              (store.host_pool.buffer.untyped_storage().data_ptr(), store.host_pool.buffer.untyped_storage().nbytes())]
     pools += [(kv[0].untyped_storage().data_ptr(), kv[0].untyped_storage().nbytes())
-              for kv, _ in filter(None, store._streams._bufs)]  # the disk blocks' buffer
+              for kv, *_ in filter(None, store._streams._bufs)]  # the disk blocks' buffer
     for seg_k, seg_v in segments:  # views into the pools, not copies
         for x in (seg_k, seg_v):
             assert any(lo <= x.data_ptr() < lo + n for lo, n in pools)
