@@ -2041,6 +2041,17 @@ def test_close_all_on_another_thread_during_a_prefix_load_is_a_miss(tmp_path):
         assert cache.load_prefix(ids) == 0
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
         assert_same(ref, out)
+        cache.reset()
+        index = cache._ensure_prefix().index  # the lookup itself: its index closed under it
+        rows = index.rows
+
+        def closed_before_the_lookup(*args, **kw):
+            close_all()
+            return rows(*args, **kw)
+        index.rows = closed_before_the_lookup
+        assert cache.load_prefix(ids) == 0
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        assert_same(ref, out)
         flush = cache.prefix.flush
 
         def flushed_under():  # close() checks the prefix cache is open, then it closes

@@ -470,7 +470,11 @@ class TieredCache(Cache):
         ids = input_ids[0].tolist()
         try:
             blocks = prefix.match(ids[:len(ids) - 1])
-        except TierIOError as exc:
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if prefix.closed:  # close_all() on another thread closed its index, store or remote tier
+                return 0       # under the lookup: a miss, not a failure of its storage
+            if not isinstance(exc, TierIOError):
+                raise
             self._prefix_failed(exc)
             return 0
         usable, kv = 0, []
@@ -492,13 +496,12 @@ class TieredCache(Cache):
                 pool.shutdown(wait=False)
             try:
                 usable, kv = prefix.load(blocks, self.events)  # kv[layer]: [2, 1, H, usable*bt, D]
-            except TierIOError as exc:
-                self._prefix_failed(exc)
-                usable, kv = 0, []
-            except RuntimeError:
-                if not prefix.closed:
+            except Exception as exc:  # noqa: BLE001 - as for match() above
+                if not prefix.closed and not isinstance(exc, TierIOError):
                     raise
-                usable, kv = 0, []  # close_all() on another thread during the load: a miss
+                if not prefix.closed:
+                    self._prefix_failed(exc)
+                usable, kv = 0, []
             finally:
                 if opening is not None:
                     self.store = opening.result()
@@ -1305,11 +1308,11 @@ class TieredCache(Cache):
                 try:
                     prefix.drop_unfinished(self._chain, owner=self)  # a forward that stopped half way
                     prefix.flush()  # what this run published survives the process
-                except (TierIOError, CapacityError) as exc:
-                    self._prefix_failed(exc)
-                except RuntimeError:
-                    if not prefix.closed:
-                        raise  # else close_all() on another thread, which flushed it
+                except Exception as exc:  # noqa: BLE001 - sorted here
+                    if not prefix.closed:  # else close_all() on another thread, which flushed it
+                        if not isinstance(exc, (TierIOError, CapacityError)):
+                            raise
+                        self._prefix_failed(exc)
         finally:
             self._layer_views = [None] * self.num_layers
             if self.store is not None:
