@@ -2024,40 +2024,30 @@ def test_close_all_on_another_thread_during_a_prefix_load_is_a_miss(tmp_path):
     """``close_all()`` (README: how new prefix settings apply) landing while another
     thread's request loads its prefix closed the store under the load: that generate()
     failed with "BlockStore.read_into: the store is closed" (a review's four threads). The
-    load is now a miss, the prompt is computed, and the tokens are the same; so is a
-    close() of the cache racing the same close_all()."""
+    load is now a miss, the prompt is computed, and the tokens are the same; so is the
+    lookup before it (its index closed under it read as a storage failure: the prefix cache
+    off for the run), and a close() of the cache racing the same close_all()."""
     model, ids = tiny_model(), prompt()
     cfg = config(tmp_path)
     run(model, ids, cfg)
     ref = reference(model, ids)
+    def close_all_first(owner, name: str) -> None:  # the other thread's close_all() lands first
+        call = getattr(owner, name)
+
+        def closed_under(*args, **kw):
+            close_all()
+            return call(*args, **kw)
+        setattr(owner, name, closed_under)
+
     with TieredCache(model, cfg) as cache, torch.no_grad():
-        store = cache._ensure_prefix().store
-        read_into = store.read_into
-
-        def closed_under(*args, **kw):  # the other thread's close_all() comes first
-            close_all()
-            return read_into(*args, **kw)
-        store.read_into = closed_under
-        assert cache.load_prefix(ids) == 0
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
-        assert_same(ref, out)
-        cache.reset()
-        index = cache._ensure_prefix().index  # the lookup itself: its index closed under it
-        rows = index.rows
-
-        def closed_before_the_lookup(*args, **kw):
-            close_all()
-            return rows(*args, **kw)
-        index.rows = closed_before_the_lookup
-        assert cache.load_prefix(ids) == 0
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
-        assert_same(ref, out)
-        flush = cache.prefix.flush
-
-        def flushed_under():  # close() checks the prefix cache is open, then it closes
-            close_all()
-            return flush()
-        cache.prefix.flush = flushed_under
+        for owner, name in (("store", "read_into"), ("index", "rows")):  # the load, then the lookup
+            cache.reset()
+            close_all_first(getattr(cache._ensure_prefix(), owner), name)
+            assert cache.load_prefix(ids) == 0
+            assert cache._reuse, "a prefix cache closed under the lookup read as its storage failing: off"
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+            assert_same(ref, out)
+        close_all_first(cache.prefix, "flush")  # close() checks the prefix cache is open, then it closes
     _, stats = run(model, ids, cfg)  # the directory is whole: the next request loads the prefix
     assert stats["reused_tokens"] == 28
 
