@@ -436,7 +436,7 @@ class RemoteTier:
             self._release_later.update(release)  # with the next batch (not a loop while down)
             return
         try:
-            self._release(client, release)
+            self._release_own(client, release)
             items = self._reserve(client, items)
             pipe = client.pipeline(transaction=False)
             wrote_records = wrote_blocks = 0
@@ -518,7 +518,7 @@ class RemoteTier:
             h = todo.pop(0)
             self._reserve_one(client, h)
             if not self._fit(client):
-                self._release(client, [h])
+                self._release_own(client, [h])
                 refused.add(h)
             gone = on_server & self._evicted  # rewritten here, deleted to make room: counted anew
             on_server -= gone
@@ -613,16 +613,20 @@ class RemoteTier:
         self._release(client, members)
         return len(stale)
 
-    def _release(self, client: Any, hs: Any) -> None:
-        """Take back reservations of blocks that will not be listed: ``hs``, this process's
-        blocks (their reservation is its own member; a block it rewrote unreserved has
-        none), or a dict of block -> stale members (writers that are gone). The records they
-        sent go too, unless the block is listed after all (another worker wrote it whole)
-        or another worker's reservation of it remains (it is sending them too)."""
-        if not hs:
+    def _release_own(self, client: Any, hs: Sequence[int]) -> None:
+        """``_release`` of this process's blocks ``hs`` (its own reservation of each; a block
+        it rewrote unreserved has none), which it then no longer writes."""
+        self._release(client, {h: [self._member(h)] for h in hs})
+        self._unlisted.difference_update(hs)
+        self._in_place.difference_update(hs)
+
+    def _release(self, client: Any, members: dict) -> None:
+        """Take back reservations of blocks that will not be listed (block -> its
+        reservations to remove). The records they sent go too, unless the block is listed
+        after all (another worker wrote it whole) or another worker's reservation of it
+        remains (it is sending them too)."""
+        if not members:
             return
-        own = not isinstance(hs, dict)
-        members = {h: [self._member(h)] for h in hs} if own else hs
         pipe = client.pipeline(transaction=False)
         for h, mine in members.items():
             pipe.zrem(self.res_key, *mine)
@@ -634,9 +638,6 @@ class RemoteTier:
             if not manifest and not self._reserved_elsewhere(client, h):
                 pipe.delete(*self.block_keys(h)[1:])
         pipe.execute()
-        if own:
-            self._unlisted.difference_update(hs)
-            self._in_place.difference_update(hs)
 
     def _reserved_elsewhere(self, client: Any, h: int) -> bool:
         """Whether a reservation of block ``h`` remains (another worker is writing it)."""
@@ -749,12 +750,6 @@ class RemoteTier:
                 client.close()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _bad_value_error(exc: BaseException) -> bool:
-    """A command refused because of the key's value (another type, or not an integer), not
-    because of the server (an ACL, memory, a read-only replica: also ResponseErrors)."""
-    return _wrong_type(exc) or "not an integer" in str(exc)
 
 
 def _wrong_type(value: object) -> bool:
