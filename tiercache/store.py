@@ -29,7 +29,7 @@ from tiercache.events import Events
 from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
 from tiercache.streamread import DiskStreams
-from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier, as_tier
+from tiercache.table import BlockKey, BlockTable, CopyState, Move, Tier, as_tier, ready_elsewhere
 from tiercache.tiers import BlockGeometry, DevicePool, HostPool, aligned_buffer, pin_in_place, unpin_in_place
 from tiercache.transfer import Priority, TransferEngine, wait_all
 
@@ -2051,7 +2051,7 @@ class BlockStore:
             if (c is None or id(c) in viewed or (tier is Tier.DEVICE and entry.pins)
                     or (self._children and self._extended_on(key, tier))):
                 continue
-            clean = _ready_elsewhere(entry, tier)
+            clean = ready_elsewhere(entry, tier)
             if busy(c):
                 held += 1
                 free += clean
@@ -2073,7 +2073,7 @@ class BlockStore:
         for key in table.keys_on(tier):
             entry = table.get(key)
             c = entry.copies.get(tier) if entry is not None else None
-            if c is not None and busy(c) and _ready_elsewhere(entry, tier):
+            if c is not None and busy(c) and ready_elsewhere(entry, tier):
                 count += 1
         return count
 
@@ -3052,12 +3052,6 @@ def _pieces(runs: list, most: int) -> list:
 def _touches_device(move: Move) -> bool:
     """A move to or from the device: counted in ``BlockStore._copying``."""
     return move.src is Tier.DEVICE or move.dst is Tier.DEVICE
-
-
-def _ready_elsewhere(entry, tier: Tier) -> bool:
-    """Whether the block has a READY copy on a tier other than ``tier`` (its copy there can
-    be dropped without loss)."""
-    return any(t is not tier and c.state is CopyState.READY for t, c in entry.copies.items())
 
 
 def _slot_runs(todo: list) -> list:

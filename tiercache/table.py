@@ -100,6 +100,12 @@ class Move(NamedTuple):
                 f"{', drop source' if self.drop_source else ''})")
 
 
+def ready_elsewhere(entry: BlockEntry, tier: Tier) -> bool:
+    """Whether the block has a READY copy on a tier other than ``tier`` (its copy there can
+    be dropped without loss)."""
+    return any(t is not tier and c.state is CopyState.READY for t, c in entry.copies.items())
+
+
 class TableError(RuntimeError):
     """A caller broke the table's protocol (a bug in tiercache, never a user error)."""
 
@@ -253,7 +259,7 @@ class BlockTable:
             return False
         if entry.deleted:
             return True
-        return any(t != tier and o.state is CopyState.READY for t, o in entry.copies.items())
+        return ready_elsewhere(entry, tier)
 
     def any_in_use(self) -> bool:
         """True when a copy of a live block is being read (a reader holds it) or filled."""
