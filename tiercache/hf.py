@@ -470,12 +470,8 @@ class TieredCache(Cache):
         ids = input_ids[0].tolist()
         try:
             blocks = prefix.match(ids[:len(ids) - 1])
-        except Exception as exc:  # noqa: BLE001 - sorted below
-            if prefix.closed:  # close_all() on another thread closed its index, store or remote tier
-                return 0       # under the lookup: a miss, not a failure of its storage
-            if not isinstance(exc, TierIOError):
-                raise
-            self._prefix_failed(exc)
+        except Exception as exc:  # noqa: BLE001 - sorted by _prefix_error
+            self._prefix_error(prefix, exc)
             return 0
         usable, kv = 0, []
         if blocks:
@@ -496,11 +492,8 @@ class TieredCache(Cache):
                 pool.shutdown(wait=False)
             try:
                 usable, kv = prefix.load(blocks, self.events)  # kv[layer]: [2, 1, H, usable*bt, D]
-            except Exception as exc:  # noqa: BLE001 - as for match() above
-                if not prefix.closed and not isinstance(exc, TierIOError):
-                    raise
-                if not prefix.closed:
-                    self._prefix_failed(exc)
+            except Exception as exc:  # noqa: BLE001 - sorted by _prefix_error
+                self._prefix_error(prefix, exc)
                 usable, kv = 0, []
             finally:
                 if opening is not None:
@@ -570,6 +563,17 @@ class TieredCache(Cache):
             except RuntimeError:
                 if not prefix.closed:
                     raise  # closed under this publish by close_all(): this block goes unpublished
+
+    def _prefix_error(self, prefix: "PrefixCache", exc: Exception, failures: tuple = (TierIOError,)) -> None:
+        """What a call into ``prefix`` raised: nothing to do if ``close_all()`` on another
+        thread closed it under the call (its index, store or remote tier: a miss, or a flush
+        close_all did), its storage failing (``failures``) goes to ``_prefix_failed``, and
+        anything else is raised again."""
+        if prefix.closed:
+            return
+        if not isinstance(exc, failures):
+            raise exc
+        self._prefix_failed(exc)
 
     def _prefix_failed(self, exc: Exception) -> None:
         """The prefix cache's storage failed (a full disk, its index made read-only): with
@@ -1308,11 +1312,8 @@ class TieredCache(Cache):
                 try:
                     prefix.drop_unfinished(self._chain, owner=self)  # a forward that stopped half way
                     prefix.flush()  # what this run published survives the process
-                except Exception as exc:  # noqa: BLE001 - sorted here
-                    if not prefix.closed:  # else close_all() on another thread, which flushed it
-                        if not isinstance(exc, (TierIOError, CapacityError)):
-                            raise
-                        self._prefix_failed(exc)
+                except Exception as exc:  # noqa: BLE001 - sorted by _prefix_error
+                    self._prefix_error(prefix, exc, (TierIOError, CapacityError))
         finally:
             self._layer_views = [None] * self.num_layers
             if self.store is not None:
