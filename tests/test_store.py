@@ -1608,6 +1608,48 @@ def test_read_into_checks_every_record_and_never_returns_a_corrupt_one(tmp_path,
         store.check()
 
 
+def _mapping_of(address: int) -> tuple:
+    """(permissions, VmFlags) of this process's memory mapping that holds ``address``."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                found = line.split()[1] if lo <= address < hi else None
+            elif line.startswith("VmFlags:") and found is not None:
+                return found, line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_large_aligned_buffers_ask_for_huge_pages(tmp_path):
+    """Scenario: the disk tier reads records with direct I/O into aligned buffers (the host
+    pool, the streamed reads' buffers), and per request the kernel pins every page of the
+    destination: three times the kernel CPU on 4 KiB pages as on 2 MiB ones. So a buffer of
+    at least one huge page is private anonymous memory advised MADV_HUGEPAGE before it is
+    touched. (It was a shared mapping: shmem, whose huge pages are off by default, so the
+    advice did nothing.) A header's 4 KiB buffer is not advised. Either way the buffer is
+    zeroed, page-aligned and holds what is written, and the store's pools are such buffers."""
+    thp = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    big, _big_mm = aligned_buffer(3 << 20)
+    perms, flags = _mapping_of(big.data_ptr())
+    assert perms.endswith("p"), f"a shared mapping ({perms}) gets no transparent huge pages"
+    assert ("hg" in flags) == thp
+    small, _small_mm = aligned_buffer(4096)
+    perms, flags = _mapping_of(small.data_ptr())
+    assert perms.endswith("p") and "hg" not in flags
+    for buf in (big, small):
+        assert buf.data_ptr() % 4096 == 0 and not buf.any()
+        buf[-1] = 7
+        assert int(buf[-1]) == 7 and int(buf.sum()) == 7
+
+    g = BlockGeometry(batch=1, kv_heads=4, block_tokens=256, head_dim=64, dtype=torch.float32)  # 512 KiB blocks
+    cfg = tiny_config(tmp_path, g, device_blocks=2, host_blocks=8)
+    with BlockStore(cfg, g) as store:
+        perms, flags = _mapping_of(store.host_pool.buffer.data_ptr())
+        assert perms.endswith("p") and ("hg" in flags) == thp
+
+
 def test_read_layer_queues_the_next_layers_prefetch_before_waiting(make_store, geometry):
     """Decode reads layer after layer; the disk must never idle between two of them. With
     one I/O worker held busy, read_layer(A, ahead=B) queues A's reads and then B's prefetch
