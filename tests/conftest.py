@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -93,3 +94,43 @@ def line_interrupter(traced: set, target: int, files: tuple = ()) -> tuple:
         mine = code.co_filename in files or (code.co_filename, code.co_name) in traced
         return local if mine and threading.current_thread() is threading.main_thread() else None
     return outer, count
+
+
+def in_a_forked_child(child, timeout: float = 90.0) -> str:
+    """Run ``child()`` in a child made by ``os.fork()`` (as multiprocessing's default start
+    method and gunicorn's --preload do); returns what it returned (a str), or raises with
+    what it raised. A child still running after ``timeout`` (a hang) is killed and fails
+    the test."""
+    import signal
+    import traceback
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 0
+        try:
+            os.close(read_end)
+            torch.set_num_threads(1)  # libgomp's threads do not survive fork (DataLoader's workers do this too)
+            try:
+                message = "ok " + child()
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                message, code = "error " + traceback.format_exc(), 1
+            os.write(write_end, message.encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read_end)
+            pytest.fail(f"the forked child hung for {timeout:.0f} s")
+        time.sleep(0.05)
+    with os.fdopen(read_end, "rb") as f:
+        said = f.read().decode()
+    assert said.startswith("ok "), said
+    return said[3:]

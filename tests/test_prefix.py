@@ -21,6 +21,8 @@ import tiercache
 from tiercache import CacheDirError, TierConfig, TieredCache
 from tiercache.prefix import INDEX_NAME, close_all
 
+from conftest import in_a_forked_child
+
 BT = 4
 PROMPT = 30
 NEW = 6
@@ -747,46 +749,6 @@ def test_a_second_process_on_the_directory_is_refused_clearly(tmp_path):
         holder.communicate("", timeout=30)
 
 
-def _in_a_forked_child(child, timeout: float = 90.0) -> str:
-    """Run ``child()`` in a child made by ``os.fork()`` (as multiprocessing's default start
-    method and gunicorn's --preload do); returns what it returned (a str), or raises with
-    what it raised. A child still running after ``timeout`` (a hang) is killed and fails
-    the test."""
-    import signal
-    import traceback
-
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never back into pytest
-        code = 0
-        try:
-            os.close(read_end)
-            torch.set_num_threads(1)  # libgomp's threads do not survive fork (DataLoader's workers do this too)
-            try:
-                message = "ok " + child()
-            except BaseException:  # noqa: BLE001 - reported to the parent
-                message, code = "error " + traceback.format_exc(), 1
-            os.write(write_end, message.encode())
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(read_end)
-            pytest.fail(f"the forked child hung for {timeout:.0f} s")
-        time.sleep(0.05)
-    with os.fdopen(read_end, "rb") as f:
-        said = f.read().decode()
-    assert said.startswith("ok "), said
-    return said[3:]
-
-
 @pytest.mark.parametrize("reuse", [None, True])
 def test_a_forked_child_never_hangs_on_its_parents_prefix_cache(tmp_path, reuse):
     """A process that used the prefix cache forks. The child had the parent's open prefix
@@ -810,7 +772,7 @@ def test_a_forked_child_never_hangs_on_its_parents_prefix_cache(tmp_path, reuse)
         close_all()  # what the child's atexit would do: the parent's files are left alone
         return "done"
 
-    assert _in_a_forked_child(child) == "done"
+    assert in_a_forked_child(child) == "done"
     out, stats = run(model, ids, config(tmp_path))
     assert stats["reused_tokens"] == 28
     assert_same(ref, out)
@@ -862,7 +824,7 @@ def test_an_empty_cache_made_before_fork_works_in_the_child_without_the_parents_
         return "done"
 
     try:
-        assert _in_a_forked_child(child) == "done"
+        assert in_a_forked_child(child) == "done"
     finally:
         fresh.close()
     out, stats = run(model, ids, config(tmp_path))
@@ -893,7 +855,7 @@ def test_a_cache_made_before_fork_is_refused_in_the_child_and_left_to_the_parent
             close_all()
             return "done"
 
-        assert _in_a_forked_child(child) == "done"
+        assert in_a_forked_child(child) == "done"
         assert os.path.isdir(session)
         more = ids.new_tensor([[5, 6, 7]])
         with torch.no_grad():  # the parent's cache still holds its tokens and goes on

@@ -1618,7 +1618,23 @@ def _mapping_of(address: int) -> tuple:
                 found = line.split()[1] if lo <= address < hi else None
             elif line.startswith("VmFlags:") and found is not None:
                 return found, line.split()[1:]
+    if found is not None:
+        pytest.skip("this kernel's /proc/self/smaps has no VmFlags")
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _kernel_takes(advice: int) -> bool:
+    """Whether this kernel accepts ``madvise(advice)`` on private anonymous memory."""
+    import mmap
+
+    scratch = mmap.mmap(-1, 2 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        scratch.madvise(advice)
+        return True
+    except OSError:
+        return False
+    finally:
+        scratch.close()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
@@ -1626,18 +1642,24 @@ def test_large_aligned_buffers_ask_for_huge_pages(tmp_path):
     """Scenario: the disk tier reads records with direct I/O into aligned buffers (the host
     pool, the streamed reads' buffers), and per request the kernel pins every page of the
     destination: three times the kernel CPU on 4 KiB pages as on 2 MiB ones. So a buffer of
-    at least one huge page is private anonymous memory advised MADV_HUGEPAGE before it is
-    touched. (It was a shared mapping: shmem, whose huge pages are off by default, so the
-    advice did nothing.) A header's 4 KiB buffer is not advised. Either way the buffer is
-    zeroed, page-aligned and holds what is written, and the store's pools are such buffers."""
-    thp = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    2 MiB or more is private anonymous memory advised MADV_HUGEPAGE before it is touched.
+    (It was a shared mapping: shmem, whose huge pages are off by default, so the advice did
+    nothing.) A header's 4 KiB buffer is not advised. Every such buffer is also advised
+    MADV_WIPEONFORK (see the fork test below). Either way the buffer is zeroed, page-aligned
+    and holds what is written, and the store's host pool is such a buffer."""
+    import mmap
+
+    from tiercache.tiers import _MADV_WIPEONFORK
+
+    huge = hasattr(mmap, "MADV_HUGEPAGE") and _kernel_takes(mmap.MADV_HUGEPAGE)
+    wipe = _kernel_takes(_MADV_WIPEONFORK)
     big, _big_mm = aligned_buffer(3 << 20)
     perms, flags = _mapping_of(big.data_ptr())
     assert perms.endswith("p"), f"a shared mapping ({perms}) gets no transparent huge pages"
-    assert ("hg" in flags) == thp
+    assert ("hg" in flags, "wf" in flags) == (huge, wipe)
     small, _small_mm = aligned_buffer(4096)
     perms, flags = _mapping_of(small.data_ptr())
-    assert perms.endswith("p") and "hg" not in flags
+    assert perms.endswith("p") and ("hg" in flags, "wf" in flags) == (False, wipe)
     for buf in (big, small):
         assert buf.data_ptr() % 4096 == 0 and not buf.any()
         buf[-1] = 7
@@ -1647,7 +1669,39 @@ def test_large_aligned_buffers_ask_for_huge_pages(tmp_path):
     cfg = tiny_config(tmp_path, g, device_blocks=2, host_blocks=8)
     with BlockStore(cfg, g) as store:
         perms, flags = _mapping_of(store.host_pool.buffer.data_ptr())
-        assert perms.endswith("p") and ("hg" in flags) == thp
+        assert perms.endswith("p") and ("hg" in flags, "wf" in flags) == (huge, wipe)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_gets_zeros_not_a_copy_of_the_pools(tmp_path):
+    """Scenario: a process holding a cache forks (multiprocessing's default start method on
+    Linux, gunicorn's --preload). The child cannot use the parent's store, so the pools'
+    pages are not its to share: advised MADV_WIPEONFORK, they read as zeros there. (As
+    private copy-on-write memory, every page the parent rewrote while a child lived was
+    copied, and the kernel copies pages pinned for CUDA copies into the child at the fork
+    itself: a review measured 125 MiB copied beside a pinned 128 MiB buffer.) The parent
+    keeps every byte it wrote."""
+    from tiercache.tiers import _MADV_WIPEONFORK
+
+    from conftest import in_a_forked_child
+
+    if not _kernel_takes(_MADV_WIPEONFORK):
+        pytest.skip("this kernel has no MADV_WIPEONFORK (Linux 4.14+)")
+    g = BlockGeometry(batch=1, kv_heads=4, block_tokens=256, head_dim=64, dtype=torch.float32)  # 512 KiB blocks
+    cfg = tiny_config(tmp_path, g, device_blocks=2, host_blocks=8)
+    data = blocks(g, 8)
+    with BlockStore(cfg, g) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        host = store.host_pool.buffer
+        assert store.table.keys_on(Tier.HOST) and host.any()  # the parent's host tier holds blocks
+
+        def child() -> str:
+            return "parent's bytes" if host.any() else "zeros"
+
+        assert in_a_forked_child(child) == "zeros"
+        for key, block in data.items():
+            assert torch.equal(store.get(key), block)
 
 
 def test_read_layer_queues_the_next_layers_prefetch_before_waiting(make_store, geometry):
