@@ -154,6 +154,34 @@ def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
         store.check()
 
 
+def test_bytes_damaged_in_the_buffer_after_their_read_are_never_served(tmp_path):
+    """A block's payload is checked (CRC32C) when its layer is read, over the bytes where they
+    lie in attention's buffer, not when the I/O thread read them. So bytes that changed in
+    the buffer after their read (here: a stray write into the layer read ahead) are refused
+    and the block is read again, through the host tier: the result is the block's own
+    bytes. Checked on the I/O thread, those bytes were served."""
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
+                    persistent=False) as store:
+        a, b, data = _two_layers_on_disk(store, torch.Generator().manual_seed(8))
+        store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
+        store.release_views()
+        _reads_done(store)
+        group = store._streams._pending
+        (k_buf, v_buf), _, _ = store._streams._bufs[group.buf]
+        hit = b[2][2] - group.first
+        v_buf[0, hit, 5] += 1.0  # one value of b[2], after its read finished
+        before = store.stats()["moves"]
+        k, v = store.read_layer(b, 4 * BT, 0, hold=True)
+        assert torch.equal(k, torch.cat([data[key][0] for key in b], dim=-2))
+        assert torch.equal(v, torch.cat([data[key][1] for key in b], dim=-2)), "damaged bytes were served"
+        store.release_views()
+        moves = store.stats()["moves"]
+        assert moves["disk->host"]["blocks"] - before.get("disk->host", {}).get("blocks", 0) == 1
+        assert Tier.HOST in store.tiers_of(b[2])
+        store.check()
+
+
 def _read(store: BlockStore, how: str, keys: list, num_tokens: int, start_token: int = 0, ahead=()) -> tuple:
     """A layer's K and V as ``read_layer(hold=True)`` gives them, or as ``read_segments``
     (attend_in_place) gives them, concatenated; the caller releases the views."""
@@ -415,14 +443,14 @@ def test_a_disk_copy_being_read_ahead_is_held_until_the_read_ends(tmp_path):
         g = torch.Generator().manual_seed(1)
         a, b, _ = _two_layers_on_disk(store, g)
         entered, go = threading.Event(), threading.Event()
-        read_into = store.disk.read_into
+        read_unchecked = store.disk.read_unchecked
 
         def held_read(slot, key, parts, **kw):
             if key == b[0]:
                 entered.set()
                 assert go.wait(30), "the test never let the read go on"
-            return read_into(slot, key, parts, **kw)
-        store.disk.read_into = held_read
+            return read_unchecked(slot, key, parts, **kw)
+        store.disk.read_unchecked = held_read
         try:
             store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
             store.release_views()
@@ -479,12 +507,12 @@ def test_read_destinations_are_made_once_per_buffer_and_follow_it_when_it_grows(
         for key in short + long:
             _to_disk(store, key)
         hints = []
-        read_into = store.disk.read_into
+        read_unchecked = store.disk.read_unchecked
 
         def noted(slot, key, parts, aligned=None):
             hints.append(aligned)
-            return read_into(slot, key, parts, aligned=aligned)
-        store.disk.read_into = noted
+            return read_unchecked(slot, key, parts, aligned=aligned)
+        store.disk.read_unchecked = noted
         made = []
         for keys in (short, short, long, long, short, long):  # each buffer is first short, then grows
             k, v = store.read_layer(keys, len(keys) * geometry.block_tokens, 0, hold=True)

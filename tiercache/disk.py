@@ -18,7 +18,7 @@ import stat
 import struct
 import threading
 import weakref
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import crc32c
 import numpy as np
@@ -226,6 +226,14 @@ def _addr(mv: memoryview) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if len(mv) else 0
+
+
+def parts_crc(parts: Sequence) -> int:
+    """CRC32C of the bytes of ``parts`` (buffers) in order: a payload read in pieces."""
+    value = 0
+    for p in parts:
+        value = crc32c.crc32c(p, value)
+    return value
 
 
 def aligned_parts(parts: list) -> bool:
@@ -620,6 +628,16 @@ class DiskTier(RecordCodec):
         payload's CRC32C is checked over the parts; on any failure (``RecordError``) the
         parts hold garbage and must not be used.
         """
+        num_tokens, crc = self.read_unchecked(slot, key, parts, aligned)
+        if parts_crc(parts) != crc:
+            raise RecordError("payload checksum mismatch")
+        return num_tokens
+
+    def read_unchecked(self, slot: int, key: BlockKey, parts: list, aligned: Optional[bool] = None) -> tuple:
+        """``read_into`` less the payload's check: the header is checked (its CRC32C, the
+        key), the payload only read. Returns (token count, the payload's CRC32C as the
+        header gives it). The parts hold bytes nobody may use until ``parts_crc(parts)``
+        equals that CRC: the caller checks them where it can best afford to."""
         self._check_slot(slot)
         if sum(len(p) for p in parts) != self.payload_bytes:
             raise ValueError(f"parts hold {sum(len(p) for p in parts)} bytes; a payload is {self.payload_bytes}")
@@ -633,12 +651,7 @@ class DiskTier(RecordCodec):
         found, num_tokens, crc = self.decode_header(hmv)
         if found != key:
             raise RecordError(f"slot holds {found!r}, expected {key!r}")
-        value = 0
-        for p in parts:
-            value = crc32c.crc32c(p, value)
-        if value != crc:
-            raise RecordError("payload checksum mismatch")
-        return num_tokens
+        return num_tokens, crc
 
     def cut_to_budget(self) -> None:
         """Cut the data file to the budget's slots: a file written under a larger budget

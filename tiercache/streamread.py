@@ -6,10 +6,17 @@ used to be read up into a host slot first and then copied into that buffer. That
 twice: the host slot it took evicted a block the next decode step reads again (the host
 tier became a queue of blocks passing through instead of a set of blocks kept), and the
 gather copied its bytes once more. Here such a block is read from its disk record straight
-into its place in the buffer, on the I/O threads, and checked there (CRC32C) before it
-counts as read; the device and host tiers keep what they hold. The layer the prefetch plan
-names next (``ahead``) is read the same way into a second buffer while this one's attention
-runs, so the result of a ``read_layer(hold=True)`` is valid until the next one, as before.
+into its place in the buffer, on the I/O threads; the device and host tiers keep what they
+hold. The layer the prefetch plan names next (``ahead``) is read the same way into a second
+buffer while this one's attention runs, so the result of a ``read_layer(hold=True)`` is
+valid until the next one, as before.
+
+Each block's payload is checked (CRC32C, against its record's header) when its layer is
+read, on the model's thread, over the bytes where they lie in the buffer, before any of
+them is used. The I/O threads only read: on a machine with few cores their checksums
+preempted the model's OpenMP threads, and a parallel region waits for its slowest thread
+(docs/measurements.md, 2026-12-06, the twenty-third session). Checked here, the bytes are
+also in the cache when attention reads them.
 
 What it costs: a second buffer of one layer's K and V (outside the budgets, as the one
 gather buffer was). A block is in flight here only while its record is read: the read holds
@@ -18,9 +25,9 @@ anyone waiting on the block (``_inflight_for``) waits for that read. Bytes read 
 buffer are used only if, when the layer is read, the same disk copy of the same block is
 still the block's (a write drops the disk copy first; ``reorder_rows``, which rewrites
 records in place, settles every read and uses none), at the position the read expects. A
-read that failed (a record that fails its check, an I/O error) is not used: the block is
-read again the usual way, through the host tier, which drops a bad record and takes another
-copy, or names the problem (``BlockCorruptedError``, ``TierIOError``).
+read that failed (a record whose header or payload fails its check, an I/O error) is not
+used: the block is read again the usual way, through the host tier, which drops a bad record
+and takes another copy, or names the problem (``BlockCorruptedError``, ``TierIOError``).
 
 These reads are counted as ``disk->device`` moves: the buffer is the model's device memory.
 ``attend_in_place`` (``BlockStore.read_segments``) reads the same way, and attends to the
@@ -35,7 +42,7 @@ from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
 import torch
 
-from tiercache.disk import RecordError, aligned_parts
+from tiercache.disk import RecordError, aligned_parts, parts_crc
 from tiercache.table import BlockKey, CopyState, Tier
 from tiercache.tiers import aligned_buffer
 from tiercache.transfer import Priority
@@ -51,7 +58,7 @@ _QUEUED, _RUNNING, _LET_GO = 0, 1, 2  # a read's hold on its disk copy
 class _Read:
     """One disk block read into one buffer position."""
 
-    __slots__ = ("key", "entry", "copy", "done", "state", "held", "error")
+    __slots__ = ("key", "entry", "copy", "done", "state", "held", "error", "crc")
 
     def __init__(self, key: Hashable, entry, copy) -> None:
         self.key = key
@@ -60,7 +67,8 @@ class _Read:
         self.done: Future = Future()  # set once the read has let go of the copy
         self.state = _QUEUED
         self.held = False
-        self.error: Optional[BaseException] = None  # None: the bytes are in place and checked
+        self.error: Optional[BaseException] = None  # None: the bytes are in place (checked by ``_check``)
+        self.crc = 0  # the payload's CRC32C, from the record's header
 
 
 class _Group:
@@ -200,8 +208,8 @@ class DiskStreams:
 
     def _job(self, buf: tuple, pos: int, read: _Read) -> None:
         """On an I/O thread: read the record into its position of ``buf`` (an item of
-        ``_bufs``) and check it, then let go of the disk copy (under the store's lock)
-        before ``read.done`` is set."""
+        ``_bufs``) and check its header (the payload is checked when used: ``_check``),
+        then let go of the disk copy (under the store's lock) before ``read.done`` is set."""
         store = self.store
         with store._lock:
             if read.state is not _QUEUED:  # cancelled
@@ -210,7 +218,7 @@ class DiskStreams:
         t0 = time.perf_counter()
         try:
             parts, aligned = self._planes(buf, pos)
-            store.disk.read_into(read.copy.slot, read.key, parts, aligned=aligned)
+            _, read.crc = store.disk.read_unchecked(read.copy.slot, read.key, parts, aligned=aligned)
         except Exception as exc:  # noqa: BLE001 - the reader reads this block the usual way
             read.error = exc
             if not isinstance(exc, (RecordError, OSError)):
@@ -301,7 +309,7 @@ class DiskStreams:
             k_buf, v_buf = have[0]
         else:
             # A plan that left out the layer's first blocks read the others too low, or the
-            # buffer grows: the reads ahead move (a copy of checked bytes, not a second read).
+            # buffer grows: the reads ahead move (a copy, checked where it lands, not a second read).
             k_buf, v_buf = self._buffer(b, len(keys))
             if usable:
                 usable = _moved(have[0], (k_buf, v_buf), usable, shift, len(keys))
@@ -351,7 +359,7 @@ class DiskStreams:
             stall += self._settle(b)  # this layer's own reads
             store._stalled(stall)
             used.update(group.reads)
-            again = self._check(used, base)
+            again = self._check(used, base, self._bufs[b])
             in_order = list(held)
             if again:  # read the usual way: through the host tier, where errors are named
                 taken = len(held)
@@ -397,15 +405,23 @@ class DiskStreams:
                 runs.append([tier, at, 1])
         return store._segment_views(runs, num_tokens, start_token, buf)
 
-    def _check(self, used: dict, base: int) -> list:
-        """The reads of ``used`` have finished: count those that read their block (a disk
-        hit, a use for the disk's policy); return the indices into the layer's keys of the
-        others (an I/O error, a record that failed its check), to read the usual way, which
-        drops a bad record, takes another copy, or raises ``BlockCorruptedError`` or
-        ``TierIOError`` naming the problem."""
+    def _check(self, used: dict, base: int, buf: tuple) -> list:
+        """The reads of ``used`` have finished: check the bytes each put in ``buf`` (their
+        CRC32C, here on the model's thread, just before attention reads them); count those
+        that read their block (a disk hit, a use for the disk's policy); return the indices
+        into the layer's keys of the others (an I/O error, a record that failed its check),
+        to read the usual way, which drops a bad record, takes another copy, or raises
+        ``BlockCorruptedError`` or ``TierIOError`` naming the problem.
+
+        Why here and not on the I/O thread that read it: on a CPU with few cores the I/O
+        threads' checksums preempted the model's OpenMP threads, and a parallel region waits
+        for its slowest thread; here the check costs its own time and leaves the bytes in
+        the cache for attention."""
         store = self.store
         again, good = [], []
         for p, read in used.items():
+            if read.error is None and parts_crc(self._planes(buf, p)[0]) != read.crc:
+                read.error = RecordError("payload checksum mismatch")
             if read.error is not None:
                 again.append(p - base)
             else:
