@@ -107,16 +107,96 @@ def _to_disk(store: BlockStore, key: BlockKey) -> None:
 def _two_layers_on_disk(store: BlockStore, g: torch.Generator) -> tuple:
     """Four random blocks in each of layers 0 and 1, on disk only: (layer 0's keys, layer
     1's keys, key -> block)."""
-    a = [BlockKey(0, 0, i) for i in range(4)]
-    b = [BlockKey(0, 1, i) for i in range(4)]
+    return _layers_on_disk(store, g, 2)
+
+
+def _layers_on_disk(store: BlockStore, g: torch.Generator, layers: int) -> tuple:
+    """Four random blocks in each of ``layers`` layers, on disk only: (each layer's keys...,
+    key -> block)."""
+    keys = [[BlockKey(0, layer, i) for i in range(4)] for layer in range(layers)]
     data = {}
-    for key in a + b:
+    for key in sum(keys, []):
         data[key] = torch.randn(store.geometry.shape, generator=g)
         store.put(key, data[key])
     store.flush()
-    for key in a + b:
+    for key in sum(keys, []):
         _to_disk(store, key)
-    return a, b, data
+    return (*keys, data)
+
+
+def test_each_layer_read_ahead_fills_a_buffer_of_its_own_once(tmp_path):
+    """A plan two layers deep (``lookahead``): while layer a is read, layers b and c are
+    read from disk, each into a buffer of its own, neither the one a's result lies in. The
+    next read (b, planning c and a) uses b's reads, keeps c's (not read again) and reads a
+    ahead once more; so does the one after. Every result is the blocks' bytes, every block
+    is read once per plan that first names it, and nothing read ahead goes unused. A plan
+    deeper than ``MAX_LAYERS_AHEAD`` reads that many layers into buffers and prefetches the
+    rest to the host tier."""
+    from tiercache.streamread import MAX_LAYERS_AHEAD
+
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=8, disk_blocks=80), geometry,
+                    persistent=False) as store:
+        a, b, c, d, e, data = _layers_on_disk(store, torch.Generator().manual_seed(6), 5)
+
+        def disk_reads() -> int:
+            return store.stats()["moves"].get("disk->device", {}).get("blocks", 0)
+
+        k, v = store.read_layer(a, 4 * BT, 0, hold=True, ahead=b + c)
+        assert torch.equal(k, torch.cat([data[key][0] for key in a], dim=-2))
+        streams = store._streams
+        pending = streams._pending
+        assert [group.seq_layer for group in pending] == [(0, 1), (0, 2)]
+        bufs = {group.buf for group in pending}
+        assert len(bufs) == 2 and streams._read_buf not in bufs, "a layer read ahead shares a buffer"
+        store.release_views()
+        _reads_done(store)
+        assert disk_reads() == 12  # a now, b and c ahead
+        for keys, ahead, total in ((b, c + a, 16), (c, a + b, 20), (a, b + c, 24)):
+            k, v = store.read_layer(keys, 4 * BT, 0, hold=True, ahead=ahead)
+            assert torch.equal(k, torch.cat([data[key][0] for key in keys], dim=-2))
+            assert torch.equal(v, torch.cat([data[key][1] for key in keys], dim=-2))
+            store.release_views()
+            _reads_done(store)
+            assert disk_reads() == total, "a layer still read ahead was read again"
+        stats = store.stats()
+        assert stats["prefetch"]["unused"] == 0
+        assert stats["prefetch"]["used"] + stats["prefetch"]["late"] == 12
+        deep = [b, c, d, e][:MAX_LAYERS_AHEAD + 1]
+        store.read_layer(a, 4 * BT, 0, hold=True, ahead=sum(deep, []))
+        store.release_views()
+        store.wait_idle()
+        assert [group.seq_layer for group in store._streams._pending] == [key[0][:2] for key in deep[:-1]]
+        assert all(Tier.HOST in store.tiers_of(key) for key in deep[-1]), "the layer past the buffers"
+        store.check()
+
+
+def test_bytes_damaged_in_the_buffer_after_their_read_are_never_served(tmp_path):
+    """A block's payload is checked (CRC32C) when its layer is read, over the bytes where they
+    lie in attention's buffer, not when the I/O thread read them. So bytes that changed in
+    the buffer after their read (here: a stray write into the layer read ahead) are refused
+    and the block is read again, through the host tier: the result is the block's own
+    bytes. Checked on the I/O thread, those bytes were served."""
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
+                    persistent=False) as store:
+        a, b, data = _two_layers_on_disk(store, torch.Generator().manual_seed(8))
+        store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
+        store.release_views()
+        _reads_done(store)
+        (group,) = store._streams._pending
+        (k_buf, v_buf), _, _ = store._streams._bufs[group.buf]
+        hit = b[2][2] - group.first
+        v_buf[0, hit, 5] += 1.0  # one value of b[2], after its read finished
+        before = store.stats()["moves"]
+        k, v = store.read_layer(b, 4 * BT, 0, hold=True)
+        assert torch.equal(k, torch.cat([data[key][0] for key in b], dim=-2))
+        assert torch.equal(v, torch.cat([data[key][1] for key in b], dim=-2)), "damaged bytes were served"
+        store.release_views()
+        moves = store.stats()["moves"]
+        assert moves["disk->host"]["blocks"] - before.get("disk->host", {}).get("blocks", 0) == 1
+        assert Tier.HOST in store.tiers_of(b[2])
+        store.check()
 
 
 def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
@@ -132,7 +212,7 @@ def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
         k, v = store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
         assert torch.equal(k, torch.cat([data[key][0] for key in a], dim=-2))
         pending = store._streams._pending
-        assert pending is not None and len(pending.reads) == 4  # b read ahead, from disk
+        assert len(pending) == 1 and len(pending[0].reads) == 4  # b read ahead, from disk
         store.release_views()
         # b[1]: brought up and written (the disk copy read ahead is dropped first)
         store.ensure_device([b[1]])
@@ -151,34 +231,6 @@ def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
         assert torch.equal(k, torch.cat([data[key][0] for key in b], dim=-2))
         assert torch.equal(v, torch.cat([data[key][1] for key in b], dim=-2))
         store.release_views()
-        store.check()
-
-
-def test_bytes_damaged_in_the_buffer_after_their_read_are_never_served(tmp_path):
-    """A block's payload is checked (CRC32C) when its layer is read, over the bytes where they
-    lie in attention's buffer, not when the I/O thread read them. So bytes that changed in
-    the buffer after their read (here: a stray write into the layer read ahead) are refused
-    and the block is read again, through the host tier: the result is the block's own
-    bytes. Checked on the I/O thread, those bytes were served."""
-    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
-    with BlockStore(tiny_config(tmp_path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
-                    persistent=False) as store:
-        a, b, data = _two_layers_on_disk(store, torch.Generator().manual_seed(8))
-        store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
-        store.release_views()
-        _reads_done(store)
-        group = store._streams._pending
-        (k_buf, v_buf), _, _ = store._streams._bufs[group.buf]
-        hit = b[2][2] - group.first
-        v_buf[0, hit, 5] += 1.0  # one value of b[2], after its read finished
-        before = store.stats()["moves"]
-        k, v = store.read_layer(b, 4 * BT, 0, hold=True)
-        assert torch.equal(k, torch.cat([data[key][0] for key in b], dim=-2))
-        assert torch.equal(v, torch.cat([data[key][1] for key in b], dim=-2)), "damaged bytes were served"
-        store.release_views()
-        moves = store.stats()["moves"]
-        assert moves["disk->host"]["blocks"] - before.get("disk->host", {}).get("blocks", 0) == 1
-        assert Tier.HOST in store.tiers_of(b[2])
         store.check()
 
 
@@ -293,8 +345,8 @@ def test_a_plan_in_any_order_is_read_once_into_a_layer_sized_buffer(tmp_path, pl
 @pytest.mark.parametrize("memory", [False, True], ids=["disk-only", "some-in-memory"])
 def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path, memory):
     """Ctrl-C (a KeyboardInterrupt raised at a line of ``tiercache/streamread.py``, as a
-    signal handler would raise it there) during a layer read with the next layer read ahead,
-    at every third line the read runs: afterwards no disk copy keeps a reader, no waiter is
+    signal handler would raise it there) during layer reads with one and two layers read
+    ahead (a layer already read ahead kept, another read), at every third line the reads run: afterwards no disk copy keeps a reader, no waiter is
     left a read that never ends, a block can be written, and both layers read back exactly.
     Disk copies kept readers for good (a later ``begin_write`` spun), and a read queued but
     not yet counted could write into a buffer after its result was handed out (a review).
@@ -308,9 +360,10 @@ def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path, 
 
     import tiercache.streamread as streamread
 
-    def run(store, a, b):
+    def run(store, a, b, c):
         store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
-        store.read_layer(b, 4 * BT, 0, hold=True, ahead=a)
+        store.read_layer(b, 4 * BT, 0, hold=True, ahead=c + a)  # two layers ahead
+        store.read_layer(c, 4 * BT, 0, hold=True, ahead=a + b)  # a kept, b read ahead
         store.read_segments(a, 4 * BT, 0)  # attend_in_place's read
         store.read_segments(b, 4 * BT - 3, 1, ahead=a)
         store.release_views()
@@ -332,17 +385,17 @@ def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path, 
         path.mkdir()
         store = BlockStore(tiny_config(path, geometry, device_blocks=3, host_blocks=3, disk_blocks=40), geometry,
                            persistent=False)
-        a, b, data = _two_layers_on_disk(store, torch.Generator().manual_seed(3))
+        a, b, c, data = _layers_on_disk(store, torch.Generator().manual_seed(3), 3)
         if memory:  # a device block in each layer, a host block in the second
             store.ensure_device([a[2], b[0]], pin=False)
             store.promote(b[1], Tier.HOST).result(30)
-        return store, a, b, data
+        return store, a, b, c, data
 
-    store, a, b, _ = fresh()
+    store, a, b, c, _ = fresh()
     outer, count = tracer(0)
     sys.settrace(outer)
     try:
-        run(store, a, b)
+        run(store, a, b, c)
     finally:
         sys.settrace(None)
     store.close()
@@ -351,12 +404,12 @@ def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path, 
     tried = 0
     step = 7 if memory else 3
     for point in range(1, lines + 1, step):
-        store, a, b, data = fresh()
+        store, a, b, c, data = fresh()
         try:
             outer, _ = tracer(point)
             sys.settrace(outer)
             try:
-                run(store, a, b)
+                run(store, a, b, c)
             except KeyboardInterrupt:
                 pass
             finally:
@@ -371,7 +424,7 @@ def test_an_interrupt_anywhere_in_a_streamed_read_leaves_nothing_held(tmp_path, 
             with store._lock:
                 held = [key for key in store.table.keys() for c in store.table.get(key).copies.values() if c.readers]
             assert not held and not store._streaming, (point, held, store._streaming)
-            for keys in (a, b):
+            for keys in (a, b, c):
                 k, v = store.read_layer(keys, 4 * BT, 0, hold=True)
                 assert torch.equal(k, torch.cat([data[key][0] for key in keys], dim=-2)), point
                 assert torch.equal(v, torch.cat([data[key][1] for key in keys], dim=-2)), point
@@ -421,11 +474,11 @@ def test_wait_idle_waits_for_the_reads_ahead(tmp_path):
             store.release_views()
             store.wait_idle()
             assert not store._streaming
-            assert all(read.done.done() for read in store._streams._pending.reads.values())
+            assert all(read.done.done() for read in store._streams._pending[0].reads.values())
             store.read_layer(b, 4 * BT, 0, hold=True, ahead=a)
             store.release_views()
             store.wait_idle()
-            assert all(read.done.done() for read in store._streams._pending.reads.values())
+            assert all(read.done.done() for read in store._streams._pending[0].reads.values())
 
 
 def test_a_disk_copy_being_read_ahead_is_held_until_the_read_ends(tmp_path):

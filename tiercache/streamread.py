@@ -7,9 +7,11 @@ twice: the host slot it took evicted a block the next decode step reads again (t
 tier became a queue of blocks passing through instead of a set of blocks kept), and the
 gather copied its bytes once more. Here such a block is read from its disk record straight
 into its place in the buffer, on the I/O threads; the device and host tiers keep what they
-hold. The layer the prefetch plan names next (``ahead``) is read the same way into a second
-buffer while this one's attention runs, so the result of a ``read_layer(hold=True)`` is
-valid until the next one, as before.
+hold. The layers the prefetch plan names next (``ahead``: ``next-layer`` one, ``lookahead``
+its depth, at most ``MAX_LAYERS_AHEAD``) are read the same way, each into a buffer of its
+own, while this one's attention runs, so the result of a ``read_layer(hold=True)`` is valid
+until the next one, as before; the layers past ``MAX_LAYERS_AHEAD`` are prefetched to the
+host tier.
 
 Each block's payload is checked (CRC32C, against its record's header) when its layer is
 read, on the model's thread, over the bytes where they lie in the buffer, before any of
@@ -18,9 +20,9 @@ preempted the model's OpenMP threads, and a parallel region waits for its slowes
 (docs/measurements.md, 2026-12-06, the twenty-third session). Checked here, the bytes are
 also in the cache when attention reads them.
 
-What it costs: a second buffer of one layer's K and V (outside the budgets, as the one
-gather buffer was). A block is in flight here only while its record is read: the read holds
-its disk copy (a reader, so the slot is not freed or reused) and lets go when it finishes;
+What it costs: a buffer of one layer's K and V per layer read ahead (outside the budgets,
+as the one gather buffer was). A block is in flight here only while its record is read: the
+read holds its disk copy (a reader, so the slot is not freed or reused) and lets go when it finishes;
 anyone waiting on the block (``_inflight_for``) waits for that read. Bytes read into a
 buffer are used only if, when the layer is read, the same disk copy of the same block is
 still the block's (a write drops the disk copy first; ``reorder_rows``, which rewrites
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiercache")
 
 _QUEUED, _RUNNING, _LET_GO = 0, 1, 2  # a read's hold on its disk copy
+MAX_LAYERS_AHEAD = 3  # layers of a plan read into buffers of their own; the rest go to the host
 
 
 class _Read:
@@ -98,19 +101,28 @@ def _uninterrupted(step) -> None:
 
 
 class DiskStreams:
-    """The two buffers and the reads into them, for a CPU store with host and disk tiers.
-    Used by the model's thread only (``read_layer(hold=True)``, whose result is valid until
-    the next such call, is one caller's at a time, as it was)."""
+    """The buffers and the reads into them, for a CPU store with host and disk tiers: one
+    for the layer read now, one per layer read ahead. Used by the model's thread only
+    (``read_layer(hold=True)``, whose result is valid until the next such call, is one
+    caller's at a time, as it was)."""
 
     def __init__(self, store: "BlockStore") -> None:
         self.store = store
         g = store.geometry
         self._rows, self._width = g.batch * g.kv_heads, g.block_tokens * g.head_dim
-        self._bufs: list = [None, None]  # per buffer: ((K, V) each [rows, capacity, width], mmap owner)
-        self._busy: list = [[], []]  # per buffer: the ``done`` of every read registered into it
-        self._last = 1  # the buffer the last result lies in
-        self._pending: Optional[_Group] = None  # the reads of the prefetch plan's layer
-        self._read_buf = 0  # the buffer the read running now fills
+        self._bufs: list = []  # per buffer: ((K, V) each [rows, capacity, width], mmap owner, planes)
+        self._busy: list = []  # per buffer: the ``done`` of every read registered into it
+        self._pending: list = []  # _Group per layer read ahead, in the plan's order
+        self._read_buf = -1  # the buffer the read running now fills
+
+    def _free_buffer(self, taken: set) -> int:
+        """A buffer no group in ``taken`` (buffer indices) uses; a new one if none is free
+        (made when first sized, ``_buffer``)."""
+        for b in range(len(self._bufs)):
+            if b not in taken:
+                return b
+        self._bufs, self._busy = self._bufs + [None], self._busy + [[]]  # one statement: the same length
+        return len(self._bufs) - 1
 
     def _settle(self, b: int) -> float:
         """Wait for every read registered into buffer ``b``; returns the seconds waited."""
@@ -136,24 +148,28 @@ class DiskStreams:
             have = self._bufs[b] = ((flat[0], flat[1]), owner, [None] * capacity)
         return have[0]
 
+    def _drop(self, groups: list) -> None:
+        """These planned reads will not be used: counted as unused prefetches."""
+        unused = sum(len(group.reads) for group in groups)
+        if unused:
+            self.store.events.prefetch("unused", unused)
+
     def _drop_pending(self) -> None:
-        """The planned reads will not be used: counted as unused prefetches."""
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.reads:
-            self.store.events.prefetch("unused", len(pending.reads))
+        pending, self._pending = self._pending, []
+        self._drop(pending)
 
     def forget(self) -> None:
         """Before blocks' disk records change in place (``reorder_rows``): no read in flight,
         and nothing read so far is used."""
-        for b in (0, 1):
+        for b in range(len(self._busy)):
             self._settle(b)
         self._drop_pending()
 
     def close(self) -> None:
         """After the store's I/O threads have stopped (every queued read has run)."""
         self._drop_pending()
-        self._bufs = [None, None]
-        self._busy = [[], []]
+        self._bufs = []
+        self._busy = []
 
     # ---- reads ------------------------------------------------------------------------------
     def _register(self, group: _Group, pos: int, key: Hashable, entry) -> Optional[_Read]:
@@ -248,39 +264,59 @@ class DiskStreams:
         return made
 
     def _plan_ahead(self, keys: list, ahead: Sequence[Hashable]) -> None:
-        """Read the disk-only blocks of the plan's first layer into the other buffer
-        (``_pending``); the rest of the plan is prefetched to the host as before."""
+        """Read the disk-only blocks of the plan's first ``MAX_LAYERS_AHEAD`` layers (runs
+        of block keys of one layer) each into a buffer of its own (``_pending``): a layer
+        already read ahead keeps its buffer and reads, and reads what it lacks. The rest of
+        the plan is prefetched to the host as before."""
         store = self.store
-        first = _where(ahead[0]) if ahead else None
-        group_keys: list = []
-        if first is not None:
-            for key in ahead:
-                where = _where(key)
-                if where is None or where[0] != first[0]:
+        runs: list = []  # [(seq_layer, keys)] in the plan's order
+        taken = 0
+        for key in ahead:
+            where = _where(key)
+            if where is None:
+                break
+            if not runs or runs[-1][0] != where[0]:
+                if len(runs) == MAX_LAYERS_AHEAD or any(layer == where[0] for layer, _ in runs):
                     break
-                group_keys.append(key)
-        rest = list(ahead[len(group_keys):])
-        if group_keys:
-            mine = set(keys)
-            b = 1 - self._read_buf
-            self._settle(b)
+                runs.append((where[0], []))
+            runs[-1][1].append(key)
+            taken += 1
+        rest = list(ahead[taken:])
+        old = {group.seq_layer: group for group in self._pending}
+        kept = [old.pop(layer) for layer, _ in runs if layer in old]
+        self._drop(list(old.values()))
+        self._pending = kept  # in the plan's order below
+        busy = {self._read_buf} | {group.buf for group in kept}
+        mine = set(keys)
+        for layer, run in runs:
             with store._lock:  # the positions: indices of the blocks stored, from the lowest
-                found = [(key, entry) for key in dict.fromkeys(group_keys)
+                found = [(key, entry) for key in dict.fromkeys(run)
                          if key not in mine and (entry := store.table.get(key)) is not None]
-            if found:
+            if not found:
+                continue
+            group = next((g for g in kept if g.seq_layer == layer), None)
+            if group is None:
+                b = self._free_buffer(busy)
+                busy.add(b)
+                self._settle(b)
                 lo = min(key[2] for key, _ in found)
                 self._buffer(b, max(key[2] for key, _ in found) - lo + 1)
-                group = self._pending = _Group(b, first[0], lo)
-                try:
-                    with store._lock:
-                        reads = [(key[2] - lo, read) for key, entry in found
-                                 if (read := self._register(group, key[2] - lo, key, entry)) is not None]
-                    self._start(group, reads, Priority.PREFETCH)
-                except BaseException:
-                    _uninterrupted(lambda: self._cancel(group))
-                    raise
+                group = _Group(b, layer, lo)
+                self._pending.append(group)
+            capacity = self._bufs[group.buf][0][0].shape[1]
+            try:
+                with store._lock:
+                    reads = [(p, read) for key, entry in found
+                             if 0 <= (p := key[2] - group.first) < capacity and p not in group.reads
+                             and (read := self._register(group, p, key, entry)) is not None]
+                self._start(group, reads, Priority.PREFETCH)
+            except BaseException:
+                _uninterrupted(lambda: self._cancel(group))
+                raise
+        order = {layer: i for i, (layer, _) in enumerate(runs)}
+        self._pending.sort(key=lambda group: order[group.seq_layer])
         if rest:
-            store._prefetch_ahead(rest, set(keys), Tier.HOST)
+            store._prefetch_ahead(rest, mine, Tier.HOST)
 
     def read(self, keys: list, num_tokens: int, start_token: int, ahead: Sequence[Hashable],
              segments: bool = False):
@@ -291,20 +327,24 @@ class DiskStreams:
         views of the buffer they were read into."""
         store = self.store
         bt = store.geometry.block_tokens
-        pending, self._pending = self._pending, None
-        b = self._read_buf = pending.buf if pending is not None else 1 - self._last
+        # This layer's reads ahead, if it was planned: its group leaves the pending ones.
+        where = _where(keys[0]) if keys else None
+        pending = next((g for g in self._pending if where is not None and g.seq_layer == where[0]), None)
+        if pending is not None:
+            self._pending.remove(pending)
+        b = self._read_buf = pending.buf if pending is not None else \
+            self._free_buffer({group.buf for group in self._pending})
         # Was each prefetched read done before this read wanted it (a prefetch "used"), or not ("late")?
         early = {r for r in pending.reads.values() if r.done.done()} if pending is not None else set()
-        self._plan_ahead(keys, ahead)  # the next layer's reads go first, into the other buffer
+        self._plan_ahead(keys, ahead)  # the next layers' reads go first, into other buffers
         stall = self._settle(b)  # this layer's prefetched reads
         # Where keys[0] lies in the planned layer's buffer (a run of consecutive indices).
         # A read ahead at position p of the buffer belongs at p + shift of this read's result.
         base, usable, shift = 0, {}, 0
-        where = _where(keys[0]) if keys and pending is not None else None
-        if where is not None and where[0] == pending.seq_layer:
+        if pending is not None:
             usable, shift = pending.reads, pending.first - where[1]
         have = self._bufs[b]
-        if usable and shift <= 0 and have[0][0].shape[1] >= len(keys) - shift:
+        if usable and have is not None and shift <= 0 and have[0][0].shape[1] >= len(keys) - shift:
             base = -shift  # where this read wants them: the result starts at position -shift
             k_buf, v_buf = have[0]
         else:
@@ -354,7 +394,6 @@ class DiskStreams:
             first = None if segments or used or group.reads else store._views_of(held)
             if first is not None:
                 store._stalled(stall)
-                self._last = b
                 return store.device_pool.view(first, len(keys), num_tokens, start_token)
             stall += self._settle(b)  # this layer's own reads
             store._stalled(stall)
@@ -369,7 +408,6 @@ class DiskStreams:
                 memory = sorted(by_index)
                 in_order = [by_index[j] for j in memory]
             if segments:  # held for the views, until release_views
-                self._last = b
                 return self._segments(len(keys), dict(zip(memory, in_order)), base, num_tokens, start_token,
                                       (k_buf, v_buf))
             t0 = time.perf_counter()
@@ -380,7 +418,6 @@ class DiskStreams:
             _uninterrupted(lambda: store._let_go(held))
             raise
         _uninterrupted(lambda: store._let_go(held))  # gathered: nothing to keep
-        self._last = b
         return k, v
 
     def _segments(self, n: int, memory: dict, base: int, num_tokens: int, start_token: int, buf: tuple) -> list:
