@@ -61,8 +61,9 @@ def test_invalid_values_name_the_field_and_value(field, value, message):
 def test_unknown_policy_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"eviction: unknown policy 'mru'; known: .*fifo.*lfu.*lru"):
         TierConfig(eviction="mru")
-    with pytest.raises(ValueError, match=r"prefetch: .*known: .*lookahead.*next-layer.*none"):
+    with pytest.raises(ValueError, match=r"prefetch: .*known: auto, .*lookahead.*next-layer.*none"):
         TierConfig(prefetch="psychic")
+    assert TierConfig().prefetch == "auto"  # resolved by the cache (test_stream_reads)
 
 
 def test_disk_dir_that_is_a_file_is_refused(tmp_path):

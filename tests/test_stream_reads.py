@@ -579,3 +579,41 @@ def test_read_destinations_are_made_once_per_buffer_and_follow_it_when_it_grows(
         assert all(a is b or a is None for x, y in zip(made[3], made[5]) for a, b in zip(x, y))
         assert any(a is not None and a is b for x, y in zip(made[3], made[5]) for a, b in zip(x, y))
         store.check()
+
+
+@pytest.mark.parametrize("tiers", ["host+disk", "host", "next-layer"])
+def test_auto_prefetch_reads_two_layers_ahead_where_disk_blocks_stream(tmp_path, tiers):
+    """``prefetch="auto"``, the default, is ``lookahead`` (``prefetch_depth`` layers, 2) on a
+    CPU cache with host and disk tiers, where each layer read ahead fills a buffer of its
+    own: after a decode step the next step's first two layers are being read. It is
+    ``next-layer`` without a disk tier, and a policy named is the policy used. Logits equal
+    DynamicCache's over the prefill and every decode step."""
+    model = _llama(4)
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    host_blocks, disk_blocks = (80, 0) if tiers == "host" else (8, 200)
+    extra = {"prefetch": "next-layer"} if tiers == "next-layer" else {}
+    cfg = tiny_config(tmp_path, geometry, device_blocks=16, host_blocks=host_blocks, disk_blocks=disk_blocks,
+                      reuse=False, **extra)
+    assert cfg.prefetch == extra.get("prefetch", "auto")
+    ids = torch.randint(2, 64, (1, 48), generator=torch.Generator().manual_seed(1))
+    ref = transformers.DynamicCache(config=model.config)
+    with torch.no_grad(), TieredCache(model, cfg) as cache:
+        out = model(ids, cache=cache, use_cache=True).logits
+        want = model(ids, cache=ref, use_cache=True).logits
+        assert (out - want).abs().max().item() == 0.0
+        name = "lookahead" if tiers == "host+disk" else "next-layer"
+        assert cache.prefetch_name == name and cache.prefetch_policy.name == name
+        assert cache.prefetch_policy.depth == (2 if tiers == "host+disk" else 1)
+        nxt = want[:, -1:].argmax(-1)
+        for step in range(6):
+            out = model(nxt, cache=cache, use_cache=True).logits
+            want = model(nxt, cache=ref, use_cache=True).logits
+            assert (out - want).abs().max().item() == 0.0, f"step {step}: logits differ"
+            nxt = want[:, -1:].argmax(-1)
+            if tiers == "host+disk":
+                assert [g.seq_layer[1] for g in cache.store._streams._pending] == [0, 1]
+        streams = cache.store._streams
+        if tiers == "host+disk":
+            assert cache.stats()["prefetch"]["used"] > 0
+        else:  # no disk tier: nothing streams; next-layer: one layer ahead at most
+            assert (streams is None) == (tiers == "host") and (streams is None or len(streams._pending) <= 1)

@@ -22,6 +22,7 @@ _UNITS = {
 MAX_BUDGET = 1 << 60  # 1 EiB: past any machine; a pool sized from a larger budget overflowed inside torch
 _BUDGET_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")
+AUTO = "auto"  # ``prefetch``: the policy that suits the store (``TieredCache``)
 DISK_IO_BACKENDS = ("auto", "posix", "kvikio")
 REUSE_ADMISSIONS = ("always", "reused")
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
@@ -222,7 +223,10 @@ class TierConfig:
     disk_dir: Optional[str] = None
     block_tokens: int = 1024
     eviction: str = "layer-cycle"  # README "Policy lab": best on the traces and, since 2026-12-04, on CPU decode
-    prefetch: str = "next-layer"
+    # "auto": ``lookahead`` (``prefetch_depth`` layers) where disk blocks are read straight
+    # into attention's buffers (a CPU model with host and disk tiers: reading two layers
+    # ahead keeps the disk busy, and takes no budget), else ``next-layer``
+    prefetch: str = AUTO
     prefetch_depth: int = 2
     io_workers: int = 4
     direct_io: str = "auto"
@@ -263,7 +267,7 @@ class TierConfig:
         self._check_int("io_workers", 1, 256)
         self._check_int("queue_depth", 1, 1 << 16)
         self._check_name("eviction", EVICTION_POLICIES)
-        self._check_name("prefetch", PREFETCH_POLICIES)
+        self._check_name("prefetch", {**PREFETCH_POLICIES, AUTO: None})
         self._check_selection_and_retention()
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io: must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from tiercache.config import TierConfig, as_tier_config, format_bytes
+from tiercache.config import AUTO, TierConfig, as_tier_config, format_bytes
 from tiercache.disk import ensure_private_dir, in_forked_children, remove_stale_sessions
 from tiercache.errors import CapacityError, TierCacheError, TierIOError, UnsupportedModelError
 from tiercache.events import Events
@@ -255,9 +255,7 @@ class TieredCache(Cache):
         super().__init__(layers=layers)
         self.num_layers = len(layers)
         self.events = Events(self.tier_config.eviction)
-        self.prefetch_policy = make_prefetch(self.tier_config.prefetch, **(
-            {"depth": self.tier_config.prefetch_depth} if self.tier_config.prefetch == "lookahead" else {}))
-        self._prefetch_plugin = is_plugin(self.prefetch_policy)  # its plans are checked (``_plan_ahead``)
+        self._set_prefetch(self.tier_config.prefetch if self.tier_config.prefetch != AUTO else "next-layer")
         self.seq_id = next(_SEQ_IDS)
         self._key_rows: list = [[] for _ in layers]  # per layer: BlockKey of block i at [i] (made once)
         # per layer: (pool K, first slot, slots, K, V, their geometry): views of the device pool
@@ -339,6 +337,12 @@ class TieredCache(Cache):
             self._hook = self._model.register_forward_pre_hook(observe, with_kwargs=True)
         self.closed = False
 
+    def _set_prefetch(self, name: str) -> None:
+        self.prefetch_name = name  # the policy in use: ``prefetch="auto"`` resolved (``_open_store``)
+        self.prefetch_policy = make_prefetch(name, **({"depth": self.tier_config.prefetch_depth}
+                                                      if name == "lookahead" else {}))
+        self._prefetch_plugin = is_plugin(self.prefetch_policy)  # its plans are checked (``_plan_ahead``)
+
     # ---- the store ----------------------------------------------------------------------
     def _open_store(self, key_states: torch.Tensor) -> BlockStore:
         cfg = self.tier_config
@@ -366,6 +370,8 @@ class TieredCache(Cache):
                 shutil.rmtree(disk_dir, ignore_errors=True)
             raise
         store.defer_stall = True
+        if cfg.prefetch == AUTO:  # lookahead where disk blocks stream into attention's buffers
+            self._set_prefetch("lookahead" if store.streams_disk_reads else "next-layer")
         self._layer_views = [None] * self.num_layers  # views of an older store's pool would keep it alive
         g = self.prefix.geometry if self.prefix is not None else None
         if g is not None and (g.kv_heads, g.head_dim, g.dtype) != (kv_heads, head_dim, key_states.dtype):
@@ -1106,7 +1112,7 @@ class TieredCache(Cache):
         if not self._prefetch_plugin:
             policy.observe(layer_idx, needed)
             return policy.plan(layer_idx, self.num_layers, self._read_blocks_of)
-        name = self.tier_config.prefetch
+        name = self.prefetch_name
         plugin_answer("prefetch", name, "observe", lambda: policy.observe(layer_idx, needed), lambda _: "")
         return plugin_answer("prefetch", name, "plan",
                              lambda: as_plan(policy.plan(layer_idx, self.num_layers, self._read_blocks_of)),

@@ -1204,6 +1204,13 @@ class BlockStore:
         """Where attention reads blocks from: the device, or on CPU the device or the host."""
         return Tier.HOST if self._reads_both else Tier.DEVICE
 
+    @property
+    def streams_disk_reads(self) -> bool:
+        """Whether ``read_layer(hold=True)`` reads disk blocks straight into attention's
+        buffers, a layer read ahead into a buffer of its own (``DiskStreams``: a CPU store
+        with host and disk tiers)."""
+        return self._streams is not None
+
     @_starts_work
     def read_layer(self, keys: list, num_tokens: int, start_token: int = 0, hold: bool = False,
                    ahead: Sequence[Hashable] = ()) -> tuple:
