@@ -182,3 +182,17 @@ def test_numpy_numbers_and_a_home_folder_are_taken_as_python_ones(tmp_path, monk
     assert cfg.disk_dir == str(tmp_path / "kv")
     with pytest.raises(ValueError, match="block_tokens"):
         TierConfig(block_tokens=np.bool_(True))
+
+
+def test_a_prefetch_plug_in_cannot_hide_under_auto():
+    """``prefetch="auto"`` is tiercache's own choice; a plug-in registered as "auto" would
+    never run, so the config says so instead of ignoring it."""
+    from tiercache.policies import PREFETCH_POLICIES, NextLayerPrefetch
+
+    PREFETCH_POLICIES["auto"] = NextLayerPrefetch
+    try:
+        with pytest.raises(ValueError, match="prefetch: 'auto' names tiercache's own choice"):
+            TierConfig(prefetch="auto")
+        TierConfig(prefetch="next-layer")  # other names are unaffected
+    finally:
+        del PREFETCH_POLICIES["auto"]

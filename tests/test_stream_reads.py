@@ -617,3 +617,27 @@ def test_auto_prefetch_reads_two_layers_ahead_where_disk_blocks_stream(tmp_path,
             assert cache.stats()["prefetch"]["used"] > 0
         else:  # no disk tier: nothing streams; next-layer: one layer ahead at most
             assert (streams is None) == (tiers == "host") and (streams is None or len(streams._pending) <= 1)
+
+
+@pytest.mark.parametrize("extra, name, depth", [
+    (dict(prefetch_depth=6), "lookahead", 3),
+    (dict(prefetch_depth=1), "lookahead", 1),
+    (dict(selection="quest", selection_budget=64), "next-layer", 1),
+    (dict(retention="streaming", retention_budget=64), "next-layer", 1),
+], ids=["deep", "shallow", "selection", "retention"])
+def test_auto_prefetch_reads_no_deeper_than_the_buffers_and_only_where_reads_stream(tmp_path, extra, name, depth):
+    """``auto`` plans at most ``MAX_LAYERS_AHEAD`` layers: deeper, the layers past the
+    buffers went up to the host tier, each pushing out a block a later layer reads (a
+    review: depth 6 moved ~240 blocks disk -> host and wasted as many prefetches where depth
+    2 moved none). With selection or retention the cache's reads go through the host tier,
+    not into attention's buffers, so ``auto`` stays ``next-layer`` there."""
+    from tiercache.streamread import MAX_LAYERS_AHEAD
+
+    assert MAX_LAYERS_AHEAD == 3
+    model = _llama(4)
+    geometry = BlockGeometry(1, 2, BT, 8, torch.float32)
+    cfg = tiny_config(tmp_path, geometry, device_blocks=16, host_blocks=8, disk_blocks=200, reuse=False, **extra)
+    ids = torch.randint(2, 64, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), TieredCache(model, cfg) as cache:
+        model(ids, cache=cache, use_cache=True)
+        assert (cache.prefetch_name, cache.prefetch_policy.depth) == (name, depth)

@@ -223,9 +223,10 @@ class TierConfig:
     disk_dir: Optional[str] = None
     block_tokens: int = 1024
     eviction: str = "layer-cycle"  # README "Policy lab": best on the traces and, since 2026-12-04, on CPU decode
-    # "auto": ``lookahead`` (``prefetch_depth`` layers) where disk blocks are read straight
-    # into attention's buffers (a CPU model with host and disk tiers: reading two layers
-    # ahead keeps the disk busy, and takes no budget), else ``next-layer``
+    # "auto": ``lookahead`` (``prefetch_depth`` layers, at most 3) where disk blocks are read
+    # straight into attention's buffers (a CPU model with host and disk tiers, no selection
+    # or retention: reading two layers ahead keeps the disk busy; a buffer per layer read
+    # ahead, outside the budgets), else ``next-layer``
     prefetch: str = AUTO
     prefetch_depth: int = 2
     io_workers: int = 4
@@ -268,6 +269,9 @@ class TierConfig:
         self._check_int("queue_depth", 1, 1 << 16)
         self._check_name("eviction", EVICTION_POLICIES)
         self._check_name("prefetch", {**PREFETCH_POLICIES, AUTO: None})
+        if self.prefetch == AUTO and AUTO in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch: {AUTO!r} names tiercache's own choice of policy, so a plug-in registered "
+                             f"under that name would never run; register it under another name")
         self._check_selection_and_retention()
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io: must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")

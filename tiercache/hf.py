@@ -33,6 +33,7 @@ from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
 from tiercache.policies import make_eviction, make_prefetch
 from tiercache.attention import PROBE_ATTR, SCORES_ATTR, _inner_name, tie_to_graph
 from tiercache.store import BlockStore
+from tiercache.streamread import MAX_LAYERS_AHEAD
 from tiercache.table import BlockKey, Tier
 from tiercache.tiers import BlockGeometry
 
@@ -255,7 +256,8 @@ class TieredCache(Cache):
         super().__init__(layers=layers)
         self.num_layers = len(layers)
         self.events = Events(self.tier_config.eviction)
-        self._set_prefetch(self.tier_config.prefetch if self.tier_config.prefetch != AUTO else "next-layer")
+        self._set_prefetch(self.tier_config.prefetch if self.tier_config.prefetch != AUTO else "next-layer",
+                           self.tier_config.prefetch_depth)
         self.seq_id = next(_SEQ_IDS)
         self._key_rows: list = [[] for _ in layers]  # per layer: BlockKey of block i at [i] (made once)
         # per layer: (pool K, first slot, slots, K, V, their geometry): views of the device pool
@@ -337,11 +339,22 @@ class TieredCache(Cache):
             self._hook = self._model.register_forward_pre_hook(observe, with_kwargs=True)
         self.closed = False
 
-    def _set_prefetch(self, name: str) -> None:
+    def _set_prefetch(self, name: str, depth: int) -> None:
         self.prefetch_name = name  # the policy in use: ``prefetch="auto"`` resolved (``_open_store``)
-        self.prefetch_policy = make_prefetch(name, **({"depth": self.tier_config.prefetch_depth}
-                                                      if name == "lookahead" else {}))
+        self.prefetch_policy = make_prefetch(name, **({"depth": depth} if name == "lookahead" else {}))
         self._prefetch_plugin = is_plugin(self.prefetch_policy)  # its plans are checked (``_plan_ahead``)
+
+    def _resolve_prefetch(self, store: BlockStore) -> None:
+        """``prefetch="auto"``: ``lookahead``, ``prefetch_depth`` layers but no more than
+        ``MAX_LAYERS_AHEAD``, where this cache's reads stream disk blocks into attention's
+        buffers, a layer read ahead into a buffer of its own (a CPU store with host and disk
+        tiers, reading every block: no selection or retention, whose reads go through the
+        host tier, where a deeper plan only moves more blocks); ``next-layer`` elsewhere."""
+        streams = store.streams_disk_reads and self.selection_state is None and self.retention_state is None
+        if streams:
+            self._set_prefetch("lookahead", min(self.tier_config.prefetch_depth, MAX_LAYERS_AHEAD))
+        else:
+            self._set_prefetch("next-layer", self.tier_config.prefetch_depth)
 
     # ---- the store ----------------------------------------------------------------------
     def _open_store(self, key_states: torch.Tensor) -> BlockStore:
@@ -370,8 +383,8 @@ class TieredCache(Cache):
                 shutil.rmtree(disk_dir, ignore_errors=True)
             raise
         store.defer_stall = True
-        if cfg.prefetch == AUTO:  # lookahead where disk blocks stream into attention's buffers
-            self._set_prefetch("lookahead" if store.streams_disk_reads else "next-layer")
+        if cfg.prefetch == AUTO:
+            self._resolve_prefetch(store)
         self._layer_views = [None] * self.num_layers  # views of an older store's pool would keep it alive
         g = self.prefix.geometry if self.prefix is not None else None
         if g is not None and (g.kv_heads, g.head_dim, g.dtype) != (kv_heads, head_dim, key_states.dtype):

@@ -1794,8 +1794,8 @@ class BlockStore:
         return event
 
     def wait_idle(self) -> None:
-        """Wait until no move is in flight, nor a disk read into attention's buffer (a
-        read-ahead of the next step's first layer is still running when a forward returns)."""
+        """Wait until no move is in flight, nor a disk read into attention's buffers (the
+        read-ahead of the next step's first layers is still running when a forward returns)."""
         while True:
             with self._lock:
                 futures = [self._future(move) for move in list(self._inflight)] + list(self._streaming.values())

@@ -284,8 +284,8 @@ class DiskStreams:
         rest = list(ahead[taken:])
         old = {group.seq_layer: group for group in self._pending}
         kept = [old.pop(layer) for layer, _ in runs if layer in old]
-        self._drop(list(old.values()))
         self._pending = kept  # in the plan's order below
+        self._drop(list(old.values()))
         busy = {self._read_buf} | {group.buf for group in kept}
         mine = set(keys)
         for layer, run in runs:
