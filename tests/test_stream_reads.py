@@ -146,8 +146,8 @@ def test_each_layer_read_ahead_fills_a_buffer_of_its_own_once(tmp_path):
         assert torch.equal(k, torch.cat([data[key][0] for key in a], dim=-2))
         streams = store._streams
         pending = streams._pending
-        assert [group.seq_layer for group in pending] == [(0, 1), (0, 2)]
-        bufs = {group.buf for group in pending}
+        assert list(pending) == [(0, 1), (0, 2)]
+        bufs = {group.buf for group in pending.values()}
         assert len(bufs) == 2 and streams._read_buf not in bufs, "a layer read ahead shares a buffer"
         store.release_views()
         _reads_done(store)
@@ -166,7 +166,7 @@ def test_each_layer_read_ahead_fills_a_buffer_of_its_own_once(tmp_path):
         store.read_layer(a, 4 * BT, 0, hold=True, ahead=sum(deep, []))
         store.release_views()
         store.wait_idle()
-        assert [group.seq_layer for group in store._streams._pending] == [key[0][:2] for key in deep[:-1]]
+        assert list(store._streams._pending) == [key[0][:2] for key in deep[:-1]]
         assert all(Tier.HOST in store.tiers_of(key) for key in deep[-1]), "the layer past the buffers"
         store.check()
 
@@ -184,7 +184,7 @@ def test_bytes_damaged_in_the_buffer_after_their_read_are_never_served(tmp_path)
         store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
         store.release_views()
         _reads_done(store)
-        (group,) = store._streams._pending
+        (group,) = store._streams._pending.values()
         (k_buf, v_buf), _, _ = store._streams._bufs[group.buf]
         hit = b[2][2] - group.first
         v_buf[0, hit, 5] += 1.0  # one value of b[2], after its read finished
@@ -212,7 +212,7 @@ def test_bytes_read_ahead_are_not_served_once_the_block_changed(tmp_path):
         k, v = store.read_layer(a, 4 * BT, 0, hold=True, ahead=b)
         assert torch.equal(k, torch.cat([data[key][0] for key in a], dim=-2))
         pending = store._streams._pending
-        assert len(pending) == 1 and len(pending[0].reads) == 4  # b read ahead, from disk
+        assert list(pending) == [(0, 1)] and len(pending[(0, 1)].reads) == 4  # b read ahead, from disk
         store.release_views()
         # b[1]: brought up and written (the disk copy read ahead is dropped first)
         store.ensure_device([b[1]])
@@ -474,11 +474,11 @@ def test_wait_idle_waits_for_the_reads_ahead(tmp_path):
             store.release_views()
             store.wait_idle()
             assert not store._streaming
-            assert all(read.done.done() for read in store._streams._pending[0].reads.values())
+            assert all(read.done.done() for read in store._streams._pending[(0, 1)].reads.values())
             store.read_layer(b, 4 * BT, 0, hold=True, ahead=a)
             store.release_views()
             store.wait_idle()
-            assert all(read.done.done() for read in store._streams._pending[0].reads.values())
+            assert all(read.done.done() for read in store._streams._pending[(0, 0)].reads.values())
 
 
 def test_a_disk_copy_being_read_ahead_is_held_until_the_read_ends(tmp_path):
@@ -611,7 +611,7 @@ def test_auto_prefetch_reads_two_layers_ahead_where_disk_blocks_stream(tmp_path,
             assert (out - want).abs().max().item() == 0.0, f"step {step}: logits differ"
             nxt = want[:, -1:].argmax(-1)
             if tiers == "host+disk":
-                assert [g.seq_layer[1] for g in cache.store._streams._pending] == [0, 1]
+                assert [layer for _, layer in cache.store._streams._pending] == [0, 1]
         streams = cache.store._streams
         if tiers == "host+disk":
             assert cache.stats()["prefetch"]["used"] > 0

@@ -22,8 +22,8 @@ also in the cache when attention reads them.
 
 What it costs: a buffer of one layer's K and V per layer read ahead (outside the budgets,
 as the one gather buffer was). A block is in flight here only while its record is read: the
-read holds its disk copy (a reader, so the slot is not freed or reused) and lets go when it finishes;
-anyone waiting on the block (``_inflight_for``) waits for that read. Bytes read into a
+read holds its disk copy (a reader, so the slot is not freed or reused) and lets go when it
+finishes; anyone waiting on the block (``_inflight_for``) waits for that read. Bytes read into a
 buffer are used only if, when the layer is read, the same disk copy of the same block is
 still the block's (a write drops the disk copy first; ``reorder_rows``, which rewrites
 records in place, settles every read and uses none), at the position the read expects. A
@@ -112,7 +112,7 @@ class DiskStreams:
         self._rows, self._width = g.batch * g.kv_heads, g.block_tokens * g.head_dim
         self._bufs: list = []  # per buffer: ((K, V) each [rows, capacity, width], mmap owner, planes)
         self._busy: list = []  # per buffer: the ``done`` of every read registered into it
-        self._pending: list = []  # _Group per layer read ahead, in the plan's order
+        self._pending: dict = {}  # (seq_id, layer) -> the _Group of a layer read ahead
         self._read_buf = -1  # the buffer the read running now fills
 
     def _free_buffer(self, taken: set) -> int:
@@ -155,8 +155,8 @@ class DiskStreams:
             self.store.events.prefetch("unused", unused)
 
     def _drop_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        self._drop(pending)
+        pending, self._pending = self._pending, {}
+        self._drop(list(pending.values()))
 
     def forget(self) -> None:
         """Before blocks' disk records change in place (``reorder_rows``): no read in flight,
@@ -282,11 +282,10 @@ class DiskStreams:
             runs[-1][1].append(key)
             taken += 1
         rest = list(ahead[taken:])
-        old = {group.seq_layer: group for group in self._pending}
-        kept = [old.pop(layer) for layer, _ in runs if layer in old]
-        self._pending = kept  # in the plan's order below
+        old = self._pending
+        self._pending = {layer: old.pop(layer) for layer, _ in runs if layer in old}
         self._drop(list(old.values()))
-        busy = {self._read_buf} | {group.buf for group in kept}
+        busy = {self._read_buf} | {group.buf for group in self._pending.values()}
         mine = set(keys)
         for layer, run in runs:
             with store._lock:  # the positions: indices of the blocks stored, from the lowest
@@ -294,15 +293,14 @@ class DiskStreams:
                          if key not in mine and (entry := store.table.get(key)) is not None]
             if not found:
                 continue
-            group = next((g for g in kept if g.seq_layer == layer), None)
+            group = self._pending.get(layer)
             if group is None:
                 b = self._free_buffer(busy)
                 busy.add(b)
                 self._settle(b)
                 lo = min(key[2] for key, _ in found)
                 self._buffer(b, max(key[2] for key, _ in found) - lo + 1)
-                group = _Group(b, layer, lo)
-                self._pending.append(group)
+                group = self._pending[layer] = _Group(b, layer, lo)
             capacity = self._bufs[group.buf][0][0].shape[1]
             try:
                 with store._lock:
@@ -313,8 +311,6 @@ class DiskStreams:
             except BaseException:
                 _uninterrupted(lambda: self._cancel(group))
                 raise
-        order = {layer: i for i, (layer, _) in enumerate(runs)}
-        self._pending.sort(key=lambda group: order[group.seq_layer])
         if rest:
             store._prefetch_ahead(rest, mine, Tier.HOST)
 
@@ -329,11 +325,9 @@ class DiskStreams:
         bt = store.geometry.block_tokens
         # This layer's reads ahead, if it was planned: its group leaves the pending ones.
         where = _where(keys[0]) if keys else None
-        pending = next((g for g in self._pending if where is not None and g.seq_layer == where[0]), None)
-        if pending is not None:
-            self._pending.remove(pending)
+        pending = self._pending.pop(where[0], None) if where is not None else None
         b = self._read_buf = pending.buf if pending is not None else \
-            self._free_buffer({group.buf for group in self._pending})
+            self._free_buffer({group.buf for group in self._pending.values()})
         # Was each prefetched read done before this read wanted it (a prefetch "used"), or not ("late")?
         early = {r for r in pending.reads.values() if r.done.done()} if pending is not None else set()
         self._plan_ahead(keys, ahead)  # the next layers' reads go first, into other buffers
