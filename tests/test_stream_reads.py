@@ -598,6 +598,8 @@ def test_auto_prefetch_reads_two_layers_ahead_where_disk_blocks_stream(tmp_path,
     ids = torch.randint(2, 64, (1, 48), generator=torch.Generator().manual_seed(1))
     ref = transformers.DynamicCache(config=model.config)
     with torch.no_grad(), TieredCache(model, cfg) as cache:
+        # said as configured until the first forward opens the store and resolves it
+        assert cache.prefetch_name == extra.get("prefetch", "auto")
         out = model(ids, cache=cache, use_cache=True).logits
         want = model(ids, cache=ref, use_cache=True).logits
         assert (out - want).abs().max().item() == 0.0

@@ -256,8 +256,10 @@ class TieredCache(Cache):
         super().__init__(layers=layers)
         self.num_layers = len(layers)
         self.events = Events(self.tier_config.eviction)
-        self._set_prefetch(self.tier_config.prefetch if self.tier_config.prefetch != AUTO else "next-layer",
-                           self.tier_config.prefetch_depth)
+        auto = self.tier_config.prefetch == AUTO
+        self._set_prefetch("next-layer" if auto else self.tier_config.prefetch, self.tier_config.prefetch_depth)
+        if auto:  # nothing plans before the store opens, which resolves it (``_resolve_prefetch``)
+            self.prefetch_name = AUTO
         self.seq_id = next(_SEQ_IDS)
         self._key_rows: list = [[] for _ in layers]  # per layer: BlockKey of block i at [i] (made once)
         # per layer: (pool K, first slot, slots, K, V, their geometry): views of the device pool
@@ -340,7 +342,7 @@ class TieredCache(Cache):
         self.closed = False
 
     def _set_prefetch(self, name: str, depth: int) -> None:
-        self.prefetch_name = name  # the policy in use: ``prefetch="auto"`` resolved (``_open_store``)
+        self.prefetch_name = name  # the policy in use; "auto" until ``_open_store`` resolves it
         self.prefetch_policy = make_prefetch(name, **({"depth": depth} if name == "lookahead" else {}))
         self._prefetch_plugin = is_plugin(self.prefetch_policy)  # its plans are checked (``_plan_ahead``)
 
