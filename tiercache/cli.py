@@ -41,8 +41,9 @@ def add_tier_args(p: argparse.ArgumentParser, *, device: str = "1GiB", host: str
     g.add_argument("--block-tokens", type=int, default=TierConfig.block_tokens, help="tokens per block")
     g.add_argument("--eviction", default=TierConfig.eviction, help="eviction policy: layer-cycle (default), lfu, "
                    "lru, fifo, arc, s3fifo, sinks-recent, attention-score")
-    g.add_argument("--prefetch", default=TierConfig.prefetch, help="prefetch policy: auto (default: lookahead "
-                   "on CPU with host and disk tiers, else next-layer), next-layer, none, lookahead, history")
+    g.add_argument("--prefetch", default=TierConfig.prefetch, help="prefetch policy: auto (default: lookahead, "
+                   "at most 3 layers deep, on CPU with host and disk tiers and no selection or retention; else "
+                   "next-layer), next-layer, none, lookahead, history")
     g.add_argument("--io-workers", type=int, default=4, help="disk I/O threads")
     g.add_argument("--direct-io", default="auto", choices=["auto", "on", "off"])
     g.add_argument("--disk-io", default="auto", choices=["auto", "posix", "kvikio"],
