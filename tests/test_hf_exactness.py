@@ -30,6 +30,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: E402
 
 import tiercache  # noqa: E402
 from tiercache import CapacityError, Tier, TierConfig, TieredCache, UnsupportedModelError  # noqa: E402
+from tiercache.config import AUTO  # noqa: E402
 from tiercache.policies import EVICTION_POLICIES  # noqa: E402
 
 BT = 4  # block_tokens
@@ -525,8 +526,9 @@ def _random_cases(n: int, seed: int = 2024) -> list:
     for i in range(n):
         cases.append(pytest.param(
             rng.choice(FAMILIES), rng.choice(MODES), rng.choice([1, 2, 3, 5, 8]), rng.randint(0, 3),
-            rng.randint(1, 12), rng.choice(["lru", "fifo", "lfu"]),
-            rng.choice(["none", "next-layer", "lookahead"]), rng.randint(1, 3), rng.choice([2, 3, 5, 8]),
+            rng.randint(1, 12), rng.choice(sorted(EVICTION_POLICIES)),
+            rng.choice(["none", "next-layer", "lookahead", "history", AUTO]), rng.randint(1, 4),
+            rng.choice([2, 3, 5, 8]),
             id=f"case{i}"))
     return cases
 
@@ -537,7 +539,9 @@ def test_random_budgets_and_block_sizes(family, mode, block_tokens, device_extra
                                         prefetch, depth, chunk, tmp_path):
     """Seeded random family, mode, block size (1..8 tokens, so blocks straddle chunk and
     window edges differently), prefill chunk (2..8, up to more than the window), device
-    slack (0..3 blocks above the minimum), host size (1..12 slots) and policies: still exact."""
+    slack (0..3 blocks above the minimum), host size (1..12 slots) and policies (every
+    registered eviction policy; every prefetch policy and ``auto``, 1..4 layers deep):
+    still exact."""
     reason = dynamic_cache_supports(family, mode)
     if reason:
         pytest.skip(f"{family} cannot run {mode} even with DynamicCache: {reason}")
