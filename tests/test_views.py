@@ -162,12 +162,6 @@ def test_gather_copy_choice_takes_the_cheaper_and_keeps_timing_the_other():
     assert far.count("numpy") == 4
     choice.took("numpy", 1.0, 0)  # nothing copied (an empty range): no timing to learn from
     assert choice.cost["numpy"] == pytest.approx(100.0)
-    # Numpy's a little cheaper is not enough (``NUMPY_MARGIN``): a gather's own timing
-    # misses what comes after it, and idle, torch's copies left attention faster.
-    close = _CopyChoice()
-    close.took("torch", 1.0, 1)
-    close.took("numpy", 0.9, 1)
-    assert [close.pick() for _ in range(every - 1)] == ["torch"] * (every - 1)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])

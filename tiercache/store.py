@@ -3058,7 +3058,7 @@ class _CopyChoice:
     slowest thread, and one of them waited for the core); on many cores torch's spreads the
     copy over all of them. So each gather times its copy, each copy's cost is the median of
     its last ``KEPT`` timings (seconds per token copied: one slow gather does not flip the
-    choice), the cheaper is used (numpy's only by ``NUMPY_MARGIN``), and the other is tried again after ``PROBE_EVERY``
+    choice), the cheaper is used, and the other is tried again after ``PROBE_EVERY``
     gathers, so that a change of the machine's load is seen within a few decode steps;
     after that many times as many when it costs several times as much (up to ``MAX_RATIO``
     times), so that trying it adds at most about 1/16 to the gathers' time. The buffers a
@@ -3069,12 +3069,6 @@ class _CopyChoice:
     PROBE_EVERY = 16
     MAX_RATIO = 64
     KEPT = 3
-    # numpy's is taken only when clearly cheaper: a gather's own timing misses what comes
-    # after it. Idle here, the host set-up ran 131.3 ms a token with torch's copies only and
-    # 140.4 with numpy's taken whenever its gathers timed cheaper (gathers 23.5 against
-    # 26.8 ms), slower in 7 of 8 rounds; with another process busy, numpy's timed ~3 times
-    # cheaper.
-    NUMPY_MARGIN = 0.6
 
     def __init__(self) -> None:
         self.timings: dict = {_TORCH: [], _NUMPY: []}  # seconds per token copied, the last KEPT
@@ -3085,7 +3079,7 @@ class _CopyChoice:
         torch_cost, numpy_cost = self.cost[_TORCH], self.cost[_NUMPY]
         if torch_cost is None or numpy_cost is None:  # each is timed once first
             return _TORCH if torch_cost is None else _NUMPY
-        best, other = (_NUMPY, _TORCH) if numpy_cost < self.NUMPY_MARGIN * torch_cost else (_TORCH, _NUMPY)
+        best, other = (_TORCH, _NUMPY) if torch_cost <= numpy_cost else (_NUMPY, _TORCH)
         self._since += 1
         ratio = self.cost[other] / self.cost[best] if self.cost[best] > 0 else self.MAX_RATIO
         if self._since >= self.PROBE_EVERY * min(max(ratio, 1.0), self.MAX_RATIO):
