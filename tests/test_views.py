@@ -79,22 +79,12 @@ def test_adjacent_device_blocks_are_read_in_place_and_held_until_released(tmp_pa
 
 @pytest.mark.parametrize("copy", ["torch", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype, copy, monkeypatch):
+def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype, copy):
     """Device and host blocks in any order, any token range: the gather gives exactly the
     blocks' tokens, with torch's copies and with numpy's (``_CopyChoice`` picks one by
     speed, so each is pinned here in turn)."""
     geometry = BlockGeometry(batch=2, kv_heads=2, block_tokens=4, head_dim=8, dtype=dtype)
     cfg = tiny_config(tmp_path, geometry, device_blocks=4, host_blocks=8, disk_blocks=20)
-    import tiercache.store as store_module
-
-    ran = set()  # the copy functions the gather called
-    copy_tokens = store_module._copy_tokens
-
-    def spy(fn, *args):
-        ran.add(fn)
-        return copy_tokens(fn, *args)
-
-    monkeypatch.setattr(store_module, "_copy_tokens", spy)
     with BlockStore(cfg, geometry) as store:
         choice = store._gather_copy
         choice.cost = {"torch": 1.0, "numpy": 1.0} | {copy: 0.0}  # its timings would never catch up
@@ -116,17 +106,15 @@ def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype, copy, monk
             store.release_views()
         store.check()
         assert store.read_stats["gather_copies"][copy] == store.read_stats["gathers"] == 6
-        assert ran == {np.copyto if copy == "numpy" else torch.Tensor.copy_}
 
 
 def test_gather_copy_choice_takes_the_cheaper_and_keeps_timing_the_other():
     """The scenario: the gather's two copies, torch's (every core) and numpy's (one
     thread), cost what the machine's load makes them cost, and that changes. The choice
-    times each once, then takes the cheaper by the median of its last three timings (one
-    slow gather does not flip it) and tries the other now and then: after ``PROBE_EVERY``
-    gathers times how many times dearer it was (at most ``MAX_RATIO``), so that trying it
-    costs about 1/16 of the gathers' time; it moves over when the other becomes cheaper,
-    and back after."""
+    times each once, then takes the cheaper and tries the other now and then: every
+    ``PROBE_EVERY`` gathers times how many times dearer it was (at most 16 times), so that
+    trying it costs about 1/16 of the gathers' time, and the choice moves over when the
+    other becomes cheaper and back after."""
     from tiercache.store import _CopyChoice
 
     choice = _CopyChoice()
@@ -144,21 +132,20 @@ def test_gather_copy_choice_takes_the_cheaper_and_keeps_timing_the_other():
     first = run(2 + 10 * 3 * every)
     assert first[:2] == ["torch", "numpy"]  # each timed once first
     assert first[2:].count("numpy") == 10  # then tried once per 3 * PROBE_EVERY (3 times dearer)
-    # Another process takes a core: torch's OpenMP regions wait for it. One slow gather is
-    # not enough to move; the second is.
+    # Another process takes a core: torch's OpenMP regions wait for it. Numpy's at once.
     cost["torch"] = 10.0
     busy = run(30 * every)
-    assert busy[:3] == ["torch", "torch", "numpy"]
-    assert 3 <= busy.count("torch") <= 12, busy.count("torch")  # still tried, less often as it stays dear
+    assert busy[0] == "torch" and busy[1] == "numpy"
+    assert 2 <= busy.count("torch") <= 12, busy.count("torch")  # still tried, less often as it stays dear
     # The other process ends: the tries see torch's cheap again, and the choice goes back.
     cost["torch"] = 1.0
     quiet = run(30 * every)
-    assert quiet[-3 * every:].count("numpy") <= 1, quiet
+    assert quiet[-2 * every:].count("torch") == 2 * every
     assert choice.cost["torch"] < choice.cost["numpy"]
-    # Far dearer: tried MAX_RATIO times less often at most, not never.
+    # Far dearer: tried 16 times less often at most, not never.
     cost["numpy"] = 100.0
-    choice.timings["numpy"], choice.cost["numpy"], choice._since = [100.0] * 3, 100.0, 0
-    far = run(4 * every * choice.MAX_RATIO)
+    choice.cost["numpy"] = 100.0
+    far = run(64 * every)
     assert far.count("numpy") == 4
     choice.took("numpy", 1.0, 0)  # nothing copied (an empty range): no timing to learn from
     assert choice.cost["numpy"] == pytest.approx(100.0)

@@ -1064,9 +1064,8 @@ class TieredCache(Cache):
         how many layer-steps of decode attention ran in place (``attend_in_place``); and
         ``reads``: how the other layer reads got their K/V, as zero-copy ``views`` of the
         device pool or as ``gathers`` into one buffer (``gathered_bytes``, ``gather_seconds``;
-        ``gather_copies``: of the CPU gathers from the device and host pools, how many were
-        copied by torch's intra-op threads and how many by numpy on one thread, see
-        ``BlockStore._gather_mixed``; a store without a host tier counts none there)."""
+        ``gather_copies``: how many were copied by torch's intra-op threads and how many by
+        numpy on one thread, see ``BlockStore._gather_mixed``)."""
         reads = self.store.read_stats if self.store is not None else new_read_stats()
         reads = {**reads, "gather_copies": dict(reads["gather_copies"])}  # a snapshot
         return {"selection": self.selection_state.stats() if self.selection_state is not None else None,

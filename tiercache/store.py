@@ -1649,8 +1649,7 @@ class BlockStore:
         elif reuse:
             if self._gather_buf is None or self._gather_buf[0].shape[1] < n:
                 with torch.inference_mode(False):
-                    # zeroed: its pages faulted in now, not inside the timed copy (``_CopyChoice``)
-                    buf = torch.zeros(2, rows, n + n // 4 + 1, width, dtype=g.dtype, device=self.device)
+                    buf = torch.empty(2, rows, n + n // 4 + 1, width, dtype=g.dtype, device=self.device)
                 self._gather_buf = (buf[0], buf[1])
             out_k, out_v = (t[:, :n] for t in self._gather_buf)
         else:
@@ -3056,23 +3055,18 @@ class _CopyChoice:
     host set-up's gathers 36.0 against 37.0 ms a token); with another process busy on one
     core, torch's took 159 ms a token and numpy's 61 (an OpenMP region waits for its
     slowest thread, and one of them waited for the core); on many cores torch's spreads the
-    copy over all of them. So each gather times its copy, each copy's cost is the median of
-    its last ``KEPT`` timings (seconds per token copied: one slow gather does not flip the
-    choice), the cheaper is used, and the other is tried again after ``PROBE_EVERY``
-    gathers, so that a change of the machine's load is seen within a few decode steps;
-    after that many times as many when it costs several times as much (up to ``MAX_RATIO``
-    times), so that trying it adds at most about 1/16 to the gathers' time. The buffers a
-    gather writes are touched when they are allocated, so that a first gather's timing is
-    the copy's and not the page faults' (a reviewer's script: 13,302 against 454 ns a token).
-    Both copies write the same bytes: the choice never changes a result."""
+    copy over all of them. So each gather times its copy, both costs are kept (seconds per
+    token copied, an exponential average), the cheaper is used, and the other is tried
+    again after ``PROBE_EVERY`` gathers, so that a change of the machine's load is seen
+    within a few decode steps; after more when it costs several times as much (up to 16
+    times as many), so that trying it adds at most about 1/16 to the gathers' time. Both
+    copy the same bytes: the choice never changes a result."""
 
     PROBE_EVERY = 16
-    MAX_RATIO = 64
-    KEPT = 3
+    WEIGHT = 0.5  # of the newest timing in the average
 
     def __init__(self) -> None:
-        self.timings: dict = {_TORCH: [], _NUMPY: []}  # seconds per token copied, the last KEPT
-        self.cost: dict = {_TORCH: None, _NUMPY: None}  # the median of those
+        self.cost: dict = {_TORCH: None, _NUMPY: None}  # seconds per token copied
         self._since = 0  # gathers since the other copy was last tried
 
     def pick(self) -> str:
@@ -3081,8 +3075,8 @@ class _CopyChoice:
             return _TORCH if torch_cost is None else _NUMPY
         best, other = (_TORCH, _NUMPY) if torch_cost <= numpy_cost else (_NUMPY, _TORCH)
         self._since += 1
-        ratio = self.cost[other] / self.cost[best] if self.cost[best] > 0 else self.MAX_RATIO
-        if self._since >= self.PROBE_EVERY * min(max(ratio, 1.0), self.MAX_RATIO):
+        ratio = self.cost[other] / self.cost[best] if self.cost[best] > 0 else 16.0
+        if self._since >= self.PROBE_EVERY * min(max(ratio, 1.0), 16.0):
             self._since = 0
             return other
         return best
@@ -3091,10 +3085,8 @@ class _CopyChoice:
         """A gather with ``method`` copied ``tokens`` tokens in ``seconds``."""
         if tokens <= 0:
             return
-        kept = self.timings[method]
-        kept.append(seconds / tokens)
-        del kept[:-self.KEPT]
-        self.cost[method] = sorted(kept)[len(kept) // 2]
+        cost, old = seconds / tokens, self.cost[method]
+        self.cost[method] = cost if old is None else old + self.WEIGHT * (cost - old)
 
 
 def _copy_tokens(copy, dst, src, lo: int, hi: int, block_tokens: int, unit: int) -> None:

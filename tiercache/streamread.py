@@ -142,7 +142,6 @@ class DiskStreams:
             g = self.store.geometry
             capacity = blocks + blocks // 4 + 1
             raw, owner = aligned_buffer(2 * self._rows * capacity * self._width * g.itemsize)
-            raw.zero_()  # its pages faulted in now, not inside a gather's timed copy (``_CopyChoice``)
             with torch.inference_mode(False):
                 flat = raw.view(g.dtype).view(2, self._rows, capacity, self._width)
             # the last item: each position's read destination, made once (``_planes``)
