@@ -111,15 +111,13 @@ def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype, copy):
 def test_gather_copy_choice_takes_the_cheaper_and_keeps_timing_the_other():
     """The scenario: the gather's two copies, torch's (every core) and numpy's (one
     thread), cost what the machine's load makes them cost, and that changes. The choice
-    times each once, then takes the cheaper and tries the other now and then: every
-    ``PROBE_EVERY`` gathers times how many times dearer it was (at most 16 times), so that
-    trying it costs about 1/16 of the gathers' time, and the choice moves over when the
-    other becomes cheaper and back after."""
+    times each once, then takes the cheaper, and tries the other every ``PROBE_EVERY``
+    gathers, so it moves over when the other becomes cheaper and moves back after."""
     from tiercache.store import _CopyChoice
 
     choice = _CopyChoice()
     every = choice.PROBE_EVERY
-    cost = {"torch": 1.0, "numpy": 3.0}  # seconds per token
+    cost = {"torch": 1.0, "numpy": 3.0}  # seconds per token: an idle many-core machine
 
     def run(gathers: int) -> list:
         picked = []
@@ -129,26 +127,20 @@ def test_gather_copy_choice_takes_the_cheaper_and_keeps_timing_the_other():
             picked.append(method)
         return picked
 
-    first = run(2 + 10 * 3 * every)
+    first = run(2 * every)
     assert first[:2] == ["torch", "numpy"]  # each timed once first
-    assert first[2:].count("numpy") == 10  # then tried once per 3 * PROBE_EVERY (3 times dearer)
-    # Another process takes a core: torch's OpenMP regions wait for it. Numpy's at once.
+    assert first[2:].count("numpy") == 2 and first[2:].count("torch") == 2 * every - 4  # probes only
+    # Another process takes a core: torch's OpenMP regions now wait for it.
     cost["torch"] = 10.0
-    busy = run(30 * every)
-    assert busy[0] == "torch" and busy[1] == "numpy"
-    assert 2 <= busy.count("torch") <= 12, busy.count("torch")  # still tried, less often as it stays dear
-    # The other process ends: the tries see torch's cheap again, and the choice goes back.
+    later = run(2 * every)
+    assert later[-every:].count("torch") == 1, later  # numpy's now, torch's probed
+    # The other process ends: a probe sees torch's cheap again, and the choice goes back.
     cost["torch"] = 1.0
-    quiet = run(30 * every)
-    assert quiet[-2 * every:].count("torch") == 2 * every
+    back = run(6 * every)
+    assert back[-every:].count("numpy") == 1, back
     assert choice.cost["torch"] < choice.cost["numpy"]
-    # Far dearer: tried 16 times less often at most, not never.
-    cost["numpy"] = 100.0
-    choice.cost["numpy"] = 100.0
-    far = run(64 * every)
-    assert far.count("numpy") == 4
     choice.took("numpy", 1.0, 0)  # nothing copied (an empty range): no timing to learn from
-    assert choice.cost["numpy"] == pytest.approx(100.0)
+    assert choice.cost["numpy"] == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])

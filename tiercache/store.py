@@ -3057,29 +3057,23 @@ class _CopyChoice:
     slowest thread, and one of them waited for the core); on many cores torch's spreads the
     copy over all of them. So each gather times its copy, both costs are kept (seconds per
     token copied, an exponential average), the cheaper is used, and the other is tried
-    again after ``PROBE_EVERY`` gathers, so that a change of the machine's load is seen
-    within a few decode steps; after more when it costs several times as much (up to 16
-    times as many), so that trying it adds at most about 1/16 to the gathers' time. Both
-    copy the same bytes: the choice never changes a result."""
+    again every ``PROBE_EVERY`` gathers, so that a change of the machine's load is seen
+    within a few decode steps. Both copy the same bytes: the choice never changes a result."""
 
     PROBE_EVERY = 16
     WEIGHT = 0.5  # of the newest timing in the average
 
     def __init__(self) -> None:
         self.cost: dict = {_TORCH: None, _NUMPY: None}  # seconds per token copied
-        self._since = 0  # gathers since the other copy was last tried
+        self._count = 0
 
     def pick(self) -> str:
+        self._count += 1
         torch_cost, numpy_cost = self.cost[_TORCH], self.cost[_NUMPY]
         if torch_cost is None or numpy_cost is None:  # each is timed once first
             return _TORCH if torch_cost is None else _NUMPY
         best, other = (_TORCH, _NUMPY) if torch_cost <= numpy_cost else (_NUMPY, _TORCH)
-        self._since += 1
-        ratio = self.cost[other] / self.cost[best] if self.cost[best] > 0 else 16.0
-        if self._since >= self.PROBE_EVERY * min(max(ratio, 1.0), 16.0):
-            self._since = 0
-            return other
-        return best
+        return other if self._count % self.PROBE_EVERY == 0 else best
 
     def took(self, method: str, seconds: float, tokens: int) -> None:
         """A gather with ``method`` copied ``tokens`` tokens in ``seconds``."""
