@@ -77,19 +77,11 @@ def test_adjacent_device_blocks_are_read_in_place_and_held_until_released(tmp_pa
         assert not store._views
 
 
-@pytest.mark.parametrize("copy", ["torch", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype, copy):
-    """Device and host blocks in any order, any token range: the gather gives exactly the
-    blocks' tokens, with torch's copies and with numpy's (``_CopyChoice`` picks one by
-    speed, so each is pinned here in turn)."""
+def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype):
     geometry = BlockGeometry(batch=2, kv_heads=2, block_tokens=4, head_dim=8, dtype=dtype)
     cfg = tiny_config(tmp_path, geometry, device_blocks=4, host_blocks=8, disk_blocks=20)
     with BlockStore(cfg, geometry) as store:
-        choice = store._gather_copy
-        choice.cost = {"torch": 1.0, "numpy": 1.0} | {copy: 0.0}  # its timings would never catch up
-        choice.PROBE_EVERY = 10 ** 9
-        choice.took = lambda *args: None
         keys = [BlockKey(0, 0, i) for i in range(8)]
         data = {}
         for i, key in enumerate(keys):  # later blocks push earlier ones down to the host
@@ -105,42 +97,6 @@ def test_mixed_device_and_host_blocks_gather_exactly(tmp_path, dtype, copy):
             assert torch.equal(k, want_k) and torch.equal(v, want_v)
             store.release_views()
         store.check()
-        assert store.read_stats["gather_copies"][copy] == store.read_stats["gathers"] == 6
-
-
-def test_gather_copy_choice_takes_the_cheaper_and_keeps_timing_the_other():
-    """The scenario: the gather's two copies, torch's (every core) and numpy's (one
-    thread), cost what the machine's load makes them cost, and that changes. The choice
-    times each once, then takes the cheaper, and tries the other every ``PROBE_EVERY``
-    gathers, so it moves over when the other becomes cheaper and moves back after."""
-    from tiercache.store import _CopyChoice
-
-    choice = _CopyChoice()
-    every = choice.PROBE_EVERY
-    cost = {"torch": 1.0, "numpy": 3.0}  # seconds per token: an idle many-core machine
-
-    def run(gathers: int) -> list:
-        picked = []
-        for _ in range(gathers):
-            method = choice.pick()
-            choice.took(method, cost[method] * 100, 100)
-            picked.append(method)
-        return picked
-
-    first = run(2 * every)
-    assert first[:2] == ["torch", "numpy"]  # each timed once first
-    assert first[2:].count("numpy") == 2 and first[2:].count("torch") == 2 * every - 4  # probes only
-    # Another process takes a core: torch's OpenMP regions now wait for it.
-    cost["torch"] = 10.0
-    later = run(2 * every)
-    assert later[-every:].count("torch") == 1, later  # numpy's now, torch's probed
-    # The other process ends: a probe sees torch's cheap again, and the choice goes back.
-    cost["torch"] = 1.0
-    back = run(6 * every)
-    assert back[-every:].count("numpy") == 1, back
-    assert choice.cost["torch"] < choice.cost["numpy"]
-    choice.took("numpy", 1.0, 0)  # nothing copied (an empty range): no timing to learn from
-    assert choice.cost["numpy"] == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -237,8 +193,7 @@ def test_read_stats_count_views_and_gather_copies():
             return cache.attention_stats(), cache.stats()
 
     stats, _ = reads_of(device_budget="1MiB", host_budget=0)
-    assert stats["reads"] == {"views": layers * new, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0,
-                              "gather_copies": {"torch": 0, "numpy": 0}}
+    assert stats["reads"] == {"views": layers * new, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
 
     stats, tiers = reads_of(device_budget=4 * block_bytes, host_budget="1MiB")
     reads = stats["reads"]
@@ -248,8 +203,6 @@ def test_read_stats_count_views_and_gather_copies():
     assert reads["views"] + reads["gathers"] == layers * new and reads["views"] < layers
     assert reads["gathered_bytes"] == (layers * sum(tokens_read) - reads["views"] * tokens_read[0]) * per_token
     assert reads["gather_seconds"] > 0
-    # each gather copied by torch's threads or by numpy's one, whichever has been faster
-    assert sum(reads["gather_copies"].values()) == reads["gathers"]
 
     stats, _ = reads_of(device_budget=4 * block_bytes, host_budget="1MiB", attend_in_place=True)
     # The prompt's layers (views or gathers) and layer 0 of the first decode step (which

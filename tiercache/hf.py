@@ -32,7 +32,7 @@ from tiercache.events import Events
 from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
 from tiercache.policies import make_eviction, make_prefetch
 from tiercache.attention import PROBE_ATTR, SCORES_ATTR, _inner_name, tie_to_graph
-from tiercache.store import BlockStore, new_read_stats
+from tiercache.store import BlockStore
 from tiercache.streamread import MAX_LAYERS_AHEAD
 from tiercache.table import BlockKey, Tier
 from tiercache.tiers import BlockGeometry
@@ -1063,11 +1063,9 @@ class TieredCache(Cache):
         decode step, summed), tokens dropped, compactions and the tokens each layer keeps;
         how many layer-steps of decode attention ran in place (``attend_in_place``); and
         ``reads``: how the other layer reads got their K/V, as zero-copy ``views`` of the
-        device pool or as ``gathers`` into one buffer (``gathered_bytes``, ``gather_seconds``;
-        ``gather_copies``: how many were copied by torch's intra-op threads and how many by
-        numpy on one thread, see ``BlockStore._gather_mixed``)."""
-        reads = self.store.read_stats if self.store is not None else new_read_stats()
-        reads = {**reads, "gather_copies": dict(reads["gather_copies"])}  # a snapshot
+        device pool or as ``gathers`` into one buffer (``gathered_bytes``, ``gather_seconds``)."""
+        reads = dict(self.store.read_stats) if self.store is not None else \
+            {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
         return {"selection": self.selection_state.stats() if self.selection_state is not None else None,
                 "retention": self.retention_state.stats() if self.retention_state is not None else None,
                 "in_place_layer_steps": self.in_place_steps, "reads": reads}

@@ -234,8 +234,7 @@ class BlockStore:
             self._reads_gate: Optional[_ReadsGate] = None  # set while reorder_rows holds new reads off (``_quiet``)
             self._views: list = []  # [(entry, copy)] held for views read_layer returned (release_views)
             # How read_layer served attention: zero-copy views, or gathers (copies, bytes, seconds).
-            self.read_stats = new_read_stats()
-            self._gather_copy = _CopyChoice()  # which copy a CPU gather uses (``_gather_mixed``)
+            self.read_stats = {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0}
             self._children: dict = {}  # prefix block -> blocks that extend it (see ``link``)
             self._lost: dict = {}  # key -> why its last copy went (a failed check), the latest _LOST_KEPT
             self._parent: dict = {}
@@ -1636,11 +1635,12 @@ class BlockStore:
         a core while it runs) they are numpy copies of bytes (a plain single-threaded memcpy):
         torch's ``copy_`` of a block this size starts an OpenMP parallel region, which cost
         ~8 ms per copy instead of ~0.1 ms on a 2-core machine whenever an I/O thread held the
-        other core. Otherwise ``_CopyChoice`` picks torch's copies (every core) or numpy's,
-        whichever has been faster lately: the same on an idle 2-core machine, torch's on
-        many cores, numpy's while another process keeps a core busy. Moves between the host
-        and the disk do not count: their threads wait in the kernel for the disk most of the
-        time (the payload goes straight between the host slot and the file).
+        other core. Otherwise they are torch copies, which use every core: ~20% faster per
+        gather on 2 cores. Moves between the host and the disk do not count: their threads
+        wait in the kernel for the disk most of the time (the payload goes straight between
+        the host slot and the file), and the disk set-up of bench decode ran at 5.3-6.1 tok/s
+        alone with torch copies against 4.0-6.0 with numpy ones while disk reads were in
+        flight (docs/measurements.md, 2026-12-05).
         """
         g = self.geometry
         rows, width, n = g.batch * g.kv_heads, g.block_tokens * g.head_dim, len(held)
@@ -1655,15 +1655,14 @@ class BlockStore:
         else:
             out_k = torch.empty(rows, n, width, dtype=g.dtype, device=self.device)
             out_v = torch.empty_like(out_k)
-        chosen = None if self._copying else self._gather_copy.pick()  # None: numpy, not a choice
-        if chosen == _TORCH:
-            outs = (out_k, out_v)
-            dev_k, dev_v, (host_k, host_v) = self.device_pool.k, self.device_pool.v, self.host_pool.kv_rows()
-            copy = torch.Tensor.copy_
-        else:
+        if self._copying:
             outs = (out_k.view(torch.uint8).numpy(), out_v.view(torch.uint8).numpy())
             dev_k, dev_v, host_k, host_v = self._byte_pools()
             copy = np.copyto
+        else:
+            outs = (out_k, out_v)
+            dev_k, dev_v, (host_k, host_v) = self.device_pool.k, self.device_pool.v, self.host_pool.kv_rows()
+            copy = torch.Tensor.copy_
         unit = g.head_dim if copy is torch.Tensor.copy_ else g.head_dim * g.itemsize  # one token of a row
         runs = []
         for i, segment in _segments(held, at):
@@ -1673,22 +1672,16 @@ class BlockStore:
         # Last block first: attention reads from the first token on, and a layer's K and V
         # are about half of this machine's L3, so the blocks written last are the ones still
         # cached when it starts (SDPA ran ~5 ms per step faster in the host set-up).
-        t0, copied = time.perf_counter(), 0  # tokens copied, for ``_CopyChoice``
         for i, on_device, slot, count, step in reversed(runs):
             # only the tokens attention reads: the tail block is mostly unwritten while decoding
             lo = max(start_token - i * g.block_tokens, 0)
             hi = min(start_token + num_tokens - i * g.block_tokens, count * g.block_tokens)
-            copied += max(hi - lo, 0)
             # a run of one tier's slots ``step`` apart: one strided copy (plus partial end blocks)
             pool_k, pool_v = (dev_k, dev_v) if on_device else (host_k, host_v)
             slots = slice(slot, slot + (count - 1) * step + 1, step)
             sources = pool_k[:, slots], pool_v[:, slots]
             for out, src in zip(outs, sources):
                 _copy_tokens(copy, out[:, i:i + count], src, lo, hi, g.block_tokens, unit)
-        method = chosen or _NUMPY
-        self.read_stats["gather_copies"][method] += 1
-        if chosen is not None:
-            self._gather_copy.took(chosen, time.perf_counter() - t0, copied)
         shape = (g.batch, g.kv_heads, out_k.shape[1] * g.block_tokens, g.head_dim)
         k, v = out_k.view(shape), out_v.view(shape)
         return k[:, :, start_token:start_token + num_tokens], v[:, :, start_token:start_token + num_tokens]
@@ -3037,50 +3030,6 @@ class BlockStore:
 
 _END = sys.maxsize  # lst[_END:] = [x] appends, in a statement with no call (where a signal's exception lands)
 _LOST_KEPT = 4096  # blocks lost to failed checks whose reason a later read can still name
-
-
-_TORCH, _NUMPY = "torch", "numpy"  # the two copies a CPU gather can use (``_CopyChoice``)
-
-
-def new_read_stats() -> dict:
-    """``BlockStore.read_stats`` as a fresh store has it."""
-    return {"views": 0, "gathers": 0, "gathered_bytes": 0, "gather_seconds": 0.0,
-            "gather_copies": {_TORCH: 0, _NUMPY: 0}}
-
-
-class _CopyChoice:
-    """Which copy a CPU gather uses when no move to or from the device holds a core:
-    torch's ``copy_`` (an OpenMP region over every intra-op thread) or numpy's ``copyto``
-    (one thread, a plain memcpy). On this project's idle 2-core machine they ran alike (the
-    host set-up's gathers 36.0 against 37.0 ms a token); with another process busy on one
-    core, torch's took 159 ms a token and numpy's 61 (an OpenMP region waits for its
-    slowest thread, and one of them waited for the core); on many cores torch's spreads the
-    copy over all of them. So each gather times its copy, both costs are kept (seconds per
-    token copied, an exponential average), the cheaper is used, and the other is tried
-    again every ``PROBE_EVERY`` gathers, so that a change of the machine's load is seen
-    within a few decode steps. Both copy the same bytes: the choice never changes a result."""
-
-    PROBE_EVERY = 16
-    WEIGHT = 0.5  # of the newest timing in the average
-
-    def __init__(self) -> None:
-        self.cost: dict = {_TORCH: None, _NUMPY: None}  # seconds per token copied
-        self._count = 0
-
-    def pick(self) -> str:
-        self._count += 1
-        torch_cost, numpy_cost = self.cost[_TORCH], self.cost[_NUMPY]
-        if torch_cost is None or numpy_cost is None:  # each is timed once first
-            return _TORCH if torch_cost is None else _NUMPY
-        best, other = (_TORCH, _NUMPY) if torch_cost <= numpy_cost else (_NUMPY, _TORCH)
-        return other if self._count % self.PROBE_EVERY == 0 else best
-
-    def took(self, method: str, seconds: float, tokens: int) -> None:
-        """A gather with ``method`` copied ``tokens`` tokens in ``seconds``."""
-        if tokens <= 0:
-            return
-        cost, old = seconds / tokens, self.cost[method]
-        self.cost[method] = cost if old is None else old + self.WEIGHT * (cost - old)
 
 
 def _copy_tokens(copy, dst, src, lo: int, hi: int, block_tokens: int, unit: int) -> None:
