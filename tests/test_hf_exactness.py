@@ -545,7 +545,7 @@ def test_random_budgets_and_block_sizes(family, mode, block_tokens, device_extra
     """Seeded random family, mode, block size (1..8 tokens, so blocks straddle chunk and
     window edges differently), prefill chunk (2..8, up to more than the window), device
     slack (0..3 blocks above the minimum), host size (1..12 slots) and policies (every
-    registered eviction policy; every prefetch policy and ``auto``, 1..4 layers deep):
+    shipped eviction policy; every prefetch policy and ``auto``, 1..4 layers deep):
     still exact."""
     reason = dynamic_cache_supports(family, mode)
     if reason:
