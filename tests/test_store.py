@@ -463,10 +463,12 @@ def _flip(path, offset):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("where", ["payload", "header"])
+@pytest.mark.parametrize("where", ["payload", "header", "magic"])
 def test_a_corrupted_record_is_never_returned(tmp_path, geometry, where):
     """Flip one byte of a record on disk: reading that block raises BlockCorruptedError
-    naming it, the error is counted, and every other block still reads back exactly."""
+    naming it, the error is counted, and every other block still reads back exactly.
+    A flipped byte of the record magic ("magic") once made the slot look free: the block
+    vanished on reopen with nothing dropped and nothing counted (a review)."""
     cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1)
     data = blocks(geometry, 6)
     with BlockStore(cfg, geometry) as store:
@@ -478,9 +480,9 @@ def test_a_corrupted_record_is_never_returned(tmp_path, geometry, where):
         slot = store.table.copy(victim, Tier.DISK).slot
         record = store.disk.record_bytes
         path = os.path.join(cfg.disk_dir, DATA_NAME)
-        _flip(path, slot * record + (HEADER_BYTES + 100 if where == "payload" else 40))
+        _flip(path, slot * record + {"payload": HEADER_BYTES + 100, "header": 40, "magic": 0}[where])
     with BlockStore(cfg, geometry) as store:
-        if where == "header":  # caught on open: the record is dropped and reported
+        if where in ("header", "magic"):  # caught on open: the record is dropped and reported
             assert victim not in store and store.dropped_on_open == 1
         else:
             with pytest.raises(BlockCorruptedError, match="BlockKey.seq=0, layer=0, index=2"):
@@ -491,6 +493,44 @@ def test_a_corrupted_record_is_never_returned(tmp_path, geometry, where):
         for key, block in data.items():
             if key != victim:
                 assert torch.equal(store.get(key), block)
+
+
+@pytest.mark.parametrize("stranger", ["random bytes", "another block shape"])
+def test_a_file_that_is_not_ours_is_refused_untouched(tmp_path, geometry, stranger):
+    """A data file holding bytes but no record header where this geometry looks (random
+    bytes; records of a larger block shape whose first slot was deleted, so that the
+    headers lie between this geometry's slots) is refused with CacheDirError naming the
+    file, and not one byte of it changes. Both once opened as an empty store and were
+    overwritten by its first writes (a review)."""
+    cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1)
+    path = os.path.join(cfg.disk_dir, DATA_NAME)
+    if stranger == "random bytes":
+        os.makedirs(cfg.disk_dir, mode=0o700, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(os.urandom(100_000))
+        os.chmod(path, 0o600)
+    else:
+        big = BlockGeometry(geometry.batch, geometry.kv_heads, geometry.block_tokens, 16 * geometry.head_dim,
+                            geometry.dtype)
+        big_cfg = tiny_config(tmp_path, big, device_blocks=1, host_blocks=1, disk_blocks=16)
+        with BlockStore(big_cfg, big) as store:
+            store.put(BlockKey(0, 0, 0), blocks(big, 1)[BlockKey(0, 0, 0)])
+            store.put(BlockKey(0, 0, 1), blocks(big, 2)[BlockKey(0, 0, 1)])
+            store.flush()
+            assert store.table.copy(BlockKey(0, 0, 0), Tier.DISK).slot == 0
+            store.delete(BlockKey(0, 0, 0))  # slot 0 tombstoned: the only header this geometry would meet
+        assert DiskTier.record_size(big) % DiskTier.record_size(geometry)  # the other headers lie between slots
+    with open(path, "rb") as f:
+        before = f.read()
+    with pytest.raises(CacheDirError, match=re.escape(path) + ".*not a tiercache data file.*nothing was changed"):
+        BlockStore(cfg, geometry)
+    with pytest.raises(CacheDirError, match="not a tiercache data file"):  # the same again: the refusal
+        BlockStore(cfg, geometry)                                          # let go of the directory's lock
+    with open(path, "rb") as f:
+        assert f.read() == before
+    if stranger == "another block shape":  # its owner still finds its block, exact
+        with BlockStore(big_cfg, big) as store:
+            assert torch.equal(store.get(BlockKey(0, 0, 1)), blocks(big, 2)[BlockKey(0, 0, 1)])
 
 
 def _flushed(cfg, geometry, n: int) -> dict:

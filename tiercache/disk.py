@@ -110,6 +110,9 @@ def resolve_disk_io(choice: str, on_cuda: bool = False) -> str:
     return "kvikio" if ok else "posix"
 
 
+NOT_A_RECORD = -1  # ``DiskTier.scan``'s num_tokens for a slot that holds bytes but no record magic
+
+
 class RecordError(Exception):
     """A record failed validation: bad magic, version, checksum, key or bounds."""
 
@@ -672,7 +675,11 @@ class DiskTier(RecordCodec):
 
     def scan(self, with_token_ids: bool = False, whole_file: bool = False) -> Iterator[tuple]:
         """Yield (slot, key, num_tokens) of every valid header, plus its token ids (bytes)
-        when ``with_token_ids``; a header that fails its checks gives key None. The slots
+        when ``with_token_ids``; a header that fails its checks gives key None, and so does
+        one without the record magic whose first bytes are not all zeros, with num_tokens
+        ``NOT_A_RECORD`` (a slot never written, or a tombstone, is zeros there and is left
+        out): a damaged magic used to pass for a free slot, and the block vanished with no
+        count and no warning; a file that is not ours passed for an empty one. The slots
         of the budget, or with ``whole_file`` every slot the file holds (a file written
         under a larger budget holds more).
 
@@ -685,7 +692,10 @@ class DiskTier(RecordCodec):
         if not whole_file:
             last = min(self.num_slots, last)
         for slot, head in self._read_headers(last):
-            if len(head) < _HEADER.size + 4 or head[:4] != MAGIC:
+            if not any(head[:_HEADER.size + 4]):  # never written (zeros), past the end, or a tombstone
+                continue
+            if len(head) < _HEADER.size + 4 or head[:4] != MAGIC:  # damaged, or not a record at all
+                yield (slot, None, NOT_A_RECORD, None) if with_token_ids else (slot, None, NOT_A_RECORD)
                 continue
             mv = memoryview(head + bytes(HEADER_BYTES - len(head)))
             try:

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from tiercache.config import TierConfig, as_tier_config, format_bytes
-from tiercache.disk import DiskTier, RecordCodec, RecordError, resolve_disk_io
-from tiercache.errors import BlockCorruptedError, CapacityError, TierIOError
+from tiercache.disk import NOT_A_RECORD, DiskTier, RecordCodec, RecordError, resolve_disk_io
+from tiercache.errors import BlockCorruptedError, CacheDirError, CapacityError, TierIOError
 from tiercache.events import Events
 from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
@@ -338,6 +338,12 @@ class BlockStore:
         a warning. The whole file is scanned first, so that a file of another model's
         records is refused (``CacheDirError``) before anything in it changes."""
         records = list(self.disk.scan(with_token_ids=True, whole_file=True))
+        strangers = sum(1 for _, _, num_tokens, _ in records if num_tokens == NOT_A_RECORD)
+        if strangers and strangers == len(records):  # bytes everywhere, not one record header
+            raise CacheDirError(f"disk_dir: {self.disk.path!r} is not a tiercache data file of this block size: "
+                                f"{strangers} of its slots hold bytes that are no record header (another "
+                                f"program's file, or one written with another block shape); nothing was changed "
+                                f"(use another directory, or clear this one)")
         dropped = past = 0
         for slot, key, num_tokens, token_ids in records:
             if slot >= self.disk.num_slots:
