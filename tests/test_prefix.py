@@ -19,6 +19,7 @@ import transformers
 
 import tiercache
 from tiercache import CacheDirError, TierConfig, TieredCache
+from tiercache.cache_admin import describe, prefix_dirs
 from tiercache.prefix import INDEX_NAME, close_all
 
 from conftest import in_a_forked_child
@@ -380,11 +381,15 @@ def test_a_hash_collision_cannot_return_another_prompts_kv(tmp_path):
     assert_same(reference(model, ids), out)
 
 
-@pytest.mark.parametrize("damage", ["delete", "garbage", "a directory", "an older schema"])
+@pytest.mark.parametrize("damage", ["delete", "garbage", "a directory", "an older schema", "text layers",
+                                    "tokens not a blob"])
 def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path, damage):
     """Whatever is in the index's place, the records' headers rebuild it. A directory
     there was an IsADirectoryError traceback, and an index of an older schema (without the
-    ``seen`` column) a "no such column" sqlite3 error on every run."""
+    ``seen`` column) a "no such column" sqlite3 error on every run. So was one value of the
+    wrong type ("text layers", "tokens not a blob"), which passes SQLite's quick_check: a
+    TypeError from inside on every later run, reuse=None included, while ``cache ls``
+    called the index fine or "rebuilt on the next open" (a review)."""
     model, ids = tiny_model(), prompt()
     run(model, ids, config(tmp_path))
     close_all()
@@ -402,6 +407,12 @@ def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path,
     elif damage == "an older schema":
         with sqlite3.connect(path) as db:
             db.execute("ALTER TABLE blocks DROP COLUMN seen")
+    elif damage in ("text layers", "tokens not a blob"):
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE blocks SET layers = 'x' WHERE idx = 3" if damage == "text layers"
+                       else "UPDATE blocks SET tokens = 5 WHERE idx = 3")
+        ((where, tag),) = prefix_dirs(str(tmp_path / "kv"))
+        assert describe(where, tag).state == "damaged"  # ``cache ls`` says what the next open finds
     else:
         with open(path, "r+b") as f:
             f.write(b"this is not an sqlite database" * 40)

@@ -25,6 +25,15 @@ from typing import Optional
 from tiercache.config import format_bytes
 from tiercache.errors import CacheDirError
 
+# Rows of a prefix index whose values tiercache could not use (SQLite keeps whatever type a
+# row was given): ``PrefixIndex._connect`` rebuilds such an index, ``describe`` calls it damaged.
+BAD_INDEX_ROWS = (
+    "SELECT count(*) FROM blocks WHERE typeof(h) != 'integer' OR typeof(idx) != 'integer' OR idx < 0 "
+    "OR (parent IS NOT NULL AND typeof(parent) != 'integer') OR typeof(tokens) != 'blob' "
+    "OR length(tokens) % 3 != 0 OR typeof(layers) != 'integer' OR layers < 0 OR typeof(hits) != 'integer' "
+    "OR typeof(seen) != 'integer' OR typeof(created) NOT IN ('real', 'integer') "
+    "OR typeof(last_used) NOT IN ('real', 'integer')")
+
 log = logging.getLogger("tiercache")
 
 # Names shared with tiercache.disk and tiercache.prefix (copied so that this module needs no
@@ -193,20 +202,24 @@ def describe(path: str, tag: re.Match) -> PrefixDirInfo:
             num_blocks, num_seen, records, hits, last_used = db.execute(
                 "SELECT coalesce(sum(layers > 0), 0), coalesce(sum(layers = 0), 0), coalesce(sum(layers), 0), "
                 "coalesce(sum(hits), 0), max(last_used) FROM blocks").fetchone()
+            (bad_rows,) = db.execute(BAD_INDEX_ROWS).fetchone()
             (num_prefixes,) = db.execute(
                 "SELECT count(*) FROM blocks WHERE layers > 0 AND h NOT IN "
                 "(SELECT parent FROM blocks WHERE layers > 0 AND parent IS NOT NULL)").fetchone()
         finally:
             db.close()
         # SQLite keeps no checksum of values: a damaged one passes quick_check
+        if bad_rows:  # as the next open finds them (``PrefixIndex``): it rebuilds the index
+            raise sqlite3.DatabaseError(f"{bad_rows} rows hold values of the wrong type or range")
         if not all(isinstance(n, int) and n >= 0 for n in (num_blocks, num_seen, records, hits, num_prefixes)):
             raise sqlite3.DatabaseError("a block count is not a count")
         if last_used is not None and not (isinstance(last_used, (int, float)) and 0 <= last_used < _LATEST):
             raise sqlite3.DatabaseError(f"last_used {last_used!r} is not a time")
     except sqlite3.Error as exc:
         return PrefixDirInfo(**{**fields, "state": "damaged", "error": f"index.sqlite: {exc}"})
-    layers = meta.get("layers")
-    return PrefixDirInfo(**{**fields, "num_layers": int(layers) if layers and layers.isdigit() else None,
+    layers = meta.get("layers")  # "²".isdigit() is True, and int("²") a ValueError
+    return PrefixDirInfo(**{**fields, "num_layers": int(layers) if layers and layers.isascii() and layers.isdigit()
+                            else None,
                             "num_blocks": num_blocks, "num_seen_only": num_seen, "num_prefixes": num_prefixes,
                             "stored_bytes": records * fields["record_bytes"], "hits": hits,
                             "last_used": last_used})

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import crc32c
 import torch
 
+from tiercache.cache_admin import BAD_INDEX_ROWS
 from tiercache.config import TierConfig
 
 if TYPE_CHECKING:
@@ -271,6 +272,11 @@ class PrefixIndex:
             (check,) = db.execute("PRAGMA quick_check").fetchone()
             if check != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {check}")
+            # SQLite keeps whatever type a row was given: a text or negative number of layers
+            # passed quick_check, and every later open failed with a TypeError from inside
+            (bad,) = db.execute(BAD_INDEX_ROWS).fetchone()
+            if bad:
+                raise sqlite3.DatabaseError(f"{bad} rows hold values of the wrong type or range")
         except sqlite3.DatabaseError:
             db.close()
             raise
