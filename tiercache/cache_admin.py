@@ -209,12 +209,12 @@ def describe(path: str, tag: re.Match) -> PrefixDirInfo:
         finally:
             db.close()
         # SQLite keeps no checksum of values: a damaged one passes quick_check
-        if bad_rows:  # as the next open finds them (``PrefixIndex``): it rebuilds the index
-            raise sqlite3.DatabaseError(f"{bad_rows} rows hold values of the wrong type or range")
         if not all(isinstance(n, int) and n >= 0 for n in (num_blocks, num_seen, records, hits, num_prefixes)):
             raise sqlite3.DatabaseError("a block count is not a count")
         if last_used is not None and not (isinstance(last_used, (int, float)) and 0 <= last_used < _LATEST):
             raise sqlite3.DatabaseError(f"last_used {last_used!r} is not a time")
+        if bad_rows:  # as the next open finds them (``PrefixIndex``): it rebuilds the index
+            raise sqlite3.DatabaseError(f"{bad_rows} rows hold values of the wrong type or range")
     except sqlite3.Error as exc:
         return PrefixDirInfo(**{**fields, "state": "damaged", "error": f"index.sqlite: {exc}"})
     layers = meta.get("layers")  # "²".isdigit() is True, and int("²") a ValueError
