@@ -152,6 +152,47 @@ def test_a_model_whose_kv_are_not_one_per_input_id_publishes_nothing(tmp_path, c
     assert "prefix cache off for this run: the model's K/V are 4 heads x 32 dims" in caplog.text
 
 
+def test_generate_refuses_a_prompt_that_is_not_the_one_loaded(tmp_path):
+    """``cache.load_prefix(A)`` then ``model.generate(B, cache=cache)``: generate() computes
+    only what follows the cache's length, so B's tail ran on A's KV and came out as wrong
+    tokens, silently; a prompt shorter than the loaded part was a reshape RuntimeError from
+    inside the model. Now generate() refuses both with a ValueError that says what was
+    loaded and how the prompt differs, before any forward: the cache is untouched, so the
+    right prompt then runs exact on it. The model's hooks (on an unwrapped model) go with
+    the check."""
+    model, a = tiny_model(), prompt()
+    b = a.clone()
+    b[0, 5] = (b[0, 5] % 63) + 1  # differs from A at token 5, inside the loaded blocks
+    run(model, a, config(tmp_path))  # publishes A's blocks
+    ref = reference(model, a)
+    with TieredCache(model, config(tmp_path)) as cache, torch.no_grad():
+        assert cache.load_prefix(a) == 28
+        assert "_prefill" in vars(model)  # held for the check
+        with pytest.raises(ValueError, match=r"differ from them at token 5 \(\d+ != \d+\)"):
+            model.generate(b, attention_mask=torch.ones_like(b), cache=cache, **GEN)
+        short = a[:, :10]
+        with pytest.raises(ValueError, match="first 28 tokens .* given input_ids of 10 tokens"):
+            model.generate(short, attention_mask=torch.ones_like(short), cache=cache, **GEN)
+        with pytest.raises(ValueError, match="given input_ids of 28 tokens"):  # nothing left to compute
+            model.generate(a[:, :28], attention_mask=torch.ones_like(a[:, :28]), cache=cache, **GEN)
+        assert cache.get_seq_length() == 28
+        out = model.generate(a, attention_mask=torch.ones_like(a), cache=cache, **GEN)
+        assert cache.stats()["reused_tokens"] == 28
+        assert "_prefill" not in vars(model)  # checked: the hooks went
+    assert_same(ref, out)
+    # reset() forgets the loaded prefix: any prompt then goes, computed whole
+    with TieredCache(model, config(tmp_path)) as cache, torch.no_grad():
+        assert cache.load_prefix(a) == 28
+        cache.reset()
+        assert "_prefill" not in vars(model)
+        assert_same(reference(model, b), model.generate(b, attention_mask=torch.ones_like(b), cache=cache, **GEN))
+    # a cache closed without a generate() lets go of the hooks too
+    cache = TieredCache(model, config(tmp_path))
+    assert cache.load_prefix(a) == 28
+    cache.close()
+    assert "_prefill" not in vars(model)
+
+
 def test_a_longer_prompt_reuses_the_shared_part_only(tmp_path):
     """A second prompt that shares the first 16 tokens then differs: the 4 shared blocks are
     loaded, the rest computed; a prompt that differs in its first token loads nothing."""

@@ -317,6 +317,10 @@ class TieredCache(Cache):
             self._reuse = False
         self._token_ids: Optional[list] = []  # ids of the sequence so far (None: not batch 1)
         self._chain: list = []  # ChainBlock of each full block of _token_ids
+        # ids that load_prefix() loaded, until generate()'s prefill checks its prompt starts
+        # with them (_prefill_hook), and the hold on the model's hooks that check needs
+        self._loaded_ids: Optional[list] = None
+        self._loaded_hold: Optional[weakref.finalize] = None
         self._admitted: dict = {}  # chained hash -> admission decision
         self._injecting = False
         self._grad_forward = False  # an update with autograd on is running (update)
@@ -542,8 +546,52 @@ class TieredCache(Cache):
                 self.store.write_behind_enabled = True
         self._token_ids = ids[:usable * bt]
         self._chain = list(blocks[:usable])
+        self._expect_prompt(ids[:usable * bt])
         self.events.reused(tokens=usable * bt)
         return usable * bt
+
+    def _expect_prompt(self, ids: list) -> None:
+        """The next ``generate()`` on this cache must be given a prompt that starts with
+        ``ids`` and goes on past them: generate() computes only what follows the cache's
+        length, so another prompt got the KV of these ids (wrong tokens, silently) and a
+        shorter one a reshape error from inside the model. Its ``_prefill`` step checks it
+        (``_check_loaded_prompt``): the hooks stay on the model until then."""
+        self._loaded_ids = ids
+        if self._loaded_hold is None and self._model is not None:
+            _hold_hooks(self._model)
+            self._loaded_hold = weakref.finalize(self, _release_hooks, self._model)
+
+    def _prompt_checked(self) -> None:
+        self._loaded_ids = None
+        if self._loaded_hold is not None:
+            self._loaded_hold()  # once: the hooks go if nothing else holds them
+            self._loaded_hold = None
+
+    def _check_loaded_prompt(self, input_ids: Any) -> None:
+        """generate()'s prefill on this cache, after ``load_prefix``: its prompt must start
+        with the loaded ids and have at least one token more."""
+        loaded = self._loaded_ids
+        if loaded is None:
+            return
+        n = len(loaded)
+        if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1):
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"this TieredCache holds the first {n} tokens of a prompt, loaded by load_prefix(), "
+                             f"but generate() was given input_ids of shape {shape}; pass generate() the same "
+                             f"input_ids as load_prefix() (one row), or reset() the cache first")
+        if input_ids.shape[1] <= n:
+            raise ValueError(f"this TieredCache holds the first {n} tokens of a prompt, loaded by load_prefix(), "
+                             f"but generate() was given input_ids of {input_ids.shape[1]} tokens; it needs the "
+                             f"whole prompt (more than the {n} loaded): pass generate() the same input_ids as "
+                             f"load_prefix(), or reset() the cache first")
+        head = input_ids[0, :n].tolist()
+        if head != loaded:
+            at = next(i for i, (a, b) in enumerate(zip(head, loaded)) if a != b)
+            raise ValueError(f"this TieredCache holds the first {n} tokens of a prompt, loaded by load_prefix(), "
+                             f"but the input_ids given to generate() differ from them at token {at} ({head[at]} "
+                             f"!= {loaded[at]}): the loaded KV is not theirs; pass generate() the same input_ids "
+                             f"as load_prefix(), or reset() the cache first")
+        self._prompt_checked()
 
     def _open_store_for(self, template: torch.Tensor, num_blocks: int) -> BlockStore:
         """Open this cache's store with the first ``num_blocks`` device slots paged in (the
@@ -1290,6 +1338,7 @@ class TieredCache(Cache):
         self._forward = (None, -1)
         self._token_ids = [] if self._token_ids is not None else None
         self._chain = []
+        self._prompt_checked()  # nothing loaded any more: any prompt goes
         self._prompt_pending = 0
         # a new request: a block it computes again is a new sighting (reuse_admission="reused"
         # stored nothing in a cache reused through reset(), its first answer kept for good)
@@ -1319,6 +1368,7 @@ class TieredCache(Cache):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._prompt_checked()
         # In a child made by fork() after this cache opened, the store, its locks (another
         # thread may have held one at the fork) and the prefix cache are the parent's: the
         # cache is only marked closed there.
@@ -1516,9 +1566,7 @@ def _tiering(model: Any, make: Callable[[], "TieredCache"], on_prefill: Optional
     would make a cache of its own, and loads the cached prefix where that is exact. On a
     model that is not wrapped, the hooks go again when its last scope closes (a model that
     ``tiercache generate`` ran kept them, and then needed tiercache to be unpickled)."""
-    with _HOOK_LOCK:
-        _install_hooks(model)
-        _OPEN_SCOPES[model] = _OPEN_SCOPES.get(model, 0) + 1
+    _hold_hooks(model)
     stack = _SCOPES.__dict__.setdefault("stack", [])
     scope = _Scope(model, make, on_prefill)
     stack.append(scope)
@@ -1526,12 +1574,24 @@ def _tiering(model: Any, make: Callable[[], "TieredCache"], on_prefill: Optional
         yield scope
     finally:
         stack.remove(scope)
-        with _HOOK_LOCK:
-            _OPEN_SCOPES[model] -= 1
-            if not _OPEN_SCOPES[model]:
-                del _OPEN_SCOPES[model]
-                if not vars(model).get("_tiercache_wrapped", False):
-                    _remove_hooks(model)
+        _release_hooks(model)
+
+
+def _hold_hooks(model: Any) -> None:
+    """Install the hooks on ``model`` (once) for a scope, or a cache that loaded a prefix."""
+    with _HOOK_LOCK:
+        _install_hooks(model)
+        _OPEN_SCOPES[model] = _OPEN_SCOPES.get(model, 0) + 1
+
+
+def _release_hooks(model: Any) -> None:
+    """One hold less; the last one removes the hooks of a model that is not wrapped."""
+    with _HOOK_LOCK:
+        _OPEN_SCOPES[model] -= 1
+        if not _OPEN_SCOPES[model]:
+            del _OPEN_SCOPES[model]
+            if not vars(model).get("_tiercache_wrapped", False):
+                _remove_hooks(model)
 
 
 class _Hook:
@@ -1644,6 +1704,7 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
         fed = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else (
             input_ids.shape[1] if input_ids.dim() == 2 else 0)
         cache._prompt_pending = max(0, fed - cache.get_seq_length())
+        cache._check_loaded_prompt(input_ids)  # loaded by the caller's load_prefix(): the same prompt
         if ours and scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
