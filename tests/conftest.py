@@ -51,16 +51,24 @@ def make_store(tmp_path, geometry):
         return store
 
     yield make
-    hung = []
+    hung, failed = [], []
+
+    def close(store: BlockStore) -> None:
+        try:
+            store.close()
+        except Exception as exc:  # noqa: BLE001 - a persistent store that lost blocks, say: fails the test
+            failed.append(exc)
+
     for s in stores:
         # close() waits for every move: a move left in flight (a bug) would hang it, so it
         # runs on a thread and the test fails with that reason instead of timing out
-        closer = threading.Thread(target=s.close, daemon=True)
+        closer = threading.Thread(target=close, args=(s,), daemon=True)
         closer.start()
         closer.join(60)
         if closer.is_alive():
             hung.append(s)
     assert not hung, f"close() hung on {len(hung)} store(s): a move stayed in flight"
+    assert not failed, f"close() raised: {failed[0]!r}"
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 import torch
 
-from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig
+from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig, TierIOError
 from tiercache.disk import DATA_NAME, HEADER_BYTES, DiskTier
 from tiercache.policies import EVICTION_POLICIES
 from tiercache.store import BlockStore, _MoveFuture
@@ -133,6 +133,82 @@ def test_disk_records_survive_close_and_reopen(tmp_path, geometry):
         for key, block in data.items():
             assert torch.equal(store.get(key), block)
         assert store.stats()["hits"]["disk"] == 12
+
+
+def test_close_says_which_blocks_a_persistent_store_could_not_keep(tmp_path, geometry, caplog):
+    """24 blocks put into a persistent store whose disk holds 20 records. close() wrote the
+    20 it could down and returned as if all were kept: the next open found 20, with nothing
+    dropped and nothing said. Now close() still writes down all it can, closes everything,
+    then raises CapacityError naming how many blocks were not kept, the disk budget, the
+    bytes a record takes and the budget that would keep them all. The 20 on disk come back
+    exact. In a ``with`` whose body raised, the body's error goes on and the loss is logged."""
+    cfg = tiny_config(tmp_path, geometry)  # 3 device, 3 host, 20 disk records
+    data = blocks(geometry, 24)
+    store = BlockStore(cfg, geometry)
+    for key, block in data.items():
+        store.put(key, block)
+    record = DiskTier.record_size(geometry)
+    with pytest.raises(CapacityError, match=rf"close: 4 of 24 blocks are not kept .* holds 20 records of {record} "
+                                            rf"bytes .* at least {24 * record} bytes"):
+        store.close()
+    assert store.closed
+    with BlockStore(cfg, geometry) as store:
+        assert len(store) == 20 and store.dropped_on_open == 0
+        kept = [key for key in data if key in store]
+        assert len(kept) == 20
+        for key in kept:
+            assert torch.equal(store.get(key), data[key])
+        for key in data:  # four more than the disk holds
+            if key not in store:
+                store.put(key, data[key])
+        with caplog.at_level("ERROR", logger="tiercache"):
+            with pytest.raises(KeyError, match="the body's own"):
+                with store:
+                    raise KeyError("the body's own")
+    assert "4 of 24 blocks are not kept" in caplog.text
+    # deleting what it need not keep is the way to a clean close
+    with BlockStore(cfg, geometry) as store:
+        for key in data:
+            if key not in store:
+                store.put(key, data[key])
+        for key in list(data)[:4]:
+            store.delete(key)
+    with BlockStore(cfg, geometry) as store:
+        assert len(store) == 20 and all(key in store for key in list(data)[4:])
+
+
+def test_flush_counts_only_what_reached_the_disk(tmp_path, geometry):
+    """A persistent store's disk tier on a real full filesystem (a tmpfs mounted small:
+    needs root, skipped elsewhere). flush() counted every write it started as written,
+    failed ones too, and close() returned with blocks lost and only a warning per write.
+    Now flush() counts the blocks whose disk copy landed, and close() raises TierIOError
+    naming the directory, ENOSPC and how many blocks went unkept; the blocks that did land
+    come back exact."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        cfg = tiny_config(mnt, geometry, host_blocks=8, disk_blocks=20)  # room for 20 records, the fs for fewer
+        data = blocks(geometry, 10)
+        store = BlockStore(cfg, geometry)
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()  # waits for the write-behinds under way too (not counted: not its own writes)
+        on_disk = len(store.table.ready_keys(Tier.DISK))
+        assert on_disk < 10, "the filesystem was meant to be too small"
+        assert store.flush() == 0  # it tries the rest again: none lands (it counted every try)
+        assert len(store.table.ready_keys(Tier.DISK)) == on_disk
+        with pytest.raises(TierIOError, match=rf"close: {10 - on_disk} of 10 blocks could not be written to the "
+                                              rf"disk tier under '{mnt / 'kv'}' \(No space left on device\)"):
+            store.close()
+        with BlockStore(cfg, geometry) as again:
+            assert len(again) == on_disk
+            for key in data:
+                if key in again:
+                    assert torch.equal(again.get(key), data[key])
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_store_that_fails_to_open_lets_go_of_its_directory(tmp_path, geometry):
@@ -612,7 +688,7 @@ def test_truncated_data_file_loses_only_the_cut_records(tmp_path, geometry):
 def test_live_data_beyond_every_tier_raise_capacity_error_before_loss(make_store, geometry):
     """1 + 1 + 2 slots: the fifth block raises CapacityError naming the budgets; the four
     stored blocks are intact."""
-    store = make_store(device_blocks=1, host_blocks=1, disk_blocks=2)
+    store = make_store(device_blocks=1, host_blocks=1, disk_blocks=2, persistent=False)  # 4 blocks, 2 on disk
     data = blocks(geometry, 5)
     keys = list(data)
     for key in keys[:4]:

@@ -17,14 +17,14 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Hashable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Hashable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
 from tiercache.config import TierConfig, as_tier_config, format_bytes
 from tiercache.disk import NOT_A_RECORD, DiskTier, RecordCodec, RecordError, resolve_disk_io
-from tiercache.errors import BlockCorruptedError, CacheDirError, CapacityError, TierIOError
+from tiercache.errors import BlockCorruptedError, CacheDirError, CapacityError, TierCacheError, TierIOError
 from tiercache.events import Events
 from tiercache.guard import GuardedPolicy, is_plugin
 from tiercache.policies import make_eviction
@@ -205,6 +205,7 @@ class BlockStore:
             # A plug-in policy's failures (``tiercache.guard``), raised by the next public call
             # that starts work (``_starts_work``); ``_calls.depth``: such calls running on a thread.
             self._policy_failures: list = []
+            self._disk_write_error: Optional[OSError] = None  # the last failed write to disk
             self.policies = {tier: self._guarded(make_eviction(config.eviction), config.eviction, tier)
                              for tier in self.tiers}
             # CPU with a host tier: attention reads blocks on the device and on the host where
@@ -1923,10 +1924,32 @@ class BlockStore:
                     moves.append(self._prepare(key, top, Tier.DISK, drop_source=False))
             self._wait_moves(moves)
             wait_all(waits)
-            written += len(moves)
+            with self._lock:  # a write that failed (a full disk, EIO) was rolled back: not written
+                written += sum(1 for m in moves if self.table.get(m.key) is not None
+                               and self.table.is_ready(m.key, Tier.DISK))
             if not moving:
                 break
         return written
+
+    def _not_on_disk(self) -> int:
+        """Blocks with no finished disk copy (under the lock): what a close loses."""
+        return sum(1 for key in self.table.keys() if not self.table.is_ready(key, Tier.DISK))
+
+    def _lost_at_close(self, lost: int, failed: Optional[OSError]) -> TierCacheError:
+        """The error ``close`` raises when ``lost`` blocks of a persistent store could not be
+        written down (``failed``: the last write's error, if any)."""
+        total = len(self.table)
+        if failed is not None:
+            return TierIOError(f"close: {lost} of {total} blocks could not be written to the disk tier under "
+                               f"{self.disk.directory!r} ({failed.strerror or failed}), so they are not kept for "
+                               f"the next open; the blocks already on disk are kept")
+        slots = self.table.num_slots(Tier.DISK)
+        record = DiskTier.record_size(self.geometry)
+        return CapacityError(f"close: {lost} of {total} blocks are not kept for the next open: disk_budget="
+                             f"{format_bytes(self.config.disk_budget)} holds {slots} records of {record} bytes "
+                             f"(a block's {self.geometry.block_bytes} bytes plus its header, aligned), and a "
+                             f"persistent store keeps only what its disk tier holds; give disk_budget at least "
+                             f"{total * record} bytes, or delete() the blocks it need not keep before close()")
 
     def close(self) -> None:
         """Wait for moves, write persistent blocks down to disk, stop workers, close files.
@@ -1945,12 +1968,17 @@ class BlockStore:
             own = 1 if getattr(calls, "depth", 0) or getattr(calls, "counted", False) else 0
             while self._active > own:
                 self._active_cv.wait()
+        lost = None
         try:
             self.release_views()
             self.wait_idle()
             if self.disk is not None and self.disk.persistent:
                 self._flush()
                 self._tombstone_held()
+                with self._lock:
+                    missing = self._not_on_disk()
+                    if missing:  # raised once everything is closed: the blocks on disk are kept
+                        lost = self._lost_at_close(missing, self._disk_write_error)
         finally:
             self.engine.close()  # every queued job runs first: streamed reads let go of their copies
             if self._streams is not None:
@@ -1967,6 +1995,8 @@ class BlockStore:
             self.device_pool.release()
         if self._policy_failures:  # a plug-in's failure in the last calls: no later call raised it
             self._raise_policy_failure()
+        if lost is not None:
+            raise lost
 
     def _tombstone_held(self) -> None:
         """``close``: tombstone the disk records of deleted blocks that a read still holds.
@@ -1983,8 +2013,14 @@ class BlockStore:
     def __enter__(self) -> "BlockStore":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the with body's own error goes on; what close() lost is said, not raised over it
+            self.close()
+        except (CapacityError, TierIOError) as lost:
+            log.error("tiercache: %s", lost)
 
     def check(self) -> None:
         """Assert the table's invariants, that no tier is over budget, that the in-flight
@@ -2886,6 +2922,8 @@ class BlockStore:
             self.events.move(move.src.label, move.dst.label, self.geometry.block_bytes, seconds)
         else:
             self.events.failed_move()
+            if move.dst is Tier.DISK and isinstance(error, OSError):
+                self._disk_write_error = error  # close() names it if blocks go unkept (``_lost_at_close``)
             if not corrupted:
                 log.warning("tiercache: move %s %s->%s failed: %s", move.key, move.src.label, move.dst.label, error)
         if follow is not None:
