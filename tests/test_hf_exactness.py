@@ -967,6 +967,28 @@ def test_min_device_budget_of_a_cache_built_from_a_config(tmp_path):
         assert cache.min_device_budget(PROMPT, NEW, 4) == want // 2
 
 
+@pytest.mark.parametrize("args, error", [
+    (("10", 5), "prompt_tokens must be an integer >= 1, got '10'"),
+    ((0, 5), "prompt_tokens must be an integer >= 1, got 0"),
+    ((-10, 5), "prompt_tokens must be an integer >= 1, got -10"),
+    ((True, 1), "prompt_tokens must be an integer >= 1, got True"),
+    ((10.5, 1), "prompt_tokens must be an integer >= 1, got 10.5"),
+    ((10, -5), "new_tokens must be an integer >= 0, got -5"),
+    ((10, 5, 0), "prefill_chunk must be an integer >= 1, got 0"),
+    ((10, 5, None, -4), "loaded must be an integer >= 0, got -4"),
+    ((10, 5, None, 10), "loaded=10 must be less than prompt_tokens=10"),
+])
+def test_min_device_budget_refuses_what_is_not_a_count(tmp_path, args, error):
+    """``min_device_budget("10", 5)`` was a bare TypeError from inside, ``(0, 5)`` a range()
+    error, and ``(-10, 5)`` answered 0, as did negative new tokens or a loaded prefix longer
+    than the prompt. Each is now a ValueError naming the argument and the value."""
+    model = tiny_model("llama")
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=64)) as cache:
+        with pytest.raises(ValueError, match=re.escape(f"min_device_budget: {error}")):
+            cache.min_device_budget(*args)
+        assert cache.min_device_budget(10, 0, None, 9) > 0  # the edges that make sense still answer
+
+
 def test_min_device_budget_of_a_model_whose_every_layer_slides(tmp_path):
     """Where every layer slides, a decode step's working set depends on how the window meets
     the block edges, so an early step can need more than the last: counting only the last

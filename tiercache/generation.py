@@ -68,6 +68,7 @@ def _check_device_budget(cache: Any, config: TierConfig, num_prompt: int, max_ne
     from tiercache.config import format_bytes
     from tiercache.errors import CapacityError
 
+    prefill_chunk = prefill_chunk or None  # a prefill_chunk_size of 0 prefills at once, as transformers does
     need = cache.min_device_budget(num_prompt, 0, prefill_chunk, loaded)
     if need and config.device_budget < need:
         whole = cache.min_device_budget(num_prompt, max_new_tokens, prefill_chunk, loaded)

@@ -734,6 +734,15 @@ class TieredCache(Cache):
         (selection or retention on, which read or keep fewer blocks). Over chunked prefill
         the need grows with every chunk, so a budget that the first chunks fit fails later:
         ``tiercache generate`` checks this before the prefill."""
+        # "10" was a bare TypeError from inside, 0 a range() error, negatives an answer
+        prompt_tokens = _count_arg("min_device_budget", "prompt_tokens", prompt_tokens, 1)
+        new_tokens = _count_arg("min_device_budget", "new_tokens", new_tokens, 0)
+        loaded = _count_arg("min_device_budget", "loaded", loaded, 0)
+        if prefill_chunk is not None:
+            prefill_chunk = _count_arg("min_device_budget", "prefill_chunk", prefill_chunk, 1)
+        if loaded >= prompt_tokens:
+            raise ValueError(f"min_device_budget: loaded={loaded} must be less than prompt_tokens={prompt_tokens} "
+                             f"(load_prefix always leaves the last prompt token to compute)")
         widest = self._widest_blocks(prompt_tokens, new_tokens, prefill_chunk, loaded)
         if widest is None:
             return 0
@@ -1711,6 +1720,13 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
 
 
 _HOOKS["prefill"] = _prefill_hook
+
+
+def _count_arg(call: str, name: str, value: Any, low: int) -> int:
+    """``value`` checked: an integer (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{call}: {name} must be an integer >= {low}, got {value!r}")
+    return int(value)
 
 
 def _usual_positions(positions: Any, length: int, start: int = 0) -> bool:
