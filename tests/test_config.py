@@ -147,9 +147,9 @@ def test_every_integer_setting_is_refused_just_outside_its_range_and_taken_at_it
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("device_budget", 10 ** 23, "more than 1048576.0 TiB"),  # overflowed inside torch when the pool was made
+    ("device_budget", 10 ** 23, r"more than 1 EiB \(2\*\*60 bytes\)"),  # overflowed inside torch (a pool)
     ("disk_budget", "2000000TiB", "more than any machine holds"),
-    ("host_budget", "0.5", "'0.5' is not a whole number of bytes"),  # was 0 bytes: the host tier silently off
+    ("host_budget", "0.5", "'0.5' is 0.5 bytes, not a whole number of bytes"),  # was 0 bytes: the host tier off
     ("device_budget", "1.5B", "not a whole number of bytes"),
     ("eviction", ["lru"], r"eviction: unknown policy \['lru'\]; known: .*lru"),  # was TypeError: unhashable
     ("prefetch", {}, r"prefetch: unknown policy \{\}; known: .*next-layer"),
@@ -196,3 +196,62 @@ def test_a_prefetch_plug_in_cannot_hide_under_auto():
         TierConfig(prefetch="next-layer")  # other names are unaffected
     finally:
         del PREFETCH_POLICIES["auto"]
+
+
+@pytest.mark.parametrize("field,text,message", [
+    ("device_budget", "0.3KiB", "device_budget: '0.3KiB' is 307.2 bytes, not a whole number of bytes; use 307 or 308 "
+                                "bytes"),
+    ("host_budget", "0.0004KiB", "host_budget: '0.0004KiB' is 0.4096 bytes, not a whole number of bytes; use 1 byte"),
+    ("disk_budget", "0.0001KB", "disk_budget: '0.0001KB' is 0.1 bytes, not a whole number of bytes; use 1 byte"),
+    ("reuse_host_budget", "1.0000001MiB", "reuse_host_budget: '1.0000001MiB' is 1048576.1048576 bytes"),
+])
+def test_a_fractional_size_must_come_out_to_whole_bytes(field, text, message, tmp_path):
+    """A fractional size was computed in float and cut to an int without a word:
+    "0.3KiB" was 307 bytes, and "0.0004KiB" 0 bytes, which for host_budget and disk_budget
+    silently disabled the tier. Now the size is computed exactly: one that is not a whole
+    number of bytes is refused, naming the field, the value and the bytes it comes to (the
+    whole numbers around it, never 0), so a nonzero size never turns a tier off."""
+    kwargs = {field: text, "disk_dir": str(tmp_path / "kv")}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TierConfig(**kwargs)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1.5GiB", 3 << 29), ("0.5KiB", 512), ("1.25 MiB", 5 << 18), ("2.50KiB", 2560), ("0.001KB", 1),
+    ("1.5kb", 1500), ("0.0", 0), ("-0", 0), ("1.000000000000000000000000000000000000000000000000KiB", 1024),
+    ("1048576TiB", 1 << 60),
+])
+def test_fractional_sizes_that_are_whole_bytes_stay_accepted(text, expected):
+    """The README's "1.5GiB" and every fraction that is exact in its unit are taken as
+    before, now computed without float (trailing zeros, a 0 with a sign, the largest
+    budget)."""
+    assert parse_bytes(text, "host_budget") == expected
+    assert TierConfig(host_budget=text).host_budget == expected
+
+
+@pytest.mark.parametrize("field,value", [
+    ("device_budget", 10 ** 400), ("host_budget", "9" * 400), ("disk_budget", "9" * 400 + "GiB"),
+    ("device_budget", "9" * 400 + ".5KiB"), ("host_budget", 10 ** 5000), ("reuse_host_budget", "1" + "0" * 30 + "B"),
+    ("remote_max_inflight", str((1 << 60) + 1)), ("device_budget", 1e300),
+], ids=["int-400-digits", "str-400-digits", "GiB-400-digits", "KiB-fraction-400-digits", "int-5000-digits",
+        "B-31-digits", "2**60+1", "float-1e300"])  # an int past 4300 digits has no str() for an id
+def test_a_budget_past_any_machine_is_refused_up_front_by_field(field, value, tmp_path):
+    """A 400-digit budget with a unit was an OverflowError from the float parsing ("cannot
+    convert float infinity to integer"), and a 400-digit int was refused with all 400 digits
+    in the message (an int past 4300 digits would have made the message itself raise).
+    Every budget above 1 EiB (2**60 bytes: more than any machine addresses, and well within
+    the int64 sizes computed from it) is refused by field, in a message of a line."""
+    kwargs = {field: value, "disk_dir": str(tmp_path / "kv")}
+    with pytest.raises(ValueError, match=re.escape(f"{field}: ")) as info:
+        TierConfig(**kwargs)
+    assert "is more than 1 EiB (2**60 bytes), more than any machine holds" in str(info.value)
+    assert len(str(info.value)) < 200, info.value
+
+
+def test_the_largest_budget_is_taken_and_one_byte_more_is_not():
+    from tiercache.config import MAX_BUDGET
+
+    assert parse_bytes(MAX_BUDGET, "disk_budget") == parse_bytes(str(MAX_BUDGET), "disk_budget") == 1 << 60
+    for bad in (MAX_BUDGET + 1, str(MAX_BUDGET + 1), "1048576.0000000000001TiB"):
+        with pytest.raises(ValueError, match="disk_budget: .* more than 1 EiB"):
+            parse_bytes(bad, "disk_budget")

@@ -1,11 +1,13 @@
 """The one configuration object: a frozen, validated ``TierConfig``."""
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import re
 import tempfile
 from dataclasses import dataclass, field, fields
+from fractions import Fraction
 from typing import Optional, Union
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -19,8 +21,19 @@ _UNITS = {
     "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
     "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
 }
-MAX_BUDGET = 1 << 60  # 1 EiB: past any machine; a pool sized from a larger budget overflowed inside torch
-_BUDGET_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# The largest budget taken, in bytes: 1 EiB. More than any machine can address (x86-64 and
+# arm64 map at most 2**57 bytes, 128 PiB, with 5-level page tables), and far enough below
+# 2**63 - 1, the largest size a C int64 / off_t / ssize_t holds, that the pool sizes and file
+# offsets computed from a budget stay in range. A larger one (a 400-digit number) raised
+# OverflowError from inside the parser or torch; it is refused here, by field.
+MAX_BUDGET = 1 << 60
+_MAX_BUDGET_TEXT = "1 EiB (2**60 bytes)"
+_MAX_BUDGET_DIGITS = len(str(MAX_BUDGET))  # a whole part with more digits is past MAX_BUDGET in any unit
+# A fractional part with more significant digits is whole bytes in no unit: a unit holds at
+# most 2**40 (TiB) or 10**12 (TB), which clear at most 40 decimal places.
+_MAX_FRACTION_DIGITS = 40
+# sign, whole part, fractional part, unit
+_BUDGET_RE = re.compile(r"^\s*(-?)([0-9]+)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")
 AUTO = "auto"  # ``prefetch``: the policy that suits the store (``TieredCache``)
 DISK_IO_BACKENDS = ("auto", "posix", "kvikio")
@@ -44,7 +57,8 @@ def redact_url(url: Optional[str]) -> Optional[str]:
     # redis-py also takes a password from the query (?password=..., the usual way with
     # unix://). Those values go first, wherever a query could start: an '@' in one of them
     # was then taken for the user-info's, and the whole password showed (a review).
-    rest = _OPTION_RE.sub(lambda m: m.group(1) + m.group(2) + "=***" if _secret_option(m.group(2)) else m.group(0), rest)
+    rest = _OPTION_RE.sub(lambda m: m.group(1) + m.group(2) + "=***" if _secret_option(m.group(2)) else m.group(0),
+                          rest)
     at = rest.rfind("@")
     if at >= 0 and ":" in rest[:at]:
         rest = rest[:at].split(":", 1)[0] + ":***" + rest[at:]
@@ -137,33 +151,87 @@ def remote_credentials(url: str) -> tuple:
 def parse_bytes(value: Budget, field_name: str = "budget") -> int:
     """Parse ``value`` (int bytes, or a string such as "64MiB", "1.5GiB") into bytes.
 
-    Raises ``ValueError`` naming ``field_name`` and the value when it is negative or unparsable.
+    The size is computed exactly (no float): it must come out to a whole number of bytes,
+    so "1.5GiB" and "0.5KiB" are taken and "0.3KiB" (307.2 bytes) is refused, never
+    rounded; a nonzero size is never 0 bytes (0 disables the host and disk tiers).
+
+    Raises ``ValueError`` naming ``field_name`` and the value when it is negative, not a
+    whole number of bytes, more than ``MAX_BUDGET``, or unparsable.
     """
     if isinstance(value, bool):  # numpy's bools are not numbers.Integral: refused below
         raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}")
     if isinstance(value, numbers.Integral):  # numpy's ints too
-        num_bytes = int(value)
-    elif isinstance(value, numbers.Real) and float(value).is_integer():
-        num_bytes = int(value)
-    elif isinstance(value, str):
-        match = _BUDGET_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(
-                f"{field_name}: cannot parse {value!r}; use bytes or a size such as "
-                f"'512KiB', '64MiB', '1.5GiB'")
-        exact = float(match.group(1)) * _UNITS[unit]
-        if _UNITS[unit] == 1 and not exact.is_integer():  # "0.5" was 0 bytes: the tier silently off
+        exact = Fraction(int(value))
+    elif isinstance(value, numbers.Real):  # floats (numpy's too) and Fractions, exactly: no rounding
+        try:
+            exact = Fraction(value) if isinstance(value, numbers.Rational) else Fraction(float(value))
+        except (OverflowError, ValueError):  # inf, nan
+            raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}") from None
+        if exact.denominator != 1:
             raise ValueError(f"{field_name}: {value!r} is not a whole number of bytes")
-        num_bytes = int(exact)
+    elif isinstance(value, str):
+        exact = _parse_size_text(value, field_name)
     else:
-        raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}")
-    if num_bytes < 0:
-        raise ValueError(f"{field_name}: must not be negative, got {value!r}")
-    if num_bytes > MAX_BUDGET:  # past what any machine holds; a pool this size overflowed inside torch
-        raise ValueError(f"{field_name}: {value!r} is more than {format_bytes(MAX_BUDGET)}, more than any "
-                         f"machine holds")
-    return num_bytes
+        raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {_shown(value)}")
+    if exact < 0:
+        raise ValueError(f"{field_name}: must not be negative, got {_shown(value)}")
+    if exact > MAX_BUDGET:  # past what any machine holds; a pool this size overflowed inside torch
+        raise _too_large(field_name, value)
+    return int(exact)
+
+
+def _too_large(field_name: str, value: object) -> ValueError:
+    return ValueError(f"{field_name}: {_shown(value)} is more than {_MAX_BUDGET_TEXT}, more than any machine holds")
+
+
+def _parse_size_text(value: str, field_name: str) -> Fraction:
+    """The exact size a budget string names, in bytes: a whole number of them, or ValueError.
+    "0.3KiB" (307.2 bytes) was 307 bytes and "0.0004KiB" 0 bytes, silently: a host or disk
+    tier given that was off."""
+    match = _BUDGET_RE.match(value)
+    unit = match.group(4).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{field_name}: cannot parse {_shown(value)}; use bytes or a size such as "
+                         f"'512KiB', '64MiB', '1.5GiB'")
+    sign, whole, fraction = match.group(1), match.group(2).lstrip("0"), (match.group(3) or "").rstrip("0")
+    if len(whole) > _MAX_BUDGET_DIGITS:  # before any arithmetic: a 400-digit size was an OverflowError
+        if sign:
+            raise ValueError(f"{field_name}: must not be negative, got {_shown(value)}")
+        raise _too_large(field_name, value)
+    if len(fraction) > _MAX_FRACTION_DIGITS:
+        raise ValueError(f"{field_name}: {_shown(value)} is not a whole number of bytes ({len(fraction)} "
+                         f"decimal places; no unit makes that whole)")
+    exact = Fraction(int(whole + fraction or "0"), 10 ** len(fraction)) * _UNITS[unit]
+    if sign and exact:
+        raise ValueError(f"{field_name}: must not be negative, got {_shown(value)}")
+    if exact > MAX_BUDGET:
+        raise _too_large(field_name, value)
+    if exact.denominator != 1:
+        lower = math.floor(exact)
+        use = f"{lower} or {lower + 1} bytes" if lower else "1 byte"  # never 0: that disables a tier
+        raise ValueError(f"{field_name}: {value!r} is {_decimal_text(exact)} bytes, not a whole number of bytes; "
+                         f"use {use}")
+    return exact
+
+
+def _decimal_text(exact: Fraction) -> str:
+    """``exact`` (>= 0) written out in decimal digits: a size parsed from decimal text times a unit
+    has a denominator that divides a power of ten, so this is exact ("307.2")."""
+    places = next((k for k in range(2 * _MAX_FRACTION_DIGITS) if 10 ** k % exact.denominator == 0), None)
+    if places is None:  # pragma: no cover - not a size parsed from text
+        return str(exact)
+    digits = str(exact.numerator * (10 ** places // exact.denominator)).rjust(places + 1, "0")
+    return digits[:len(digits) - places] + ("." + digits[len(digits) - places:] if places else "")
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it: a huge number or a long text cut short (the
+    repr of an int past 4300 digits raises ValueError itself)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value).bit_length() > 128:
+        return f"an integer of about {int(int(value).bit_length() * math.log10(2)) + 1} digits"
+    if isinstance(value, str) and len(value) > 64:
+        return f"{value[:40]!r}... ({len(value)} characters)"
+    return repr(value)
 
 
 def format_bytes(num_bytes: float) -> str:
