@@ -255,3 +255,34 @@ def test_the_largest_budget_is_taken_and_one_byte_more_is_not():
     for bad in (MAX_BUDGET + 1, str(MAX_BUDGET + 1), "1048576.0000000000001TiB"):
         with pytest.raises(ValueError, match="disk_budget: .* more than 1 EiB"):
             parse_bytes(bad, "disk_budget")
+
+
+def test_a_disk_dir_with_a_nul_character_is_refused_at_config_time(tmp_path):
+    """A NUL in ``disk_dir`` was taken, and the first forward failed ("embedded null
+    byte"). It is refused when the config is made, disk tier on or not."""
+    for budget in ("1MiB", 0):
+        with pytest.raises(ValueError, match=re.escape("disk_dir: ") + ".*" + re.escape(
+                "contains a NUL character, which no path can hold")):
+            TierConfig(disk_dir=str(tmp_path / "k\0v"), disk_budget=budget)
+
+
+def test_a_disk_dir_that_is_a_dangling_symlink_is_named(tmp_path):
+    """A ``disk_dir`` that is a symlink to a missing folder passed the config (it does not
+    exist, and its parent is writable), and opening the disk tier failed with a bare "File
+    exists". The config names the path and that it links to a missing target; so for a
+    disk_dir below such a link, and for a link loop."""
+    link = tmp_path / "kv"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=re.escape(
+            f"disk_dir: {str(link)!r} is a symlink to a missing target ({str(tmp_path / 'gone')!r}); create that "
+            f"directory, or remove the link")):
+        TierConfig(disk_dir=str(link))
+    with pytest.raises(ValueError, match=re.escape(
+            f"disk_dir: {str(link / 'cache')!r} cannot be created: {str(link)!r} is a symlink to a missing target")):
+        TierConfig(disk_dir=str(link / "cache"))
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ValueError, match=re.escape(f"disk_dir: {str(tmp_path / 'a')!r} is a symlink loop")):
+        TierConfig(disk_dir=str(tmp_path / "a"))
+    (tmp_path / "gone").mkdir()  # the link's target made: taken
+    assert TierConfig(disk_dir=str(link)).disk_enabled

@@ -1,6 +1,7 @@
 """The one configuration object: a frozen, validated ``TierConfig``."""
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import os
@@ -252,12 +253,30 @@ def default_cache_home() -> str:
     return os.path.join(base, "tiercache")
 
 
+def _broken_link(path: str) -> str:
+    """What is wrong with ``path``, a symlink that leads nowhere (``os.path.exists`` False)."""
+    try:
+        target = os.readlink(path)
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{path!r} is a symlink loop"
+        if exc.errno != errno.ENOENT:
+            return f"{path!r} is a symlink that cannot be followed ({exc.strerror})"
+        return (f"{path!r} is a symlink to a missing target ({target!r}); create that directory, "
+                f"or remove the link")
+    return f"{path!r} is a symlink to {target!r}, which cannot be reached"  # pragma: no cover - a race
+
+
 def _check_dir_usable(path: str) -> None:
     """Raise ValueError unless ``path`` is (or can become) a writable directory."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"disk_dir: {path!r} exists and is not a directory")
     probe = path
     while not os.path.exists(probe):
+        if os.path.islink(probe):  # creating the folder failed later, with a bare "File exists"
+            raise ValueError(f"disk_dir: {_broken_link(probe)}" if probe == path else
+                             f"disk_dir: {path!r} cannot be created: {_broken_link(probe)}")
         parent = os.path.dirname(probe.rstrip(os.sep)) or "."
         if parent == probe:
             break
@@ -346,9 +365,12 @@ class TierConfig:
         if self.disk_io not in DISK_IO_BACKENDS:
             raise ValueError(f"disk_io: must be one of {', '.join(DISK_IO_BACKENDS)}, got {self.disk_io!r}")
         if self.disk_dir is not None:
-            if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
+            path = os.fspath(self.disk_dir) if isinstance(self.disk_dir, (str, os.PathLike)) else None
+            if not isinstance(path, str) or path == "":  # a PathLike of bytes too
                 raise ValueError(f"disk_dir: expected a directory path, got {self.disk_dir!r}")
-            object.__setattr__(self, "disk_dir", os.path.abspath(os.path.expanduser(os.fspath(self.disk_dir))))
+            if "\0" in path:  # was taken, and the first forward failed ("embedded null byte")
+                raise ValueError(f"disk_dir: {path!r} contains a NUL character, which no path can hold")
+            object.__setattr__(self, "disk_dir", os.path.abspath(os.path.expanduser(path)))
             if self.disk_budget > 0:
                 _check_dir_usable(self.disk_dir)
         if self.device is not None:  # a name torch cannot parse failed at the first generate()
