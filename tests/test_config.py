@@ -257,6 +257,77 @@ def test_the_largest_budget_is_taken_and_one_byte_more_is_not():
             parse_bytes(bad, "disk_budget")
 
 
+@pytest.mark.parametrize("prefetch,depth", [("none", 5), ("next-layer", 3), ("next-layer", 1), ("history", 4)])
+def test_a_prefetch_depth_that_the_prefetch_policy_does_not_read_is_refused(prefetch, depth):
+    """``prefetch_depth`` was taken with prefetch "none", "next-layer" or "history", which
+    TieredCache builds without a depth: it did nothing. A depth other than the default
+    (a given 2 cannot be told from the default) is refused there, naming both fields and
+    the settings that read it."""
+    with pytest.raises(ValueError, match=re.escape(
+            f"prefetch_depth: {depth} layer{'s' * (depth != 1)}, but prefetch={prefetch!r} is built without a depth, "
+            f"so it would be ignored; only prefetch='lookahead' (and 'auto', ")):
+        TierConfig(prefetch=prefetch, prefetch_depth=depth)
+
+
+def test_a_prefetch_depth_is_taken_where_it_is_read():
+    """What the refusal leaves alone: a depth with lookahead and auto, and the default depth
+    with every policy (the CLI never passes one)."""
+    assert TierConfig(prefetch="lookahead", prefetch_depth=5).prefetch_depth == 5
+    assert TierConfig(prefetch="auto", prefetch_depth=7).prefetch_depth == 7
+    for prefetch in ("none", "next-layer", "history"):
+        assert TierConfig(prefetch=prefetch, prefetch_depth=2).prefetch == prefetch
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(reuse=False), "reuse_admission: 'reused' decides what the prefix cache stores, and reuse=False turns the "
+                        "prefix cache off, so it would be ignored; set reuse=None or True (with a disk tier), or "
+                        "leave reuse_admission 'always'"),
+    (dict(disk_dir=None), "reuse_admission: 'reused' decides what the prefix cache stores, and there is no prefix "
+                          "cache without a disk tier (disk_dir=None, disk_budget=16777216), so it would be ignored"),
+    (dict(disk_budget=0), "and there is no prefix cache without a disk tier"),
+    (dict(retention="h2o"), "and retention='h2o' turns it off (the prefix cache stores exact KV), so it would be "
+                            "ignored; set retention=None"),
+    (dict(block_tokens=2048), "and block_tokens=2048 turns it off (a record's header holds at most 1333 token ids)"),
+])
+def test_a_reuse_admission_without_a_prefix_cache_is_refused(settings, message, tmp_path):
+    """``reuse_admission="reused"`` with ``reuse=False`` (or no disk tier, a lossy
+    retention, blocks too long for a record) was taken, and the prefix cache it governs
+    never ran. It is refused naming both settings and what would turn the cache on."""
+    settings = {"disk_dir": str(tmp_path / "kv"), "disk_budget": "16MiB", **settings}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TierConfig(reuse_admission="reused", **settings)
+    assert TierConfig(reuse_admission="always", **settings).reuse_admission == "always"
+
+
+def test_a_reuse_admission_with_the_prefix_cache_is_taken(tmp_path):
+    kv = str(tmp_path / "kv")
+    assert TierConfig(reuse_admission="reused", disk_dir=kv).reuse_enabled
+    assert TierConfig(reuse_admission="reused", disk_dir=kv, reuse=True).reuse_admission == "reused"
+
+
+def test_the_prefix_store_of_a_cache_with_a_lookahead_depth_still_opens(tmp_path, caplog):
+    """The prefix cache's own store copies the user's config with prefetch "none"; with the
+    user's ``prefetch_depth=3`` (for lookahead) that copy was refused, and the prefix cache
+    went off for the run ("prefix cache off"). It takes the default depth now."""
+    import torch
+    import transformers
+
+    from tiercache import TieredCache
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).eval()
+    cfg = TierConfig(device_budget="64KiB", host_budget="64KiB", disk_dir=str(tmp_path / "kv"), disk_budget="4MiB",
+                     block_tokens=4, prefetch="lookahead", prefetch_depth=3)
+    ids = torch.randint(1, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level("WARNING", logger="tiercache"), TieredCache(model, cfg) as cache, torch.no_grad():
+        cache.load_prefix(ids)
+        model(ids, cache=cache)
+        assert cache.prefix is not None
+    assert "prefix cache off" not in caplog.text
+
+
 def test_a_disk_dir_with_a_nul_character_is_refused_at_config_time(tmp_path):
     """A NUL in ``disk_dir`` was taken, and the first forward failed ("embedded null
     byte"). It is refused when the config is made, disk tier on or not."""

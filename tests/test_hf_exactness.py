@@ -30,7 +30,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: E402
 
 import tiercache  # noqa: E402
 from tiercache import CapacityError, Tier, TierConfig, TieredCache, UnsupportedModelError  # noqa: E402
-from tiercache.config import AUTO  # noqa: E402
+from tiercache.config import AUTO, PREFETCH_DEPTH_POLICIES  # noqa: E402
 from tiercache.policies import EVICTION_POLICIES  # noqa: E402
 
 BT = 4  # block_tokens
@@ -529,12 +529,13 @@ def _random_cases(n: int, seed: int = 2024) -> list:
     rng = random.Random(seed)
     cases = []
     for i in range(n):
-        cases.append(pytest.param(
-            rng.choice(FAMILIES), rng.choice(MODES), rng.choice([1, 2, 3, 5, 8]), rng.randint(0, 3),
-            rng.randint(1, 12), rng.choice(BUILT_IN_EVICTIONS),
-            rng.choice(["none", "next-layer", "lookahead", "history", AUTO]), rng.randint(1, 4),
-            rng.choice([2, 3, 5, 8]),
-            id=f"case{i}"))
+        case = [rng.choice(FAMILIES), rng.choice(MODES), rng.choice([1, 2, 3, 5, 8]), rng.randint(0, 3),
+                rng.randint(1, 12), rng.choice(BUILT_IN_EVICTIONS),
+                rng.choice(["none", "next-layer", "lookahead", "history", AUTO]), rng.randint(1, 4),
+                rng.choice([2, 3, 5, 8])]
+        if case[6] not in PREFETCH_DEPTH_POLICIES:  # a depth the policy does not read is refused
+            case[7] = TierConfig.prefetch_depth
+        cases.append(pytest.param(*case, id=f"case{i}"))
     return cases
 
 

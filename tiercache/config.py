@@ -37,8 +37,13 @@ _MAX_FRACTION_DIGITS = 40
 _BUDGET_RE = re.compile(r"^\s*(-?)([0-9]+)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")
 AUTO = "auto"  # ``prefetch``: the policy that suits the store (``TieredCache``)
+# The prefetch settings that read ``prefetch_depth``: TieredCache builds ``lookahead`` with it
+# (``_set_prefetch``), and ``auto`` picks lookahead where disk blocks stream into attention;
+# none, next-layer, history and plug-ins are built without it.
+PREFETCH_DEPTH_POLICIES = ("lookahead", AUTO)
+_DEFAULT_PREFETCH_DEPTH = 2  # TierConfig.prefetch_depth's default: any other needs one of the above
 DISK_IO_BACKENDS = ("auto", "posix", "kvikio")
-REUSE_ADMISSIONS = ("always", "reused")
+REUSE_ADMISSIONS = ("always", "reused")  # the first is TierConfig.reuse_admission's default
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 REMOTE_ENV_USERNAME = "TIERCACHE_REMOTE_USERNAME"
@@ -315,7 +320,7 @@ class TierConfig:
     # or retention: reading two layers ahead keeps the disk busy; a buffer per layer read
     # ahead, outside the budgets), else ``next-layer``
     prefetch: str = AUTO
-    prefetch_depth: int = 2
+    prefetch_depth: int = _DEFAULT_PREFETCH_DEPTH  # layers ahead, for prefetch "lookahead" (and "auto")
     io_workers: int = 4
     direct_io: str = "auto"
     # Who reads and writes disk records: "posix" (pread/pwrite on the I/O threads), "kvikio"
@@ -331,7 +336,7 @@ class TierConfig:
     retention_budget: int = 1024  # tokens each full-attention layer keeps with a retention policy
     reuse: Optional[bool] = None  # prefix cache; None: on when the disk tier is enabled
     reuse_host_budget: Budget = "1GiB"  # host memory of the prefix cache (warm prefixes)
-    reuse_admission: str = "always"  # "always", or "reused": store a block once seen twice
+    reuse_admission: str = REUSE_ADMISSIONS[0]  # "always", or "reused": store a block once seen twice
     shared_dir: bool = False  # opt in: accept a disk_dir with looser permissions or another owner
     # CPU, host tier: decode attention reads each block where it lies instead of gathering the
     # layer into one K and V first (tiercache.streaming): faster, and as close to the exact
@@ -359,6 +364,14 @@ class TierConfig:
         if self.prefetch == AUTO and AUTO in PREFETCH_POLICIES:
             raise ValueError(f"prefetch: {AUTO!r} names tiercache's own choice of policy, so a plug-in registered "
                              f"under that name would never run; register it under another name")
+        # Only a depth told apart from its default (2 given or not, it cannot say): one was
+        # taken with prefetch "none" or "next-layer", and did nothing.
+        if self.prefetch_depth != _DEFAULT_PREFETCH_DEPTH and self.prefetch not in PREFETCH_DEPTH_POLICIES:
+            layers = f"{self.prefetch_depth} layer{'s' * (self.prefetch_depth != 1)}"
+            raise ValueError(f"prefetch_depth: {layers}, but prefetch={self.prefetch!r} is built without a depth, "
+                             f"so it would be ignored; only prefetch='lookahead' (and 'auto', which picks lookahead "
+                             f"where disk blocks stream into attention) reads it: set one of those, or leave "
+                             f"prefetch_depth at {_DEFAULT_PREFETCH_DEPTH}")
         self._check_selection_and_retention()
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io: must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
@@ -401,11 +414,29 @@ class TierConfig:
         if self.reuse_admission not in REUSE_ADMISSIONS:
             raise ValueError(f"reuse_admission: must be one of {', '.join(REUSE_ADMISSIONS)}, "
                              f"got {self.reuse_admission!r}")
+        if self.reuse_admission != REUSE_ADMISSIONS[0] and not self.reuse_enabled:
+            why, fix = self._why_no_reuse()
+            raise ValueError(f"reuse_admission: {self.reuse_admission!r} decides what the prefix cache stores, "
+                             f"and {why}, so it would be ignored; {fix}, or leave reuse_admission "
+                             f"{REUSE_ADMISSIONS[0]!r}")
         self._check_remote()
         if self.attend_in_place and not self.host_enabled:  # it reads host-tier blocks; host_budget=0: none
             raise ValueError("attend_in_place: True reads the host tier's blocks where they lie, and host_budget=0 "
                              "disables the host tier, so it would do nothing; set a host_budget > 0, or leave "
                              "attend_in_place False")
+
+    def _why_no_reuse(self) -> tuple:
+        """(why the prefix cache is off, what would turn it on), where ``reuse_enabled`` is False."""
+        if self.reuse is False:
+            return "reuse=False turns the prefix cache off", "set reuse=None or True (with a disk tier)"
+        if self.retention is not None:
+            return (f"retention={self.retention!r} turns it off (the prefix cache stores exact KV)",
+                    "set retention=None")
+        if not self.disk_enabled:
+            return (f"there is no prefix cache without a disk tier (disk_dir={self.disk_dir!r}, "
+                    f"disk_budget={self.disk_budget})", "set disk_dir with a disk_budget > 0")
+        return (f"block_tokens={self.block_tokens} turns it off (a record's header holds at most "
+                f"{_max_reuse_block_tokens()} token ids)", f"use block_tokens <= {_max_reuse_block_tokens()}")
 
     def _check_remote(self) -> None:
         object.__setattr__(self, "remote_max_inflight", parse_bytes(self.remote_max_inflight, "remote_max_inflight"))

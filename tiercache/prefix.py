@@ -415,8 +415,10 @@ class PrefixCache:
         try:  # checks the directory: a file or an unwritable folder in its place is a CacheDirError
             # (attention never reads this store: attend_in_place off, or reuse_host_budget=0
             # with it on was refused as a host tier it cannot read, and the cache went off)
+            # (prefetch "none" takes no prefetch_depth: the user's, set for lookahead, was refused)
             store_cfg = replace(config, device_budget=2 * g.block_bytes, host_budget=config.reuse_host_budget,
-                                disk_dir=self.directory, prefetch="none", eviction=eviction, attend_in_place=False)
+                                disk_dir=self.directory, prefetch="none", prefetch_depth=TierConfig.prefetch_depth,
+                                eviction=eviction, attend_in_place=False)
         except ValueError as exc:
             raise CacheDirError(str(exc)) from None
         self.events = Events(eviction)

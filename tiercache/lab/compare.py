@@ -13,7 +13,7 @@ import os
 import tempfile
 from typing import Any, Callable, Optional
 
-from tiercache.config import TierConfig, format_bytes
+from tiercache.config import PREFETCH_DEPTH_POLICIES, TierConfig, format_bytes
 from tiercache.lab.sim import Bandwidths, InfeasibleBudget, replay
 from tiercache.lab.trace import Trace
 from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES
@@ -141,8 +141,10 @@ def live_runs(prompt: str, base: TierConfig, policies: list, budgets: list, pref
     for budget in budgets:
         for prefetch in prefetches:
             for policy in policies:
+                # base's prefetch_depth only where this prefetch reads one: "none" with a depth is refused
+                depth = base.prefetch_depth if prefetch in PREFETCH_DEPTH_POLICIES else TierConfig.prefetch_depth
                 try:  # a budget under one block: that row's error, as the replay skips it (was: the whole run lost)
-                    cfg = replace(base, device_budget=budget, eviction=policy, prefetch=prefetch)
+                    cfg = replace(base, device_budget=budget, eviction=policy, prefetch=prefetch, prefetch_depth=depth)
                 except ValueError as exc:
                     out.append({"policy": policy, "prefetch": prefetch, "budget_bytes": budget, "error": str(exc)})
                     continue
