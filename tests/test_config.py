@@ -357,3 +357,28 @@ def test_a_disk_dir_that_is_a_dangling_symlink_is_named(tmp_path):
         TierConfig(disk_dir=str(tmp_path / "a"))
     (tmp_path / "gone").mkdir()  # the link's target made: taken
     assert TierConfig(disk_dir=str(link)).disk_enabled
+
+
+def test_a_disk_records_size_is_spelled_out_with_its_header(tmp_path):
+    """A disk tier holds ``disk_budget // record`` blocks, and a record is the block plus a
+    header page (payload padded to pages for O_DIRECT): 64 KiB held 3 blocks of 16 KiB, and
+    the CapacityError named only the budget. ``DiskTier.record_layout`` says the per-record
+    bytes, payload and header, as the store counts them (for its messages: tiercache/store.py)."""
+    import torch
+
+    from tiercache import Tier
+    from tiercache.disk import DiskTier
+    from tiercache.store import BlockStore
+    from tiercache.tiers import BlockGeometry
+
+    g = BlockGeometry(1, 2, 16, 64, torch.float32)  # 16 KiB of KV a block
+    assert DiskTier.record_layout(g) == ("20480 bytes per disk record: the block's 16384 bytes plus a 4096-byte "
+                                         "header, in 4096-byte pages for O_DIRECT")
+    cfg = TierConfig(device_budget="32KiB", host_budget=0, disk_dir=str(tmp_path / "kv"), disk_budget="64KiB",
+                     block_tokens=16, reuse=False)
+    with BlockStore(cfg, g) as store:
+        assert store.num_slots(Tier.DISK) == (64 << 10) // 20480 == 3
+    odd = BlockGeometry(1, 3, 5, 64, torch.float16)  # 3840 bytes: padded to a page
+    assert DiskTier.record_layout(odd).startswith("8192 bytes per disk record: the block's 3840 bytes padded to "
+                                                  "4096 plus a 4096-byte header")
+    assert DiskTier.record_size(odd) == 8192

@@ -458,6 +458,16 @@ class DiskTier(RecordCodec):
         """Bytes of one slot on disk: header plus padded payload."""
         return HEADER_BYTES + align_up(geometry.block_bytes)
 
+    @staticmethod
+    def record_layout(geometry: BlockGeometry) -> str:
+        """``record_size`` spelled out, for a message that sizes ``disk_budget``: a disk
+        tier of N blocks takes N records, each more than the block's bytes (a CapacityError
+        named only the budget, and 64 KiB held 3 blocks of 16 KiB, not 4)."""
+        payload, padded = geometry.block_bytes, align_up(geometry.block_bytes)
+        pad = f" padded to {padded}" if padded != payload else ""
+        return (f"{HEADER_BYTES + padded} bytes per disk record: the block's {payload} bytes{pad} plus a "
+                f"{HEADER_BYTES}-byte header, in {ALIGN}-byte pages for O_DIRECT")
+
     # ---- locking -------------------------------------------------------------------
     def _release_lock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None  # first: a fork between the two must not close the number again
