@@ -596,3 +596,52 @@ def _recording(fn, seen: list):
         seen.append((signum, handler))
         return fn(signum, handler)
     return call
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama with the default model's tokenizer (128 positions), saved as a
+    model folder: the output-file scenarios below need a whole run, not a good answer, and
+    it loads in a second where SmolLM2 takes several. Skips where the tokenizer is not
+    converted."""
+    from test_cache_admin import tiny_bench_model
+
+    return tiny_bench_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def run_tiny(model: str, *args: str) -> subprocess.CompletedProcess:
+    """``tiercache generate`` with the tiny model, one new token, no progress or table."""
+    return cli("generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "1", "--quiet", *args)
+
+
+def test_a_metrics_textfile_behind_a_link_stays_a_link_and_a_fifo_is_refused_up_front(tiny_model, tmp_path):
+    """``--metrics-textfile`` renamed its temporary file over whatever the path named: a
+    symlink became a plain file (the file it pointed to, the one node_exporter reads, was
+    never written), a FIFO became a plain file, and as root ``/dev/full`` did. Now the file
+    a link leads to gets the metrics and the link stays, as ``--stats-json`` (opened
+    through the link) always did; a path that is a FIFO (here for every kind that is not a
+    regular file: a test must not risk a real device node) is refused with one line naming
+    the flag and the path, before the model loads (a model path that does not exist is
+    never reached), and stays a FIFO."""
+    import stat
+
+    fifo = tmp_path / "pipe.prom"
+    os.mkfifo(fifo)
+    proc = cli("generate", "--prompt", "hi", "--model", str(tmp_path / "no-model"), "--metrics-textfile", str(fifo))
+    assert proc.returncode == 2
+    assert proc.stderr == (f"tiercache: error: --metrics-textfile: {str(fifo)!r} is a named pipe (FIFO); only a "
+                           f"regular file (or a new one) can take the textfile, which is written as a new file "
+                           f"renamed over it\n")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    collector = tmp_path / "collector"
+    collector.mkdir()
+    (collector / "tiercache.prom").write_text("# the previous run's\n")
+    prom, stats = tmp_path / "job.prom", tmp_path / "job.json"
+    prom.symlink_to(collector / "tiercache.prom")
+    stats.symlink_to(collector / "stats.json")  # a dangling link: --stats-json makes its target
+    proc = run_tiny(tiny_model, "--metrics-textfile", str(prom), "--stats-json", str(stats))
+    assert proc.returncode == 0, proc.stderr
+    assert prom.is_symlink() and stats.is_symlink()
+    assert "tiercache_decode_tokens_total" in (collector / "tiercache.prom").read_text()
+    assert json.loads((collector / "stats.json").read_text())["stats"]["prefill_tokens"] > 0
+    assert sorted(os.listdir(collector)) == ["stats.json", "tiercache.prom"]

@@ -2,6 +2,7 @@
 parsed with prometheus_client's parser and checked against ``cache.stats()``."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import urllib.error
@@ -386,6 +387,56 @@ def test_textfile_written_after_generation_counts_what_happened_before_attaching
     text = path.read_text()
     assert samples(text) == expected(cache.stats())
     assert cache.stats()["moves"] and histogram(text, "tiercache_move_seconds") == {}  # only since attaching
+
+
+def test_a_textfile_through_a_symlink_writes_where_the_link_leads_and_the_link_stays(model, make_cache, tmp_path):
+    """node_exporter set-ups often give the job a link into the collector's folder. Before,
+    ``write_textfile`` renamed its temporary file over the link itself: the link became a
+    plain file, and the file it pointed to (the one node_exporter reads) was never written.
+    Now the file the link leads to is replaced, atomically (its temporary file is made next
+    to it, in its own folder, and nothing is left behind), and the link stays a link; a
+    dangling link gets its target made."""
+    cache = make_cache()
+    generate(model, cache, max_new_tokens=2)
+    collector = tmp_path / "collector"
+    collector.mkdir()
+    target = collector / "tiercache.prom"
+    target.write_text("# the previous run's metrics\n")
+    link = tmp_path / "job.prom"
+    link.symlink_to(target)
+    write_textfile(cache, str(link))
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert samples(target.read_text()) == expected(cache.stats())
+    dangling = tmp_path / "new.prom"
+    dangling.symlink_to(collector / "second.prom")
+    write_textfile(cache, str(dangling))
+    assert dangling.is_symlink() and samples((collector / "second.prom").read_text()) == expected(cache.stats())
+    assert sorted(os.listdir(collector)) == ["second.prom", "tiercache.prom"]  # no temporary file left
+    assert sorted(os.listdir(tmp_path)) == ["collector", "job.prom", "kv0", "new.prom"]
+
+
+def test_a_textfile_path_that_is_a_fifo_or_a_directory_is_refused_and_left_as_it_was(model, make_cache, tmp_path):
+    """The rename replaced whatever was at the path: a named pipe (its reader then waited
+    for good) became a plain file, and as root ``/dev/full`` did too. (A device node cannot
+    be made without root, and this test must not risk a real one: a FIFO stands for every
+    kind that is not a regular file.) Now a FIFO, or a link to one, is refused with a
+    ValueError naming the path and what it is, and stays a FIFO; a directory is refused
+    the same way (it was an IsADirectoryError from deep inside prometheus_client)."""
+    import stat
+
+    cache = make_cache()
+    fifo = tmp_path / "pipe.prom"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.prom"
+    link.symlink_to(fifo)
+    folder = tmp_path / "folder.prom"
+    folder.mkdir()
+    for path, kind in ((fifo, "a named pipe"), (link, "a named pipe"), (folder, "a directory")):
+        with pytest.raises(ValueError, match=f"metrics textfile: '{path}' .*is {kind}"):
+            write_textfile(cache, str(path))
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink() and folder.is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["folder.prom", "link.prom", "pipe.prom"]  # no temporary file
+    assert os.listdir(folder) == []
 
 
 def test_a_batch_is_one_event_and_the_histogram_matches_prometheus_clients():

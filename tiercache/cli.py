@@ -172,11 +172,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"metrics: {metrics_url(args.metrics_addr, port)}", file=sys.stderr)
 
     def on_done(cache) -> None:
-        from tiercache.metrics import stop_metrics, write_textfile
+        from tiercache.metrics import stop_metrics, textfile_target, write_textfile
 
         if args.metrics_textfile:
-            try:
-                write_textfile(cache, args.metrics_textfile)
+            try:  # where a symlink leads: the link stays; a FIFO made there meanwhile, refused
+                write_textfile(cache, textfile_target(args.metrics_textfile, what="--metrics-textfile"))
+            except ValueError as exc:
+                late_errors.append(str(exc))
             except OSError as exc:  # checked before the run, but its temporary file has another name
                 late_errors.append(f"--metrics-textfile: cannot write {args.metrics_textfile!r} "
                                    f"({exc.strerror or exc})")
@@ -230,7 +232,16 @@ def check_writable(flag: str, path: str, replaced: bool = False) -> None:
     permission checked); a new one is made and removed again (through a symlink: the file it
     points to). Permission bits alone do not tell: root may write anywhere by them, yet not
     make a file in /proc. ``replaced``: the writer makes a temporary file next to ``path``
-    and renames it over it (prometheus' ``write_to_textfile``), so the folder is probed."""
+    and renames it over it (prometheus' ``write_to_textfile``), so the folder is probed,
+    and anything there but a regular file (a device node, a FIFO, a directory) is refused:
+    the rename would replace it (``tiercache.metrics.textfile_target``)."""
+    if replaced:
+        from tiercache.metrics import textfile_target
+
+        try:
+            textfile_target(path, what=flag)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     target = os.path.realpath(path)
     folder = os.path.dirname(target)
     if os.path.isdir(target):

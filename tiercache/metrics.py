@@ -20,6 +20,8 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
+import stat
 import threading
 from typing import Any, Iterable, Optional
 
@@ -350,6 +352,38 @@ def stop_metrics(cache: Any) -> None:
         metrics.close()
 
 
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for a message."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "of another kind"  # pragma: no cover - every kind Linux has is named above
+
+
+def textfile_target(path: str, what: str = "metrics textfile") -> str:
+    """The file that ``write_textfile(cache, path)`` replaces: ``path``, or where its symlinks
+    lead (``os.path.realpath``), so that a link stays a link and the file it points to gets
+    the metrics (the rename went over the link itself, which became a plain file and its
+    target was never written). ValueError, naming ``what`` and ``path``, when something
+    that is not a regular file is there: a device node, a FIFO, a directory would be replaced
+    by the rename (as root, ``/dev/full`` became a regular file)."""
+    target = os.path.realpath(path)
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:  # none yet (or a dangling link's target): the rename makes it; a folder
+        return target  # that cannot be searched, say: the write itself reports that
+    if not stat.S_ISREG(mode):
+        shown = repr(path) if target == os.path.abspath(path) else f"{path!r} (a link to {target!r})"
+        raise ValueError(f"{what}: {shown} is {_file_kind(mode)}; only a regular file (or a new one) can take "
+                         f"the textfile, which is written as a new file renamed over it")
+    return target
+
+
 def write_textfile(cache: Any, path: str) -> None:
-    """Write the cache's metrics atomically to ``path`` (a ``.prom`` file for node_exporter)."""
-    write_to_textfile(path, metrics_for(cache).registry)
+    """Write the cache's metrics atomically to ``path`` (a ``.prom`` file for node_exporter):
+    a temporary file next to it, renamed over it. A symlink is followed (the file it points
+    to is replaced, the link stays); ``path`` that is a device node, a FIFO or a directory is
+    refused (ValueError) before anything is written (``textfile_target``)."""
+    write_to_textfile(textfile_target(path), metrics_for(cache).registry)
