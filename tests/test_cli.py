@@ -645,3 +645,49 @@ def test_a_metrics_textfile_behind_a_link_stays_a_link_and_a_fifo_is_refused_up_
     assert "tiercache_decode_tokens_total" in (collector / "tiercache.prom").read_text()
     assert json.loads((collector / "stats.json").read_text())["stats"]["prefill_tokens"] > 0
     assert sorted(os.listdir(collector)) == ["stats.json", "tiercache.prom"]
+
+
+def test_two_flags_naming_one_file_are_refused_before_the_model_loads(tmp_path, capsys):
+    """``--trace-out F --stats-json F`` was accepted: the trace was written, then the stats
+    JSON over it, and the trace was gone without a word (so with ``--metrics-textfile``,
+    and an output over ``--prompt-file`` replaced the prompt). Now two flags that name one
+    file are refused with one line naming both, before the model loads (the model path
+    given does not exist and is never reached): the same path, a symlink to it, a hard
+    link, a dangling link and the file it will make. ``/dev/null`` for two outputs is
+    still fine: nothing is replaced there (the run goes on, to the missing model)."""
+    from tiercache.cli import main
+
+    out = tmp_path / "out"
+    out.write_text("")
+    (tmp_path / "link").symlink_to(out)
+    os.link(out, tmp_path / "hard")
+    (tmp_path / "dangling").symlink_to(tmp_path / "new")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hi")
+    no_model = ["--model", str(tmp_path / "no-model")]
+    for argv, flags, shown in (
+            (["--trace-out", "OUT", "--stats-json", "OUT"], ("--trace-out", "--stats-json"), "'OUT'"),
+            (["--trace-out", "LINK", "--stats-json", "OUT"], ("--trace-out", "--stats-json"), "'LINK' and 'OUT'"),
+            (["--stats-json", "HARD", "--metrics-textfile", "OUT"], ("--stats-json", "--metrics-textfile"),
+             "'HARD' and 'OUT'"),
+            (["--trace-out", "DANGLING", "--metrics-textfile", "NEW"], ("--trace-out", "--metrics-textfile"),
+             "'DANGLING' and 'NEW'")):
+        names = {"OUT": out, "LINK": tmp_path / "link", "HARD": tmp_path / "hard",
+                 "DANGLING": tmp_path / "dangling", "NEW": tmp_path / "new"}
+        for name, path in names.items():
+            shown = shown.replace(f"'{name}'", repr(str(path)))
+        assert main(["generate", "--prompt", "hi", *no_model, *[str(names.get(a, a)) for a in argv]]) == 2
+        assert capsys.readouterr().err == (f"tiercache: error: {flags[0]} and {flags[1]} name the same file "
+                                           f"({shown}): {flags[1]} would overwrite the other; give each its own "
+                                           f"file\n")
+    assert main(["generate", "--prompt-file", str(prompt), *no_model, "--stats-json", str(prompt)]) == 2
+    assert capsys.readouterr().err == (f"tiercache: error: --prompt-file and --stats-json name the same file "
+                                       f"({str(prompt)!r}): --stats-json would overwrite the prompt; give each "
+                                       f"its own file\n")
+    assert prompt.read_text() == "hi" and out.read_text() == "" and not (tmp_path / "new").exists()
+    assert main(["compare", "--prompt-file", str(tmp_path / "link"), *no_model, "--trace-out", str(out),
+                 "--libcachesim", "none"]) == 2  # the trace recorded over the prompt
+    assert "--prompt-file and --trace-out name the same file" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", *no_model, "--trace-out", "/dev/null", "--stats-json",
+                 "/dev/null"]) == 2
+    assert capsys.readouterr().err.startswith("tiercache: error: --model: ")

@@ -201,6 +201,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             check_writable(flag, path)
     if args.metrics_textfile:
         check_writable("--metrics-textfile", args.metrics_textfile, replaced=True)
+    check_distinct([("--prompt-file", args.prompt_file), ("--trace-out", args.trace_out),
+                    ("--stats-json", args.stats_json), ("--metrics-textfile", args.metrics_textfile)])
     if args.metrics_port is not None:  # a port taken, an unknown address: now, not after the model loads
         from tiercache.metrics import check_endpoint
 
@@ -268,6 +270,39 @@ def check_writable(flag: str, path: str, replaced: bool = False) -> None:
             os.unlink(target)  # made here a moment ago (O_EXCL): nobody else's
     except OSError as exc:
         raise CLIError(f"{flag}: cannot write {path!r} ({exc.strerror or exc})") from None
+
+
+def check_distinct(files: list) -> None:
+    """CLIError, before any slow work, when two of ``files`` (``(flag, path)`` pairs; a path of
+    None: the flag not given) name the same file: one output was written over the other
+    (``--trace-out`` and ``--stats-json`` on one file kept the stats alone), or an output over
+    the prompt it was read from. The same file: the same path once links are resolved
+    (``os.path.realpath``), or, where it exists, the same file by another name (a hard link,
+    ``os.path.samefile``). A device or a FIFO may take two outputs (``/dev/null`` for both):
+    each is written to it in turn, nothing is replaced."""
+    given = [(flag, path) for flag, path in files if path]
+    for i, (flag, path) in enumerate(given):
+        for other_flag, other in given[i + 1:]:
+            if _same_file(path, other):
+                both = repr(path) if path == other else f"{path!r} and {other!r}"
+                what = "the prompt" if flag == "--prompt-file" else "the other"
+                raise CLIError(f"{flag} and {other_flag} name the same file ({both}): {other_flag} would overwrite "
+                               f"{what}; give each its own file")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` are one regular file, or one path where none is yet."""
+    real_a, real_b = os.path.realpath(a), os.path.realpath(b)
+    try:
+        st = os.stat(real_a)
+    except OSError:  # not there yet: made at that path, by both
+        return real_a == real_b
+    if not stat.S_ISREG(st.st_mode):  # a device, a FIFO: written in turn (a directory is refused elsewhere)
+        return False
+    try:
+        return os.path.samefile(real_a, real_b)
+    except OSError:  # ``b`` not there: another file
+        return False
 
 
 def doc_summary(doc: Optional[str]) -> str:
@@ -366,6 +401,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for flag, path in (("--plot", args.plot), ("--trace-out", args.trace_out)):
         if path:
             check_writable(flag, path)
+    check_distinct([("--prompt-file", args.prompt_file), ("--trace-out", args.trace_out), ("--plot", args.plot)])
     model = tokenizer = prompt = None
     trace_path = args.trace
     if trace_path is None:
