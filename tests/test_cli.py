@@ -691,3 +691,38 @@ def test_two_flags_naming_one_file_are_refused_before_the_model_loads(tmp_path, 
     assert main(["generate", "--prompt", "hi", *no_model, "--trace-out", "/dev/null", "--stats-json",
                  "/dev/null"]) == 2
     assert capsys.readouterr().err.startswith("tiercache: error: --model: ")
+
+
+def full_disk() -> str:
+    """A path whose every write fails with ENOSPC: ``/dev/full``, where this system has one
+    that this user may open; else the test skips (a tmpfs would need mount rights)."""
+    if not os.path.exists("/dev/full") or not os.access("/dev/full", os.W_OK):
+        pytest.skip("no writable /dev/full here to stand for a full disk")
+    return "/dev/full"
+
+
+def test_a_trace_on_a_full_disk_is_one_line_after_the_runs_other_outputs(tiny_model, tmp_path):
+    """``--trace-out`` on a full disk: the trace's last rows failed to flush when the cache
+    closed, an OSError traceback (exit 1) came at the end of the run, and the stats JSON
+    and the metrics textfile, written after it, were lost. Now the run goes on, its answer,
+    table, stats JSON and textfile are written, and the failure is one last line naming the
+    flag and the path, exit 2. ``compare`` recording its trace there says the same in one
+    line (the trace it would replay is incomplete)."""
+    target = full_disk()
+    stats, prom = tmp_path / "stats.json", tmp_path / "m.prom"
+    proc = cli("generate", "--model", tiny_model, "--prompt", "hi", "--max-new-tokens", "2", "--trace-out", target,
+               "--stats-json", str(stats), "--metrics-textfile", str(prom))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (f"tiercache: error: --trace-out: cannot write {target!r} (No space "
+                                            f"left on device); the trace is incomplete")
+    assert proc.stdout.strip() and "decode: 1 tokens" in proc.stderr  # the answer, the table
+    data = json.loads(stats.read_text())
+    assert data["stats"]["decode_tokens"] == 1 and data["text"] == proc.stdout.strip("\n")
+    assert "tiercache_decode_tokens_total" in prom.read_text()
+    io = tmp_path / "io.json"
+    io.write_text(json.dumps({"h2d_gbps": 9.0, "d2h_gbps": 9.0, "read_gbps": 1.0, "write_gbps": 1.5}))
+    proc = cli("compare", "--model", tiny_model, "--prompt", "hi", "--max-new-tokens", "2", "--trace-out", target,
+               "--libcachesim", "none", "--io-json", str(io), "--json")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"tiercache: error: trace: cannot write {target!r} (No space left on device)"

@@ -188,6 +188,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 time.sleep(args.metrics_linger)
             stop_metrics(cache)
 
+    def on_trace_error(exc: OSError) -> None:  # a full disk: the run, its answer and stats go on
+        late_errors.append(f"--trace-out: cannot write {args.trace_out!r} ({exc.strerror or exc}); the trace "
+                           f"is incomplete")
+
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:
@@ -212,7 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = generate_text(prompt, cfg, model_path=args.model, max_new_tokens=args.max_new_tokens,
                            chat=not args.no_chat_template, prefill_chunk=args.prefill_chunk,
                            stream=sys.stdout, progress=not args.quiet, on_open=on_open, on_done=on_done,
-                           trace_out=args.trace_out)
+                           trace_out=args.trace_out, on_trace_error=on_trace_error)
     print(file=sys.stdout)
     if not args.quiet:
         print(stats_table(result["stats"], result["seconds"]), file=sys.stderr)

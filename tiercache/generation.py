@@ -1,14 +1,18 @@
 """Long-context generation with a TieredCache: the body of ``tiercache generate``."""
 from __future__ import annotations
 
+import os
 import sys
 import time
-from typing import IO, Any, Callable, Optional
+from typing import IO, TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
 from tiercache.config import TierConfig
 from tiercache.errors import TierCacheError
+
+if TYPE_CHECKING:
+    from tiercache.lab.trace import TraceWriter
 
 
 class PromptTooLongError(TierCacheError, ValueError):
@@ -81,13 +85,19 @@ def _check_device_budget(cache: Any, config: TierConfig, num_prompt: int, max_ne
 def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] = None,
                   max_new_tokens: int = 128, chat: bool = True, prefill_chunk: Optional[int] = 512,
                   stream: Optional[IO[str]] = None, progress: bool = True, model: Any = None,
-                  tokenizer: Any = None, trace_out: Optional[str] = None,
+                  tokenizer: Any = None, trace_out: Union[str, "os.PathLike[str]", "TraceWriter", None] = None,
                   on_open: Optional[Callable[[Any], None]] = None,
-                  on_done: Optional[Callable[[Any], None]] = None) -> dict:
+                  on_done: Optional[Callable[[Any], None]] = None,
+                  on_trace_error: Optional[Callable[[OSError], None]] = None) -> dict:
     """Generate greedily from ``prompt`` with a TieredCache; returns text, stats and timings.
 
     ``trace_out``: write every block access of the run to this CSV file (see
-    ``tiercache.lab.trace``)."""
+    ``tiercache.lab.trace``; a ``TraceWriter`` of the caller's is used as it is). A write of
+    the file that fails (a full disk) does not stop the run: the rest of the trace is
+    dropped and, once the run is over and its cache closed, ``on_trace_error`` is called
+    with the OSError and the result is returned; without ``on_trace_error``, a
+    ``TraceError`` naming the file is raised then instead (the run's result lost). It was an
+    OSError from the cache's close, which lost the result either way."""
     from transformers import TextStreamer
 
     from tiercache.hf import TieredCache, _inner_generate, _tiering
@@ -110,8 +120,19 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
     if stream is not None:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         streamer.on_finalized_text = lambda text, stream_end=False: (stream.write(text), stream.flush())
+    trace, writer = trace_out, None
+    if isinstance(trace_out, (str, os.PathLike)):
+        from tiercache.lab.trace import TraceWriter
+
+        trace = writer = TraceWriter(os.fspath(trace_out), defer_errors=True)
     t0 = time.perf_counter()
-    with TieredCache(model, config, trace=trace_out) as cache:
+    try:
+        tiered = TieredCache(model, config, trace=trace)
+    except BaseException:
+        if writer is not None:  # opened here, for a cache that never was
+            writer.close()
+        raise
+    with tiered as cache:
         cache.events.add_listener(meter)
         if on_open is not None:
             on_open(cache)
@@ -153,6 +174,14 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
             on_done(cache)
     first = meter.t_first_decode or t_end
     new_ids = out[0, num_prompt:]
-    return {"text": tokenizer.decode(new_ids, skip_special_tokens=True), "num_prompt_tokens": num_prompt,
-            "new_token_ids": new_ids.tolist(), "stats": stats, "attention": attention,
-            "seconds": {"prefill": first - t0, "decode": t_end - first, "total": t_end - t0}}
+    result = {"text": tokenizer.decode(new_ids, skip_special_tokens=True), "num_prompt_tokens": num_prompt,
+              "new_token_ids": new_ids.tolist(), "stats": stats, "attention": attention,
+              "seconds": {"prefill": first - t0, "decode": t_end - first, "total": t_end - t0}}
+    if writer is not None and writer.error is not None:
+        if on_trace_error is None:
+            from tiercache.lab.trace import TraceError
+
+            raise TraceError(f"trace: cannot write {writer.path!r} "
+                             f"({writer.error.strerror or writer.error})") from writer.error
+        on_trace_error(writer.error)
+    return result

@@ -40,16 +40,24 @@ class TraceError(ValueError):
 
 
 class TraceWriter:
-    """Appends access rows to a CSV file; buffered, flushed on ``close``."""
+    """Appends access rows to a CSV file; buffered, flushed on ``close``.
 
-    def __init__(self, path: str) -> None:
+    ``defer_errors``: a write that fails (a full disk) does not raise; the first OSError is
+    kept in ``error``, the file is closed and later rows are dropped, so the run being
+    traced goes on, and its caller reports ``error`` once the run's other outputs are out.
+    Without it the OSError is raised by the write (by ``close`` for the last rows), as
+    before; the file is closed either way."""
+
+    def __init__(self, path: str, defer_errors: bool = False) -> None:
         self.path = path
+        self.defer_errors = defer_errors
+        self.error: Optional[OSError] = None
         try:
             self._file = open(path, "w", encoding="ascii", newline="")
         except OSError as exc:
             raise TraceError(f"trace: cannot write {path!r} ({exc.strerror})") from None
-        self._file.write(",".join(HEADER) + "\n")
         self._buf = io.StringIO()
+        self._write(",".join(HEADER) + "\n")
         self._t0 = time.perf_counter()
         self._waited = 0.0
         self._last = 0
@@ -67,6 +75,8 @@ class TraceWriter:
 
     def record(self, op: str, keys: Iterable, size: int, step: int, tokens: int,
                scores: Optional[dict] = None, t_us: Optional[int] = None) -> None:
+        if self.error is not None:  # the file failed: it is incomplete whatever comes now
+            return
         t = self.now_us() if t_us is None else t_us
         w = self._buf.write
         for key in keys:
@@ -75,15 +85,36 @@ class TraceWriter:
             w(f"{t},{obj_id(seq, layer, block)},{size},{op},{seq},{layer},{block},{step},{tokens},{score}\n")
             self.rows += 1
         if self._buf.tell() > 1 << 20:
-            self._file.write(self._buf.getvalue())
-            self._buf = io.StringIO()
+            text, self._buf = self._buf.getvalue(), io.StringIO()
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        try:
+            self._file.write(text)
+        except OSError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """A write failed: the file is closed (its flush fails again, and closes it all the
+        same), then ``exc`` is raised, or kept in ``error`` (``defer_errors``)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        if not self.defer_errors:
+            raise exc
+        if self.error is None:
+            self.error = exc
 
     def close(self) -> None:
-        if self._file.closed:
+        if self._file.closed:  # closed before, or at a failed write
             return
-        self._file.write(self._buf.getvalue())
-        self._buf = io.StringIO()
-        self._file.close()
+        text, self._buf = self._buf.getvalue(), io.StringIO()
+        try:
+            self._file.write(text)
+            self._file.close()  # the last buffered bytes: a full disk shows here
+        except OSError as exc:
+            self._failed(exc)
 
 
 @dataclass
