@@ -726,3 +726,32 @@ def test_a_trace_on_a_full_disk_is_one_line_after_the_runs_other_outputs(tiny_mo
                "--libcachesim", "none", "--io-json", str(io), "--json")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1] == f"tiercache: error: trace: cannot write {target!r} (No space left on device)"
+
+
+def test_a_prompt_that_never_ends_is_refused_past_64_mib_from_a_file_or_stdin(tmp_path, capsys):
+    """``--prompt-file /dev/zero``, or stdin that never ends, was read until memory ran out
+    (a MemoryError traceback, or the kernel's OOM killer). Now the read stops one byte past
+    64 MiB, which is past any model's positions, and that is one line naming the flag and
+    the file (or stdin) and the limit, exit 2, before the model loads. (The runs here get a
+    4 GiB address space, so that without the bound they fail fast instead of taking the
+    machine's memory.) A prompt of exactly 64 MiB is read: it is refused later, in tokens,
+    against the model's positions (here the model path given does not exist)."""
+    import resource
+
+    from tiercache.cli import main
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    limit = "is longer than 64 MiB (67108864 bytes), the limit of a prompt: more is past any model's positions"
+    for argv, where in ((["--prompt-file", "/dev/zero"], "--prompt-file: '/dev/zero'"), ([], "stdin")):
+        with open("/dev/zero", "rb") as zero:
+            proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "generate", *argv], stdin=zero,
+                                  capture_output=True, text=True, timeout=120, preexec_fn=limited)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == f"tiercache: error: {where} {limit}\n"
+    whole = tmp_path / "whole.txt"
+    with open(whole, "wb") as f:
+        f.truncate(64 << 20)  # NUL bytes: UTF-8 text, and not blank
+    assert main(["generate", "--prompt-file", str(whole), "--model", str(tmp_path / "no-model")]) == 2
+    assert capsys.readouterr().err.startswith("tiercache: error: --model: ")

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import errno
 import importlib
+import io
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, BinaryIO, Iterator, Optional
 
 from tiercache.config import TierConfig, format_bytes
 from tiercache.errors import TierCacheError
@@ -86,6 +87,25 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
         raise CLIError(str(exc)) from None
 
 
+# The most bytes a prompt (or eval's --text-file) is read of: /dev/zero, or a pipe that
+# never ends, was read until memory ran out. The prompt is read before the model loads, so
+# its positions are not known yet; this bound is past any model's: Llama 4 Scout's 10M
+# positions, the most of any released model, are ~40 MiB of text at ~4 bytes a token. The
+# exact limit, the model's positions, is checked in tokens once the model has loaded.
+MAX_PROMPT_BYTES = 64 << 20
+
+
+def read_bounded(f: BinaryIO, where: str, what: str = "a prompt") -> bytes:
+    """All of ``f``, at most ``MAX_PROMPT_BYTES``; more is a CLIError naming ``where`` (the
+    flag and the path, or stdin) and the limit of ``what``. One byte past the limit is read,
+    no more."""
+    data = f.read(MAX_PROMPT_BYTES + 1)
+    if len(data) > MAX_PROMPT_BYTES:
+        raise CLIError(f"{where} is longer than {MAX_PROMPT_BYTES >> 20} MiB ({MAX_PROMPT_BYTES} bytes), the "
+                       f"limit of {what}: more is past any model's positions")
+    return data
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt from --prompt, --prompt-file or stdin; CLIError when it is empty or blank
     (the chat template alone made a prompt of it) or not UTF-8."""
@@ -95,7 +115,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is not None:
         try:
             with open(args.prompt_file, "rb") as f:
-                data = f.read()
+                data = read_bounded(f, f"--prompt-file: {args.prompt_file!r}")
         except OSError as exc:
             raise CLIError(f"--prompt-file: cannot read {args.prompt_file!r} ({exc.strerror})") from None
         return _not_blank(_utf8(data, f"--prompt-file: {args.prompt_file!r}"),
@@ -105,7 +125,10 @@ def read_prompt(args: argparse.Namespace) -> str:
     # bytes, decoded here: Python's own decoding of stdin passes bad bytes on as surrogates,
     # and the tokenizer then failed with a TypeError traceback
     stdin = sys.stdin
-    data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode("utf-8", "surrogateescape")
+    if hasattr(stdin, "buffer"):
+        data = read_bounded(stdin.buffer, "stdin")
+    else:  # a text stream (a caller's StringIO): characters, at most as many as the bytes allowed
+        data = read_bounded(io.BytesIO(stdin.read(MAX_PROMPT_BYTES + 1).encode("utf-8", "surrogateescape")), "stdin")
     return _not_blank(_utf8(data, "stdin"), "stdin is empty")
 
 
@@ -544,7 +567,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.text_file:
             try:
                 with open(args.text_file, "rb") as f:
-                    data = f.read()
+                    data = read_bounded(f, f"--text-file: {args.text_file!r}", "a text")
             except OSError as exc:
                 raise CLIError(f"--text-file: cannot read {args.text_file!r} ({exc.strerror})") from None
             text = _utf8(data, f"--text-file: {args.text_file!r}")  # as --prompt-file: the flag, the file, the byte
