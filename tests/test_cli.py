@@ -755,3 +755,26 @@ def test_a_prompt_that_never_ends_is_refused_past_64_mib_from_a_file_or_stdin(tm
         f.truncate(64 << 20)  # NUL bytes: UTF-8 text, and not blank
     assert main(["generate", "--prompt-file", str(whole), "--model", str(tmp_path / "no-model")]) == 2
     assert capsys.readouterr().err.startswith("tiercache: error: --model: ")
+
+
+def test_demo_refuses_a_disk_dir_that_is_a_file_before_the_model_loads(tmp_path, capsys):
+    """``demo --disk-dir FILE`` (a regular file) loaded the default model first (seconds,
+    and its progress bar on stderr), and only then did the demo's TierConfig refuse the
+    path. Now TierConfig's own check runs before anything loads: the same one line, exit 2,
+    and nothing else on stderr; a folder others can read is refused up front too, as
+    ``generate --disk-dir`` refuses it."""
+    from tiercache import TierConfig
+    from tiercache.cli import main
+
+    afile = tmp_path / "kv"
+    afile.write_text("not a directory")
+    with pytest.raises(ValueError) as info:
+        TierConfig(disk_dir=str(afile), disk_budget="1GiB")
+    assert main(["demo", "--disk-dir", str(afile)]) == 2
+    assert capsys.readouterr().err == f"tiercache: error: {info.value}\n"
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    assert main(["demo", "--disk-dir", str(loose)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tiercache: error: disk_dir: {str(loose)!r} has permissions 0o755") and err.count("\n") == 1

@@ -76,15 +76,22 @@ def config_from_args(args: argparse.Namespace) -> TierConfig:
                          attend_in_place=args.attend_in_place, remote_url=args.remote_url,
                          remote_budget=args.remote_budget, remote_namespace=args.remote_namespace,
                          remote_cluster=args.remote_cluster, remote_timeout=args.remote_timeout)
-        if cfg.disk_enabled:
-            from tiercache.disk import ensure_private_dir, resolve_disk_io
-
-            resolve_disk_io(cfg.disk_io)  # before the model loads: kvikio asked for where it cannot run
-            # and a folder others can read: refused after the model had loaded, and printed twice
-            ensure_private_dir(cfg.disk_dir, cfg.shared_dir)
+        check_disk_tier(cfg)
         return cfg
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+
+
+def check_disk_tier(cfg: TierConfig) -> None:
+    """The checks the disk tier's store makes when it opens, made before the model loads:
+    kvikio asked for where it cannot run, and a folder others can read (refused after the
+    model had loaded, and printed twice). ``cfg`` itself checked ``disk_dir`` (a regular
+    file there, a folder that cannot be made) as it was built. ValueError naming the problem."""
+    if cfg.disk_enabled:
+        from tiercache.disk import ensure_private_dir, resolve_disk_io
+
+        resolve_disk_io(cfg.disk_io)
+        ensure_private_dir(cfg.disk_dir, cfg.shared_dir)
 
 
 # The most bytes a prompt (or eval's --text-file) is read of: /dev/zero, or a pipe that
@@ -499,6 +506,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     most = len(FIRST) * len(LAST)  # distinct names
     if not 1 <= args.records <= most:
         raise CLIError(f"--records: must be in [1, {most}], got {args.records}")
+    if args.disk_dir is not None:  # a regular file there was refused by the demo's TierConfig, after the model
+        try:  # had loaded: the same TierConfig checks (and the store's) now; the budgets do not matter to them
+            check_disk_tier(TierConfig(disk_dir=args.disk_dir, disk_budget="1MiB"))
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     return run_demo(records=args.records, disk_dir=args.disk_dir)
 
 
