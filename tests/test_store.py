@@ -211,6 +211,43 @@ def test_flush_counts_only_what_reached_the_disk(tmp_path, geometry):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+def test_opening_a_sparse_data_file_reads_only_where_it_holds_data(tmp_path, geometry, caplog):
+    """A data file grown sparse to 1 GiB (a truncate, or a larger budget's file that was
+    never filled): the open read every one of its 131072 record headers, 2 s for 12
+    blocks. Now it asks the filesystem where the data lie (SEEK_DATA) and reads only those
+    headers. A record after a 1 GiB hole is still found: here one past the 20-slot budget,
+    dropped and counted as such; the 12 blocks read back exact."""
+    cfg = tiny_config(tmp_path, geometry)
+    data = blocks(geometry, 12)
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            store.put(key, block)
+    path = tmp_path / "kv" / DATA_NAME
+    record = DiskTier.record_size(geometry)
+    with open(path, "r+b") as f:
+        first = f.read(record)  # slot 0's record, copied far past the budget
+        far = (1 << 30) // record - 1
+        f.seek(far * record)
+        f.write(first)
+    assert os.path.getsize(path) == 1 << 30
+    with caplog.at_level("WARNING", logger="tiercache"):
+        with BlockStore(cfg, geometry) as store:
+            assert len(store) == 12 and store.dropped_on_open == 1  # the far record was found
+            assert os.path.getsize(path) == 20 * record  # and the file cut to the budget
+    with open(path, "r+b") as f:  # grown sparse again, with the far record back
+        f.seek(far * record)
+        f.write(first)
+    with BlockStore(dataclasses.replace(cfg, disk_budget=(far + 1) * record), geometry) as store:
+        slots = store.disk._slots_with_data(far + 1)
+        if len(slots) == far + 1:
+            pytest.skip("this filesystem does not report holes (SEEK_DATA)")
+        assert 13 <= len(slots) <= 64 and slots[-1] == far  # 12 blocks, the far one: not 131072 headers
+        assert len(store) == 12  # the far record is slot 0's key again: one of the two is kept
+        for key, block in data.items():
+            assert torch.equal(store.get(key), block)
+    assert "held 1 saved blocks past disk_budget" in caplog.text
+
+
 def test_a_store_that_fails_to_open_lets_go_of_its_directory(tmp_path, geometry):
     """A constructor that fails after the disk tier opened (here a plug-in eviction policy
     whose constructor raises for the third tier; an allocation or the disk's records can
