@@ -366,7 +366,7 @@ def test_a_disk_records_size_is_spelled_out_with_its_header(tmp_path):
     bytes, payload and header, as the store counts them (for its messages: tiercache/store.py)."""
     import torch
 
-    from tiercache import Tier
+    from tiercache import BlockKey, CapacityError, Tier
     from tiercache.disk import DiskTier
     from tiercache.store import BlockStore
     from tiercache.tiers import BlockGeometry
@@ -376,8 +376,17 @@ def test_a_disk_records_size_is_spelled_out_with_its_header(tmp_path):
                                          "header, in 4096-byte pages for O_DIRECT")
     cfg = TierConfig(device_budget="32KiB", host_budget=0, disk_dir=str(tmp_path / "kv"), disk_budget="64KiB",
                      block_tokens=16, reuse=False)
-    with BlockStore(cfg, g) as store:
+    with BlockStore(cfg, g, persistent=False) as store:
         assert store.num_slots(Tier.DISK) == (64 << 10) // 20480 == 3
+        for i in range(5):  # 2 on the device, 3 on disk
+            store.put(BlockKey(0, 0, i), torch.zeros(g.shape))
+        # the CapacityError of live data past every tier says what a record takes
+        with pytest.raises(CapacityError, match=r"disk_budget=64.0 KiB \(holds 3 blocks, at 20480 bytes per disk "
+                                                r"record: the block's 16384 bytes plus a 4096-byte header"):
+            store.put(BlockKey(0, 0, 5), torch.zeros(g.shape))
+    with pytest.raises(ValueError, match=r"disk_budget: 16384 bytes .* smaller than one block \(20480 bytes per "
+                                         r"disk record"):
+        BlockStore(dataclasses.replace(cfg, disk_budget="16KiB"), g, persistent=False)
     odd = BlockGeometry(1, 3, 5, 64, torch.float16)  # 3840 bytes: padded to a page
     assert DiskTier.record_layout(odd).startswith("8192 bytes per disk record: the block's 3840 bytes padded to "
                                                   "4096 plus a 4096-byte header")

@@ -148,8 +148,8 @@ def test_close_says_which_blocks_a_persistent_store_could_not_keep(tmp_path, geo
     for key, block in data.items():
         store.put(key, block)
     record = DiskTier.record_size(geometry)
-    with pytest.raises(CapacityError, match=rf"close: 4 of 24 blocks are not kept .* holds 20 records of {record} "
-                                            rf"bytes .* at least {24 * record} bytes"):
+    with pytest.raises(CapacityError, match=rf"close: 4 of 24 blocks are not kept .* \(holds 20 blocks, at {record} "
+                                            rf"bytes per disk record: .* at least {24 * record} bytes"):
         store.close()
     assert store.closed
     with BlockStore(cfg, geometry) as store:

@@ -839,8 +839,8 @@ class TieredCache(Cache):
             raise CapacityError(
                 f"the KV cache needs {live + new_blocks} blocks ({format_bytes(needed)}) but the tiers hold "
                 f"{store.capacity_blocks()} (device_budget={format_bytes(cfg.device_budget)}, "
-                f"host_budget={format_bytes(cfg.host_budget)}, disk_budget="
-                f"{format_bytes(cfg.disk_budget) if cfg.disk_enabled else '0 (no disk_dir)'}); "
+                f"host_budget={format_bytes(cfg.host_budget)}, "
+                f"{store.disk_budget_text() if store.disk is not None else 'disk_budget=0 (no disk_dir)'}); "
                 f"nothing was written")
 
     # ---- transformers.Cache API -------------------------------------------------------------

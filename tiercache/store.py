@@ -181,7 +181,8 @@ class BlockStore:
         if config.disk_enabled and disk_dir is not None:
             disk_io = resolve_disk_io(config.disk_io, self._cuda)  # before anything is allocated
             record_bytes = DiskTier.record_size(geometry)
-            num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes)
+            num_slots[Tier.DISK] = self._slots_for("disk_budget", config.disk_budget, record_bytes,
+                                                   DiskTier.record_layout(geometry))
         self.table = BlockTable(num_slots)
         self.engine: Optional[TransferEngine] = None
         self.host_pool: Optional[HostPool] = None
@@ -311,11 +312,11 @@ class BlockStore:
                     log.exception("tiercache: closing a store that failed to open")
 
     @staticmethod
-    def _slots_for(field: str, budget: int, unit_bytes: int) -> int:
+    def _slots_for(field: str, budget: int, unit_bytes: int, unit_text: Optional[str] = None) -> int:
         n = budget // unit_bytes
         if n < 1:
             raise ValueError(f"{field}: {budget} bytes ({format_bytes(budget)}) is smaller than one block "
-                             f"({unit_bytes} bytes on this tier); raise it or lower block_tokens")
+                             f"({unit_text or f'{unit_bytes} bytes on this tier'}); raise it or lower block_tokens")
         return n
 
     def _guarded(self, policy, name: str, tier: Tier):
@@ -1943,13 +1944,17 @@ class BlockStore:
             return TierIOError(f"close: {lost} of {total} blocks could not be written to the disk tier under "
                                f"{self.disk.directory!r} ({failed.strerror or failed}), so they are not kept for "
                                f"the next open; the blocks already on disk are kept")
-        slots = self.table.num_slots(Tier.DISK)
         record = DiskTier.record_size(self.geometry)
-        return CapacityError(f"close: {lost} of {total} blocks are not kept for the next open: disk_budget="
-                             f"{format_bytes(self.config.disk_budget)} holds {slots} records of {record} bytes "
-                             f"(a block's {self.geometry.block_bytes} bytes plus its header, aligned), and a "
-                             f"persistent store keeps only what its disk tier holds; give disk_budget at least "
-                             f"{total * record} bytes, or delete() the blocks it need not keep before close()")
+        return CapacityError(f"close: {lost} of {total} blocks are not kept for the next open: "
+                             f"{self.disk_budget_text()}, and a persistent store keeps only what its disk tier "
+                             f"holds; give disk_budget at least {total * record} bytes, or delete() the blocks it "
+                             f"need not keep before close()")
+
+    def disk_budget_text(self) -> str:
+        """``disk_budget`` as an error message names it: the blocks it holds, and the bytes
+        of one record (more than a block: a CapacityError named only the budget)."""
+        return (f"disk_budget={format_bytes(self.config.disk_budget)} (holds {self.table.num_slots(Tier.DISK)} "
+                f"blocks, at {DiskTier.record_layout(self.geometry)})")
 
     def close(self) -> None:
         """Wait for moves, write persistent blocks down to disk, stop workers, close files.
@@ -2311,7 +2316,7 @@ class BlockStore:
             return self._full_message(num_missing, Tier.DEVICE, protect)  # what keeps them from going down
         cfg = self.config
         below = [f"host_budget={format_bytes(cfg.host_budget)}" if Tier.HOST in self.tiers else "no host tier",
-                 f"disk_budget={format_bytes(cfg.disk_budget)}" if Tier.DISK in self.tiers else "no disk tier"]
+                 self.disk_budget_text() if Tier.DISK in self.tiers else "no disk tier"]
         return (f"this step needs {num_needed} blocks on the device at once ({num_missing} to bring up), and "
                 f"device_budget={format_bytes(cfg.device_budget)} holds {slots}, but "
                 f"the blocks there have nowhere to go: every tier below is full ({', '.join(below)}); raise "
@@ -2355,7 +2360,7 @@ class BlockStore:
         if Tier.HOST in self.tiers:
             parts.append(f"host_budget={format_bytes(cfg.host_budget)}")
         if Tier.DISK in self.tiers:
-            parts.append(f"disk_budget={format_bytes(cfg.disk_budget)}")
+            parts.append(self.disk_budget_text())
         needed = (len(self.table) + num_new) * self.geometry.block_bytes
         return (f"live KV data exceed every tier: {len(self.table)} blocks stored and {num_new} more needed "
                 f"({format_bytes(needed)} in all) with {', '.join(parts)}; nothing was overwritten")
