@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -46,6 +47,30 @@ def record(tmp_path, *, prompt: int = 30, new: int = 12, name: str = "trace.csv"
     with tiercache.TieredCache(model, config, trace=str(path)) as cache, torch.no_grad():
         out = model.generate(ids, cache=cache, **gen)
     return path, ref, out
+
+
+def test_a_trace_that_cannot_be_written_still_lets_the_cache_close(tmp_path):
+    """``TieredCache(model, cfg, trace="/dev/full")``: the trace's write failed (ENOSPC) in
+    close() before anything else closed, so the store's I/O threads and the session folder
+    on disk were left behind. Now close() closes the store and removes its files, then
+    raises the trace's error."""
+    if not os.access("/dev/full", os.W_OK):
+        pytest.skip("no writable /dev/full here")
+    model = tiny_llama()
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(1))
+    config = tiercache.TierConfig(device_budget="24KiB", host_budget="16KiB", disk_dir=str(tmp_path / "kv"),
+                                  disk_budget="1MiB", block_tokens=BT, reuse=False)
+    cache = tiercache.TieredCache(model, config, trace="/dev/full")
+    with torch.no_grad():
+        try:
+            model.generate(ids, cache=cache, do_sample=False, max_new_tokens=4)
+        except OSError:
+            pass  # a row that filled the buffer may have failed already
+    with pytest.raises(OSError, match="No space left on device"):
+        cache.close()
+    assert cache.closed and cache.store.closed
+    sessions = tmp_path / "kv" / "sessions"
+    assert not sessions.exists() or not any(sessions.iterdir())
 
 
 def test_recorded_trace_is_every_access_and_changes_nothing(tmp_path):

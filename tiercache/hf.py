@@ -1382,10 +1382,20 @@ class TieredCache(Cache):
         # thread may have held one at the fork) and the prefix cache are the parent's: the
         # cache is only marked closed there.
         forked = self.store is not None and self.store.forked
-        if self.trace is not None:
-            if self.store is not None and not forked:
-                self._flush_trace()
-            self.trace.close()
+        try:
+            # a trace that fails to write (a full disk) raises here, after the rest is closed:
+            # it skipped the prefix flush and the store's close (threads, session files left)
+            if self.trace is not None:
+                try:
+                    if self.store is not None and not forked:
+                        self._flush_trace()
+                finally:
+                    self.trace.close()
+        finally:
+            self._close_rest(forked)
+
+    def _close_rest(self, forked: bool) -> None:
+        """``close`` after the trace: the prefix cache's flush, then the store."""
         try:
             if self.prefix is not None and not self.prefix.closed and not forked:
                 prefix = self.prefix
