@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -778,3 +779,21 @@ def test_demo_refuses_a_disk_dir_that_is_a_file_before_the_model_loads(tmp_path,
     assert main(["demo", "--disk-dir", str(loose)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"tiercache: error: disk_dir: {str(loose)!r} has permissions 0o755") and err.count("\n") == 1
+
+
+def test_a_tokenizer_of_another_model_is_named_not_an_index_error(tmp_path):
+    """A model folder whose tokenizer has more tokens than the model has embeddings (the
+    default model's tokenizer next to a 100-token model): ``generate`` died in an
+    IndexError from inside torch's embedding. Now it is one error line that names the
+    token id, the model's range and the mismatch, and exit 2."""
+    from test_cache_admin import tiny_bench_model, tiny_model as random_llama
+
+    folder = tiny_bench_model(tmp_path / "model")
+    small = random_llama(vocab=100)
+    small.config.max_position_embeddings = 128
+    small.save_pretrained(folder)  # the default tokenizer stays: its ids go far past 99
+    proc = run_tiny(folder)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"tiercache: error: the tokenizer gave token id \d+, but the model has embeddings for ids "
+                     r"0\.\.99 only: the tokenizer does not belong to this model", proc.stderr), proc.stderr

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Optional
 
 from tiercache.config import TierConfig
+from tiercache.models import check_token_ids
 from tiercache.policies import RETENTION_POLICIES, SELECTION_POLICIES
 
 METHODS = ("full", "quest", *RETENTION_POLICIES)
@@ -160,6 +161,8 @@ def run_passkey(model: Any, tokenizer: Any, *, contexts: list, depths: list, tri
             for trial in range(trials):
                 key = str(random.Random(f"{seed}-{context}-{depth}-{trial}").randint(10000, 99999))
                 haystack, question = passkey_sample(tokenizer, context, depth, key)
+                check_token_ids(model, haystack)
+                check_token_ids(model, question)
                 for method, budget in runs:
                     t0 = time.perf_counter()
                     total = haystack.shape[1] + question.shape[1] + max_new_tokens
@@ -249,6 +252,7 @@ def run_fidelity(model: Any, tokenizer: Any, *, text: Optional[str], context: in
     if limit and context + tokens > limit:  # as run_passkey: a run past them measured nothing meaningful
         raise ValueError(f"--context: {context} + {tokens} scored tokens exceed the model's {limit} positions")
     ids = fidelity_text_ids(tokenizer, text, context + tokens)
+    check_token_ids(model, ids)
     targets = ids[0, context:context + tokens]
     ref = None
     results = []

@@ -101,13 +101,14 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
     from transformers import TextStreamer
 
     from tiercache.hf import TieredCache, _inner_generate, _tiering
-    from tiercache.models import load_model
+    from tiercache.models import check_token_ids, load_model
 
     if model is None:
         model, tokenizer = load_model(model_path)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
     inputs = encode_prompt(tokenizer, prompt, chat)
+    check_token_ids(model, inputs["input_ids"])
     num_prompt = inputs["input_ids"].shape[1]
     if num_prompt == 0:
         raise ValueError("the prompt is empty: it encodes to 0 tokens (give some text, or drop "

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import crc32c
 
 from tiercache.config import default_cache_home
-from tiercache.errors import TierCacheError
+from tiercache.errors import TierCacheError, UnsupportedModelError
 
 log = logging.getLogger("tiercache")
 
@@ -266,3 +266,18 @@ def load_model(path: Optional[str] = None, device: Optional[str] = None, dtype: 
         first = text.splitlines()[0] if text else type(exc).__name__
         raise ModelNotFoundError(f"cannot load a model from {path!r}: {first}") from None
     return model.to(device).eval(), tokenizer
+
+
+def check_token_ids(model: Any, ids: Any, source: str = "the tokenizer") -> None:
+    """Refuse token ids the model has no embedding for (a tokenizer of another model in the
+    folder): an IndexError from inside the embedding was all it said."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None or ids.numel() == 0:
+        return
+    top = int(ids.max())
+    if top >= rows:
+        raise UnsupportedModelError(f"{source} gave token id {top}, but the model has embeddings for ids 0..{rows - 1} "
+                                    f"only: the tokenizer does not belong to this model (check the folder's "
+                                    f"tokenizer files against its config's vocab_size)")
+
