@@ -9,6 +9,7 @@ can be evicted under it.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import itertools
@@ -559,38 +560,60 @@ class TieredCache(Cache):
         self._loaded_ids = ids
         if self._loaded_hold is None and self._model is not None:
             _hold_hooks(self._model)
-            self._loaded_hold = weakref.finalize(self, _release_hooks, self._model)
+            # a cache dropped unclosed lets go too, at its collection: then only noted (the
+            # collection may run on a thread inside _hold_hooks, under its re-entrant lock)
+            self._loaded_hold = weakref.finalize(self, _PENDING_RELEASES.append, weakref.ref(self._model))
 
     def _prompt_checked(self) -> None:
         self._loaded_ids = None
-        if self._loaded_hold is not None:
-            self._loaded_hold()  # once: the hooks go if nothing else holds them
-            self._loaded_hold = None
+        hold, self._loaded_hold = self._loaded_hold, None
+        if hold is not None and hold.detach() is not None:  # once: the hooks go if nothing else holds them
+            _release_hooks(self._model)
 
-    def _check_loaded_prompt(self, input_ids: Any) -> None:
+    def _check_loaded_prompt(self, input_ids: Any, model_kwargs: Optional[dict] = None) -> None:
         """generate()'s prefill on this cache, after ``load_prefix``: its prompt must start
-        with the loaded ids and have at least one token more."""
+        with the loaded ids and have at least one token more. Two forms transformers takes
+        for a cache that holds a past pass as they are: only the new ids with an attention
+        mask over the whole sequence (the mask's extra length must be what was loaded), and
+        ``inputs_embeds`` of the whole prompt (longer than what was loaded; embeddings
+        cannot be compared with ids, so they are the caller's word)."""
         loaded = self._loaded_ids
         if loaded is None:
             return
         n = len(loaded)
+        model_kwargs = model_kwargs or {}
+        what = "this TieredCache holds the first {n} tokens of a prompt, loaded by load_prefix(), but generate() "
+        advice = "pass generate() the same input_ids as load_prefix(), or reset() the cache first"
+        embeds = model_kwargs.get("inputs_embeds")
+        if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 and not (
+                isinstance(input_ids, torch.Tensor) and input_ids.numel()):
+            if embeds.shape[1] <= n:
+                raise ValueError(what.format(n=n) + f"was given inputs_embeds of {embeds.shape[1]} tokens; it needs "
+                                 f"the whole prompt (more than the {n} loaded): {advice}")
+            self._prompt_checked()
+            return
         if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1):
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"this TieredCache holds the first {n} tokens of a prompt, loaded by load_prefix(), "
-                             f"but generate() was given input_ids of shape {shape}; pass generate() the same "
-                             f"input_ids as load_prefix() (one row), or reset() the cache first")
+            raise ValueError(what.format(n=n) + f"was given input_ids of shape {shape}; {advice} (one row)")
+        # the length of the whole sequence, from the mask or the positions generate() made from it
+        spans = [t.shape[-1] for t in (model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+                 if isinstance(t, torch.Tensor) and t.dim() == 2]
+        total = max(spans, default=input_ids.shape[1])
+        if total > input_ids.shape[1]:
+            past = total - input_ids.shape[1]  # the ids are what follows a past of this length
+            if past != n:
+                raise ValueError(what.format(n=n) + f"was given {input_ids.shape[1]} input_ids under an attention "
+                                 f"mask of {total}, that is after a past of {past} tokens, not {n}: {advice}")
+            self._prompt_checked()
+            return
         if input_ids.shape[1] <= n:
-            raise ValueError(f"this TieredCache holds the first {n} tokens of a prompt, loaded by load_prefix(), "
-                             f"but generate() was given input_ids of {input_ids.shape[1]} tokens; it needs the "
-                             f"whole prompt (more than the {n} loaded): pass generate() the same input_ids as "
-                             f"load_prefix(), or reset() the cache first")
+            raise ValueError(what.format(n=n) + f"was given input_ids of {input_ids.shape[1]} tokens; it needs the "
+                             f"whole prompt (more than the {n} loaded): {advice}")
         head = input_ids[0, :n].tolist()
         if head != loaded:
             at = next(i for i, (a, b) in enumerate(zip(head, loaded)) if a != b)
-            raise ValueError(f"this TieredCache holds the first {n} tokens of a prompt, loaded by load_prefix(), "
-                             f"but the input_ids given to generate() differ from them at token {at} ({head[at]} "
-                             f"!= {loaded[at]}): the loaded KV is not theirs; pass generate() the same input_ids "
-                             f"as load_prefix(), or reset() the cache first")
+            raise ValueError(what.format(n=n) + f"was given input_ids that differ from them at token {at} "
+                             f"({head[at]} != {loaded[at]}): the loaded KV is not theirs; {advice}")
         self._prompt_checked()
 
     def _open_store_for(self, template: torch.Tensor, num_blocks: int) -> BlockStore:
@@ -1596,9 +1619,13 @@ def _tiering(model: Any, make: Callable[[], "TieredCache"], on_prefill: Optional
         _release_hooks(model)
 
 
+_PENDING_RELEASES: collections.deque = collections.deque()  # holds of caches collected unclosed
+
+
 def _hold_hooks(model: Any) -> None:
     """Install the hooks on ``model`` (once) for a scope, or a cache that loaded a prefix."""
     with _HOOK_LOCK:
+        _release_pending()
         _install_hooks(model)
         _OPEN_SCOPES[model] = _OPEN_SCOPES.get(model, 0) + 1
 
@@ -1606,11 +1633,27 @@ def _hold_hooks(model: Any) -> None:
 def _release_hooks(model: Any) -> None:
     """One hold less; the last one removes the hooks of a model that is not wrapped."""
     with _HOOK_LOCK:
-        _OPEN_SCOPES[model] -= 1
-        if not _OPEN_SCOPES[model]:
-            del _OPEN_SCOPES[model]
-            if not vars(model).get("_tiercache_wrapped", False):
-                _remove_hooks(model)
+        _release_pending()
+        _release_one(model)
+
+
+def _release_pending() -> None:
+    """Under ``_HOOK_LOCK``: the holds of caches collected since (``_expect_prompt``)."""
+    while _PENDING_RELEASES:
+        try:
+            model = _PENDING_RELEASES.popleft()()
+        except IndexError:
+            return
+        if model is not None:  # else its hooks went with it
+            _release_one(model)
+
+
+def _release_one(model: Any) -> None:
+    _OPEN_SCOPES[model] -= 1
+    if not _OPEN_SCOPES[model]:
+        del _OPEN_SCOPES[model]
+        if not vars(model).get("_tiercache_wrapped", False):
+            _remove_hooks(model)
 
 
 class _Hook:
@@ -1723,7 +1766,7 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
         fed = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else (
             input_ids.shape[1] if input_ids.dim() == 2 else 0)
         cache._prompt_pending = max(0, fed - cache.get_seq_length())
-        cache._check_loaded_prompt(input_ids)  # loaded by the caller's load_prefix(): the same prompt
+        cache._check_loaded_prompt(input_ids, model_kwargs)  # loaded by the caller's load_prefix(): its prompt
         if ours and scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
