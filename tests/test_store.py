@@ -199,8 +199,10 @@ def test_flush_counts_only_what_reached_the_disk(tmp_path, geometry):
         assert on_disk < 10, "the filesystem was meant to be too small"
         assert store.flush() == 0  # it tries the rest again: none lands (it counted every try)
         assert len(store.table.ready_keys(Tier.DISK)) == on_disk
-        with pytest.raises(TierIOError, match=rf"close: {10 - on_disk} of 10 blocks could not be written to the "
-                                              rf"disk tier under '{mnt / 'kv'}' \(No space left on device\)"):
+        lost = 10 - on_disk
+        with pytest.raises(TierIOError, match=rf"close: {lost} of 10 blocks are not kept for the next open: {lost} "
+                                              rf"could not be written to the disk tier under '{mnt / 'kv'}' "
+                                              rf"\(No space left on device\)"):
             store.close()
         with BlockStore(cfg, geometry) as again:
             assert len(again) == on_disk
@@ -209,6 +211,91 @@ def test_flush_counts_only_what_reached_the_disk(tmp_path, geometry):
                     assert torch.equal(again.get(key), data[key])
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_close_blames_the_budget_not_a_disk_error_that_passed(tmp_path, geometry):
+    """A real filesystem that was full for a while (a tmpfs and a file filling it; root only,
+    skipped elsewhere): a write-behind failed with ENOSPC, the filler went, later writes
+    landed; then more blocks than the disk's 20 records. close() named the old ENOSPC
+    (TierIOError) for what was a budget shortfall; it raises CapacityError now, and the 20
+    blocks on disk come back exact."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        cfg = tiny_config(mnt, geometry, disk_blocks=20)
+        data = blocks(geometry, 24, seed=3)
+        keys = list(data)
+        store = BlockStore(cfg, geometry)
+        filler = mnt / "filler"
+        try:
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+            try:
+                while os.write(fd, b"\0" * 4096):
+                    pass
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            for key in keys[:4]:
+                store.put(key, data[key])
+            assert store.flush() == 0  # the filesystem is full: nothing lands
+            # each failed write was rolled back and counted (its roll-back's zeros, written
+            # past the file's end, failed too, and cut the books short: nothing was counted)
+            assert store.stats()["failed_moves"] > 0
+            store.check()
+            filler.unlink()
+            for key in keys[4:]:
+                store.put(key, data[key])
+        except BaseException:
+            store.close()
+            raise
+        with pytest.raises(CapacityError, match=r"close: 4 of 24 blocks are not kept .* \(holds 20 blocks"):
+            store.close()
+        with BlockStore(cfg, geometry) as again:
+            assert len(again) == 20
+            for key in keys:
+                if key in again:
+                    assert torch.equal(again.get(key), data[key])
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_policy_failure_at_close_does_not_hide_the_blocks_lost(tmp_path, geometry, caplog):
+    """A persistent store that cannot keep 4 of its 24 blocks, whose plug-in eviction policy
+    fails during close's flush: close() raised the policy's failure (which says no data were
+    lost) and dropped the CapacityError. The loss is raised now, and the policy's failure
+    logged."""
+    from tiercache.policies import LRUPolicy
+
+    closing = []
+
+    class FailsAtClose(LRUPolicy):
+        def insert(self, key):
+            if closing:
+                raise RuntimeError("cannot rank at close")
+            super().insert(key)
+
+        def insert_many(self, keys):
+            if closing:
+                raise RuntimeError("cannot rank at close")
+            super().insert_many(keys)
+
+    EVICTION_POLICIES["fails-at-close"] = FailsAtClose
+    try:
+        store = BlockStore(tiny_config(tmp_path, geometry, eviction="fails-at-close"), geometry)
+        store.write_behind_enabled = False  # blocks reach the disk only when evicted there, or at close
+        for key, block in blocks(geometry, 24).items():
+            store.put(key, block)
+        assert store.table.num_free(Tier.DISK) > 0  # close's flush writes some down: the policy hears of them
+        closing.append(True)
+        with caplog.at_level("ERROR", logger="tiercache"):
+            with pytest.raises(CapacityError, match="close: 4 of 24 blocks are not kept"):
+                store.close()
+        assert "besides the blocks not kept" in caplog.text and "cannot rank at close" in caplog.text
+    finally:
+        del EVICTION_POLICIES["fails-at-close"]
 
 
 def test_opening_a_sparse_data_file_reads_only_where_it_holds_data(tmp_path, geometry, caplog):

@@ -678,7 +678,12 @@ class DiskTier(RecordCodec):
     def tombstone(self, slot: int) -> None:
         """Invalidate the record in ``slot`` (only needed when the tier persists)."""
         if self.persistent:
-            os.pwrite(self._fd, bytes(_HEADER.size + 4), slot * self.record_bytes)
+            offset = slot * self.record_bytes
+            if offset >= os.fstat(self._fd).st_size:
+                # past the end: nothing there to invalidate (a write that failed on a full disk
+                # left it so, and zeros written there failed too, inside its roll-back)
+                return
+            os.pwrite(self._fd, bytes(_HEADER.size + 4), offset)
 
     SCAN_THREADS = 8  # header reads in flight while scanning (they are small and random)
     SCAN_CHUNK = 32  # slots per read job

@@ -1940,11 +1940,13 @@ class BlockStore:
         """The error ``close`` raises when ``lost`` blocks of a persistent store could not be
         written down (``failed``: the last write's error, if any)."""
         total = len(self.table)
-        if failed is not None:
-            return TierIOError(f"close: {lost} of {total} blocks could not be written to the disk tier under "
-                               f"{self.disk.directory!r} ({failed.strerror or failed}), so they are not kept for "
-                               f"the next open; the blocks already on disk are kept")
         record = DiskTier.record_size(self.geometry)
+        no_room = max(0, lost - self.table.num_free(Tier.DISK))  # the rest had a free slot: their write failed
+        if failed is not None and lost > no_room:
+            beyond = (f"; {no_room} more than {self.disk_budget_text()}" if no_room else "")
+            return TierIOError(f"close: {lost} of {total} blocks are not kept for the next open: {lost - no_room} "
+                               f"could not be written to the disk tier under {self.disk.directory!r} "
+                               f"({failed.strerror or failed}){beyond}; the blocks already on disk are kept")
         return CapacityError(f"close: {lost} of {total} blocks are not kept for the next open: "
                              f"{self.disk_budget_text()}, and a persistent store keeps only what its disk tier "
                              f"holds; give disk_budget at least {total * record} bytes, or delete() the blocks it "
@@ -1978,6 +1980,7 @@ class BlockStore:
             self.release_views()
             self.wait_idle()
             if self.disk is not None and self.disk.persistent:
+                self._disk_write_error = None  # this flush's own failures (one long gone named a full disk)
                 self._flush()
                 self._tombstone_held()
                 with self._lock:
@@ -1998,6 +2001,10 @@ class BlockStore:
             if self._device_staging is not None:
                 self._device_staging.close()
             self.device_pool.release()
+        if self._policy_failures and lost is not None:  # the blocks lost are what the caller must hear
+            with self._lock:
+                failures, self._policy_failures[:] = list(self._policy_failures), []
+            log.error("tiercache: at close, besides the blocks not kept: %s", failures[0])
         if self._policy_failures:  # a plug-in's failure in the last calls: no later call raised it
             self._raise_policy_failure()
         if lost is not None:
@@ -2243,7 +2250,13 @@ class BlockStore:
     def _released(self, key: Hashable, tier: Tier, slot: int) -> None:
         """Under the lock, right after a slot was freed (before anyone can reuse it)."""
         if tier is Tier.DISK and not self.disk.closed:  # closed: ``_tombstone_held`` did it
-            self.disk.tombstone(slot)
+            try:
+                self.disk.tombstone(slot)
+            except OSError as exc:  # raised here, it cut a roll-back short (the table's books half done)
+                self.events.failed_move()
+                log.warning("tiercache: could not invalidate disk slot %d of %s (%s); the record there, of a "
+                            "block no longer stored, may come back when the directory is opened again",
+                            slot, self.disk.path, exc.strerror or exc)
         if self.table.copy(key, tier) is not None:
             return  # a zombie's copy went; a newer block with the same key lives on this tier
         self._gone_from(key, tier)
