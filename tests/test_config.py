@@ -199,21 +199,30 @@ def test_a_prefetch_plug_in_cannot_hide_under_auto():
 
 
 @pytest.mark.parametrize("field,text,message", [
-    ("device_budget", "0.3KiB", "device_budget: '0.3KiB' is 307.2 bytes, not a whole number of bytes; use 307 or 308 "
-                                "bytes"),
     ("host_budget", "0.0004KiB", "host_budget: '0.0004KiB' is 0.4096 bytes, not a whole number of bytes; use 1 byte"),
     ("disk_budget", "0.0001KB", "disk_budget: '0.0001KB' is 0.1 bytes, not a whole number of bytes; use 1 byte"),
-    ("reuse_host_budget", "1.0000001MiB", "reuse_host_budget: '1.0000001MiB' is 1048576.1048576 bytes"),
+    ("device_budget", "307.2B", "device_budget: '307.2B' is 307.2 bytes, not a whole number of bytes; use 307 or "
+                                "308 bytes"),
 ])
-def test_a_fractional_size_must_come_out_to_whole_bytes(field, text, message, tmp_path):
-    """A fractional size was computed in float and cut to an int without a word:
-    "0.3KiB" was 307 bytes, and "0.0004KiB" 0 bytes, which for host_budget and disk_budget
-    silently disabled the tier. Now the size is computed exactly: one that is not a whole
-    number of bytes is refused, naming the field, the value and the bytes it comes to (the
-    whole numbers around it, never 0), so a nonzero size never turns a tier off."""
+def test_a_nonzero_size_never_comes_out_as_zero_bytes(field, text, message, tmp_path):
+    """A fractional size was computed in float and cut to an int without a word: "0.0004KiB"
+    was 0 bytes, which for host_budget and disk_budget silently disabled the tier. Now the
+    size is computed exactly: one under a byte is refused, naming the field, the value and
+    the bytes it comes to (use 1 byte, never 0), and so is a count of bytes that is not
+    whole."""
     kwargs = {field: text, "disk_dir": str(tmp_path / "kv")}
     with pytest.raises(ValueError, match=re.escape(message)):
         TierConfig(**kwargs)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1.3GiB", 1395864371), ("0.3KiB", 307), ("1.0000001MiB", 1048576), ("0.8GiB", 858993459),
+])
+def test_a_size_in_a_unit_drops_the_part_of_a_byte(text, expected):
+    """A budget is a ceiling: "1.3GiB" is 1395864371.2 bytes, and 1395864371 are taken, as
+    before (a review found the exact parse refusing "1.3GiB", which had always worked)."""
+    assert parse_bytes(text, "host_budget") == expected
+    assert TierConfig(host_budget=text).host_budget == expected
 
 
 @pytest.mark.parametrize("text,expected", [

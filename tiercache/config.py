@@ -191,9 +191,10 @@ def _too_large(field_name: str, value: object) -> ValueError:
 
 
 def _parse_size_text(value: str, field_name: str) -> Fraction:
-    """The exact size a budget string names, in bytes: a whole number of them, or ValueError.
-    "0.3KiB" (307.2 bytes) was 307 bytes and "0.0004KiB" 0 bytes, silently: a host or disk
-    tier given that was off."""
+    """The exact size a budget string names, in bytes, with a part of a byte left out ("1.3GiB"
+    is 1395864371.2 bytes: 1395864371). Computed in float before, "0.0004KiB" was 0 bytes,
+    silently: a host or disk tier given that was off. Now a nonzero size under one byte is a
+    ValueError, and so is a count of bytes that is not whole ("0.5", "1.5B")."""
     match = _BUDGET_RE.match(value)
     unit = match.group(4).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -214,9 +215,13 @@ def _parse_size_text(value: str, field_name: str) -> Fraction:
         raise _too_large(field_name, value)
     if exact.denominator != 1:
         lower = math.floor(exact)
-        use = f"{lower} or {lower + 1} bytes" if lower else "1 byte"  # never 0: that disables a tier
-        raise ValueError(f"{field_name}: {value!r} is {_decimal_text(exact)} bytes, not a whole number of bytes; "
-                         f"use {use}")
+        if _UNITS[unit] == 1 or not lower:
+            # bytes are whole; and a nonzero size that rounds to 0 would disable a tier
+            use = f"{lower} or {lower + 1} bytes" if lower else "1 byte"
+            raise ValueError(f"{field_name}: {value!r} is {_decimal_text(exact)} bytes, not a whole number of "
+                             f"bytes; use {use}")
+        # "1.3GiB" (1395864371.2 bytes): a budget is a ceiling, so the part of a byte goes
+        return Fraction(lower)
     return exact
 
 
