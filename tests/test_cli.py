@@ -694,6 +694,31 @@ def test_two_flags_naming_one_file_are_refused_before_the_model_loads(tmp_path, 
     assert capsys.readouterr().err.startswith("tiercache: error: --model: ")
 
 
+def test_an_output_over_an_input_is_refused_and_a_pipe_takes_two(tmp_path, capsys):
+    """A review: ``compare --trace T --plot T`` wrote the PNG over the trace it had read
+    (exit 0, the trace gone), and ``eval fidelity --text-file X --plot X`` over the text.
+    Both are refused before any work now. And ``/dev/stdout`` on a pipe was refused for any
+    output (its resolved path, /proc/<pid>/fd/pipe:[N], names no file): it is written in
+    place, by two flags too."""
+    from tiercache.cli import main
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time,obj_id\n")
+    assert main(["compare", "--trace", str(trace), "--plot", str(trace), "--libcachesim", "none"]) == 2
+    assert capsys.readouterr().err == (f"tiercache: error: --trace and --plot name the same file ({str(trace)!r}): "
+                                       f"--plot would overwrite the file it reads; give each its own file\n")
+    assert trace.read_text() == "time,obj_id\n"
+    text = tmp_path / "long.txt"
+    text.write_text("words " * 10)
+    assert main(["eval", "fidelity", "--text-file", str(text), "--plot", str(text), "--model",
+                 str(tmp_path / "no-model")]) == 2
+    assert "--text-file and --plot name the same file" in capsys.readouterr().err
+    assert text.read_text() == "words " * 10
+    proc = cli("generate", "--prompt", "hi", "--model", str(tmp_path / "no-model"), "--stats-json", "/dev/stdout",
+               "--trace-out", "/dev/stdout")  # stdout is a pipe here
+    assert proc.returncode == 2 and proc.stderr.startswith("tiercache: error: --model: "), proc.stderr
+
+
 def full_disk() -> str:
     """A path whose every write fails with ENOSPC: ``/dev/full``, where this system has one
     that this user may open; else the test skips (a tmpfs would need mount rights)."""

@@ -73,6 +73,25 @@ def test_a_trace_that_cannot_be_written_still_lets_the_cache_close(tmp_path):
     assert not sessions.exists() or not any(sessions.iterdir())
 
 
+def test_a_trace_writer_that_failed_raises_its_own_error_again():
+    """A TraceWriter without ``defer_errors`` (``TieredCache(trace=path)``) on a full disk:
+    the first failed write closed the file, and every later row then raised "I/O operation
+    on closed file" from inside the model's forward, while close() said nothing (a review).
+    Each later row raises the disk's own error again, and close() stays quiet: it was said."""
+    from tiercache.lab.trace import TraceWriter
+
+    if not os.access("/dev/full", os.W_OK):
+        pytest.skip("no writable /dev/full here")
+    writer = TraceWriter("/dev/full")
+    keys = [(0, 0, i) for i in range(40000)]  # past the 1 MiB buffer: a write to the file
+    with pytest.raises(OSError, match="No space left on device"):
+        writer.record("r", keys, 512, 0, 4)
+    with pytest.raises(OSError, match="No space left on device"):
+        writer.record("r", keys[:1], 512, 1, 4)
+    writer.close()
+    assert isinstance(writer.error, OSError)
+
+
 def test_recorded_trace_is_every_access_and_changes_nothing(tmp_path):
     """Recording a trace (and the attention hook that scores blocks) leaves the logits equal to
     DynamicCache's; the file holds one write row per block written and one read row per block

@@ -278,6 +278,14 @@ def check_writable(flag: str, path: str, replaced: bool = False) -> None:
             textfile_target(path, what=flag)
         except ValueError as exc:
             raise CLIError(str(exc)) from None
+    try:
+        st = os.stat(path)  # follows links, /proc's own too: /dev/stdout on a pipe has no real path
+    except OSError:
+        st = None
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        if not os.access(path, os.W_OK):  # a device, a FIFO, a pipe: written in place, never made
+            raise CLIError(f"{flag}: cannot write {path!r} (permission denied)")
+        return
     target = os.path.realpath(path)
     folder = os.path.dirname(target)
     if os.path.isdir(target):
@@ -317,24 +325,29 @@ def check_distinct(files: list) -> None:
     given = [(flag, path) for flag, path in files if path]
     for i, (flag, path) in enumerate(given):
         for other_flag, other in given[i + 1:]:
+            if flag in _INPUT_FLAGS and other_flag in _INPUT_FLAGS:
+                continue  # two inputs: nothing is written
             if _same_file(path, other):
                 both = repr(path) if path == other else f"{path!r} and {other!r}"
-                what = "the prompt" if flag == "--prompt-file" else "the other"
+                what = {"--prompt-file": "the prompt"}.get(flag, "the file it reads" if flag in _INPUT_FLAGS
+                                                            else "the other")
                 raise CLIError(f"{flag} and {other_flag} name the same file ({both}): {other_flag} would overwrite "
                                f"{what}; give each its own file")
 
 
+_INPUT_FLAGS = frozenset({"--prompt-file", "--trace", "--io-json", "--text-file"})  # read, never written
+
+
 def _same_file(a: str, b: str) -> bool:
     """Whether paths ``a`` and ``b`` are one regular file, or one path where none is yet."""
-    real_a, real_b = os.path.realpath(a), os.path.realpath(b)
     try:
-        st = os.stat(real_a)
+        st = os.stat(a)  # follows links, /proc's own too (/dev/stdout on a pipe: no real path)
     except OSError:  # not there yet: made at that path, by both
-        return real_a == real_b
-    if not stat.S_ISREG(st.st_mode):  # a device, a FIFO: written in turn (a directory is refused elsewhere)
+        return os.path.realpath(a) == os.path.realpath(b)
+    if not stat.S_ISREG(st.st_mode):  # a device, a FIFO, a pipe: written in turn (a directory is refused elsewhere)
         return False
     try:
-        return os.path.samefile(real_a, real_b)
+        return os.path.samefile(a, b)
     except OSError:  # ``b`` not there: another file
         return False
 
@@ -435,7 +448,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for flag, path in (("--plot", args.plot), ("--trace-out", args.trace_out)):
         if path:
             check_writable(flag, path)
-    check_distinct([("--prompt-file", args.prompt_file), ("--trace-out", args.trace_out), ("--plot", args.plot)])
+    check_distinct([("--trace", args.trace), ("--io-json", args.io_json), ("--prompt-file", args.prompt_file),
+                    ("--trace-out", args.trace_out), ("--plot", args.plot)])  # --plot over --trace: the trace lost
     model = tokenizer = prompt = None
     trace_path = args.trace
     if trace_path is None:
@@ -565,6 +579,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.plot:
         require_extra("--plot", "matplotlib.backends.backend_agg")
         check_writable("--plot", args.plot)
+        check_distinct([("--text-file", args.text_file), ("--plot", args.plot)])
     text = None
     if args.task == "passkey":
         contexts = int_list("--contexts", args.contexts, 64)

@@ -76,6 +76,8 @@ class TraceWriter:
     def record(self, op: str, keys: Iterable, size: int, step: int, tokens: int,
                scores: Optional[dict] = None, t_us: Optional[int] = None) -> None:
         if self.error is not None:  # the file failed: it is incomplete whatever comes now
+            if not self.defer_errors:  # the same error again, not one of writing to a closed file
+                raise self.error
             return
         t = self.now_us() if t_us is None else t_us
         w = self._buf.write
@@ -101,10 +103,10 @@ class TraceWriter:
             self._file.close()
         except OSError:
             pass
-        if not self.defer_errors:
-            raise exc
         if self.error is None:
             self.error = exc
+        if not self.defer_errors:
+            raise exc
 
     def close(self) -> None:
         if self._file.closed:  # closed before, or at a failed write
