@@ -2247,15 +2247,20 @@ class BlockStore:
         why = self._lost.get(key)
         return BlockCorruptedError(f"block {key!r} is not in the cache ({why or 'lost or deleted'})")
 
-    def _released(self, key: Hashable, tier: Tier, slot: int) -> None:
-        """Under the lock, right after a slot was freed (before anyone can reuse it)."""
+    def _released(self, key: Hashable, tier: Tier, slot: int, rolled_back: bool = False) -> None:
+        """Under the lock, right after a slot was freed (before anyone can reuse it).
+        ``rolled_back``: the slot was reserved for a move that failed or never ran, so it
+        holds no record of its own (a torn one at most, which fails its checks): a tombstone
+        that fails there is logged, not raised, which cut the roll-back's books short. Any
+        other copy freed must be invalidated, or an old block comes back on reopen: its
+        tombstone's failure is raised."""
         if tier is Tier.DISK and not self.disk.closed:  # closed: ``_tombstone_held`` did it
             try:
                 self.disk.tombstone(slot)
-            except OSError as exc:  # raised here, it cut a roll-back short (the table's books half done)
-                self.events.failed_move()
-                log.warning("tiercache: could not invalidate disk slot %d of %s (%s); the record there, of a "
-                            "block no longer stored, may come back when the directory is opened again",
+            except OSError as exc:
+                if not rolled_back:
+                    raise
+                log.warning("tiercache: could not clear disk slot %d of %s after a failed write (%s)",
                             slot, self.disk.path, exc.strerror or exc)
         if self.table.copy(key, tier) is not None:
             return  # a zombie's copy went; a newer block with the same key lives on this tier
@@ -2476,7 +2481,7 @@ class BlockStore:
         waiter = self._take_waiter(move)
         self._evicted_down.discard(move)
         for tier, slot in self.table.complete_move(move, ok=False):
-            self._released(move.key, tier, slot)
+            self._released(move.key, tier, slot, rolled_back=True)
         return waiter
 
     def _submit_all(self, moves: list, priority: Priority, help_here: Optional[list] = None) -> list:
@@ -2915,7 +2920,7 @@ class BlockStore:
         # which only needs its copies freed.
         live = self.table.get(move.key) is move.entry
         for tier, slot in self.table.complete_move(move, error is None):
-            self._released(move.key, tier, slot)
+            self._released(move.key, tier, slot, rolled_back=error is not None)
         if corrupted and live:
             self._discard(move.key, move.src)
         if error is None and live:
