@@ -524,10 +524,15 @@ class DiskTier(RecordCodec):
             return self._fd_direct
         return self._fd
 
+    def payload_crc(self, payload: torch.Tensor) -> int:
+        """The CRC32C a record of ``payload`` carries (``write``'s ``crc``)."""
+        return crc32c.crc32c(memoryview(payload.numpy())[:self.payload_bytes])
+
     def write(self, slot: int, key: BlockKey, payload: torch.Tensor, num_tokens: int,
-              token_ids: bytes = b"") -> None:
+              token_ids: bytes = b"", crc: Optional[int] = None) -> None:
         """Write a record. ``payload`` is a contiguous uint8 CPU tensor, ideally page-aligned;
-        ``token_ids`` (``pack_token_ids``) go into the header when given."""
+        ``token_ids`` (``pack_token_ids``) go into the header when given; ``crc``: the
+        payload's ``payload_crc``, where it was computed ahead (computed here if None)."""
         self._check_slot(slot)
         if payload.numel() < self.payload_bytes:
             raise ValueError("payload buffer too small")
@@ -535,7 +540,8 @@ class DiskTier(RecordCodec):
             raise ValueError(f"at most {self.MAX_TOKEN_IDS} token ids fit a record header")
         _, _, hmv = self._header_buf()
         pmv = memoryview(payload.numpy())
-        crc = crc32c.crc32c(pmv[:self.payload_bytes])
+        if crc is None:
+            crc = crc32c.crc32c(pmv[:self.payload_bytes])
         self.encode_header(hmv, key, num_tokens, crc, token_ids)
         fd = self._fd_for(payload)
         if fd == self._fd_direct:
