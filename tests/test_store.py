@@ -262,6 +262,52 @@ def test_close_blames_the_budget_not_a_disk_error_that_passed(tmp_path, geometry
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+def test_a_deleted_blocks_record_freed_by_a_failed_move_is_not_taken_for_a_reserved_slot(tmp_path, geometry,
+                                                                                          caplog):
+    """A promote from disk fails (EIO, injected) while the block is deleted: the roll-back
+    frees the deleted block's disk record as well as the slot the move had reserved. A
+    review found that record's tombstone failure (EIO again) only logged as "after a failed
+    write", as for the reserved slot, though the record is a live one that comes back on
+    reopen. Only the reserved slot's failure is logged now; the record's is raised to the
+    move's waiter, as delete() raises it."""
+    import errno
+
+    store = BlockStore(tiny_config(tmp_path, geometry), geometry, persistent=True)
+    key = BlockKey(0, 0, 0)
+    store.put(key, torch.randn(geometry.shape))
+    store.flush()
+    store.drop_copies(Tier.DEVICE)
+    store.drop_copies(Tier.HOST)
+    slot = store.table.copy(key, Tier.DISK).slot
+    entered, go = threading.Event(), threading.Event()
+    real_read, real_tombstone = store.disk.read, store.disk.tombstone
+
+    def read(*args, **kwargs):  # the disk read fails, once the block is deleted
+        entered.set()
+        go.wait(10)
+        raise OSError(errno.EIO, "Input/output error (read)")
+
+    def tombstone(s):  # and so does the tombstone of its record
+        if s == slot:
+            raise OSError(errno.EIO, "Input/output error (tombstone)")
+        return real_tombstone(s)
+
+    store.disk.read = read
+    try:
+        future = store.promote(key, Tier.HOST)
+        assert entered.wait(10)
+        store.delete(key)  # while the read is in flight: the entry holds its disk record
+        store.disk.tombstone = tombstone
+        with caplog.at_level("WARNING", logger="tiercache"):
+            go.set()
+            with pytest.raises(OSError, match="tombstone"):
+                future.result()
+        assert "after a failed write" not in caplog.text
+    finally:
+        store.disk.read, store.disk.tombstone = real_read, real_tombstone
+        store.close()
+
+
 def test_a_policy_failure_at_close_does_not_hide_the_blocks_lost(tmp_path, geometry, caplog):
     """A persistent store that cannot keep 4 of its 24 blocks, whose plug-in eviction policy
     fails during close's flush: close() raised the policy's failure (which says no data were
@@ -374,6 +420,38 @@ def test_checksums_computed_ahead_of_the_writers_are_the_records_own(tmp_path):
             except BlockCorruptedError:
                 errors += 1
         assert errors == 1
+
+
+def test_a_ctrl_c_while_queueing_a_checksum_leaves_no_move_in_flight(tmp_path):
+    """A Ctrl-C landing while the checksum job of a host -> disk move is queued (injected: a
+    pool whose submit raises KeyboardInterrupt once) came after the move was marked started
+    and before anything that rolls it back: it stayed in flight for good, and wait_idle()
+    and close() hung (a review). It is rolled back now; the store goes on, and closes."""
+    g = BlockGeometry(batch=1, kv_heads=2, block_tokens=128, head_dim=128, dtype=torch.float32)
+    store = BlockStore(tiny_config(tmp_path, g, device_blocks=2, host_blocks=4, disk_blocks=8), g)
+    try:
+        store.write_behind_enabled = False
+        key = BlockKey(0, 0, 0)
+        store.put(key, torch.randn(g.shape), tier=Tier.HOST)
+
+        class Interrupted:
+            def submit(self, *args, **kwargs):
+                raise KeyboardInterrupt
+
+        store._crc_pool = Interrupted()
+        store.write_behind_enabled = True
+        with pytest.raises(KeyboardInterrupt):
+            store.write_behind(key)
+        store._crc_pool = None
+        assert not store._inflight and not store._started and not store._crcs
+        done = threading.Event()
+        threading.Thread(target=lambda: (store.wait_idle(), done.set()), daemon=True).start()
+        assert done.wait(10), "wait_idle() hung on a move left in flight"
+        store.write_behind(key)
+        store.wait_idle()
+        assert Tier.DISK in store.tiers_of(key)
+    finally:
+        store.close()
 
 
 def test_a_store_that_fails_to_open_lets_go_of_its_directory(tmp_path, geometry):

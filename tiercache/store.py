@@ -2255,8 +2255,10 @@ class BlockStore:
 
     def _released(self, key: Hashable, tier: Tier, slot: int, rolled_back: bool = False) -> None:
         """Under the lock, right after a slot was freed (before anyone can reuse it).
-        ``rolled_back``: the slot was reserved for a move that failed or never ran, so it
-        holds no record of its own (a torn one at most, which fails its checks): a tombstone
+        ``rolled_back``: the slot was reserved for a move that failed or never ran (its
+        destination, ``_reserved``; not a deleted block's source copy that the roll-back frees
+        too, a live record), so it holds no record of its own (a torn one at most, which fails
+        its checks): a tombstone
         that fails there is logged, not raised, which cut the roll-back's books short. Any
         other copy freed must be invalidated, or an old block comes back on reopen: its
         tombstone's failure is raised."""
@@ -2441,7 +2443,7 @@ class BlockStore:
                 if self._to_device.get(move.key) is move:
                     del self._to_device[move.key]
                 for tier, slot in self.table.complete_move(move, ok=False):
-                    self._released(move.key, tier, slot)
+                    self._released(move.key, tier, slot, rolled_back=_reserved(move, tier, slot))
             raise
         return moves
 
@@ -2490,7 +2492,7 @@ class BlockStore:
         if crc is not None:
             crc.cancel()
         for tier, slot in self.table.complete_move(move, ok=False):
-            self._released(move.key, tier, slot, rolled_back=True)
+            self._released(move.key, tier, slot, rolled_back=_reserved(move, tier, slot))
         return waiter
 
     def _submit_all(self, moves: list, priority: Priority, help_here: Optional[list] = None) -> list:
@@ -2861,9 +2863,10 @@ class BlockStore:
             if move not in self._inflight or move in self._started:
                 return future
             self._started.add(move)
-            if move.dst is Tier.DISK and move.src is Tier.HOST and self.geometry.block_bytes >= _CRC_AHEAD_BYTES:
-                self._checksum_ahead(move)
         try:
+            if move.dst is Tier.DISK and move.src is Tier.HOST and self.geometry.block_bytes >= _CRC_AHEAD_BYTES:
+                with self._lock:  # a Ctrl-C in here is rolled back below, the CRC job cancelled with it
+                    self._checksum_ahead(move)
             compute_event = self._compute_barrier() if Tier.DEVICE in (move.src, move.dst) else None
             job = lambda: self._run_move(move, compute_event, chain)  # noqa: E731
             inner = self.engine.submit(job, priority, blocking=blocking)
@@ -2969,7 +2972,7 @@ class BlockStore:
         # which only needs its copies freed.
         live = self.table.get(move.key) is move.entry
         for tier, slot in self.table.complete_move(move, error is None):
-            self._released(move.key, tier, slot, rolled_back=error is not None)
+            self._released(move.key, tier, slot, rolled_back=error is not None and _reserved(move, tier, slot))
         if corrupted and live:
             self._discard(move.key, move.src)
         if error is None and live:
@@ -3233,6 +3236,11 @@ def _runs(held: list, strided: bool = False):
                 j += 1
         yield on_device[i], slots[i], j - i, step
         i = j
+
+
+def _reserved(move: Move, tier: Tier, slot: int) -> bool:
+    """Whether ``(tier, slot)`` is the destination ``move`` reserved."""
+    return tier is move.dst and slot == move.dst_slot
 
 
 def _relay(inner: Future, outer: Future) -> None:
