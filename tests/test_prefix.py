@@ -229,6 +229,22 @@ def test_a_loaded_prefix_continues_with_the_forms_transformers_takes_for_a_past(
         out = model.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(a), cache=cache, **GEN)
     assert torch.equal(out.sequences[:, -NEW:], ref.sequences[:, -NEW:])
     assert max((x - y).abs().max().item() for x, y in zip(ref.logits, out.logits)) <= 1e-5
+    # BLOOM's forward takes no position_ids, and transformers drops a mask of ones before the
+    # prefill, keeping only its length: the check read no length there and refused the tail
+    torch.manual_seed(0)
+    bloom = transformers.AutoModelForCausalLM.from_config(transformers.BloomConfig(
+        vocab_size=64, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0, eos_token_id=None,
+        initializer_range=0.2)).eval()
+    bloom.generation_config.eos_token_id = None
+    bloom.generation_config.pad_token_id = 0
+    cfg = config(tmp_path / "bloom")
+    run(bloom, a, cfg)
+    ref = reference(bloom, a)
+    with TieredCache(bloom, cfg) as cache, torch.no_grad():
+        assert cache.load_prefix(a) == 28
+        tail = bloom.generate(a[:, 28:], attention_mask=torch.ones_like(a), cache=cache, **GEN)
+    assert torch.equal(tail.sequences[:, -NEW:], ref.sequences[:, -NEW:])
+    assert max((x - y).abs().max().item() for x, y in zip(ref.logits, tail.logits)) <= 1e-5
 
 
 def test_a_longer_prompt_reuses_the_shared_part_only(tmp_path):

@@ -570,7 +570,8 @@ class TieredCache(Cache):
         if hold is not None and hold.detach() is not None:  # once: the hooks go if nothing else holds them
             _release_hooks(self._model)
 
-    def _check_loaded_prompt(self, input_ids: Any, model_kwargs: Optional[dict] = None) -> None:
+    def _check_loaded_prompt(self, input_ids: Any, model_kwargs: Optional[dict] = None,
+                             generation_config: Any = None) -> None:
         """generate()'s prefill on this cache, after ``load_prefix``: its prompt must start
         with the loaded ids and have at least one token more. Two forms transformers takes
         for a cache that holds a past pass as they are: only the new ids with an attention
@@ -598,6 +599,9 @@ class TieredCache(Cache):
         # the length of the whole sequence, from the mask or the positions generate() made from it
         spans = [t.shape[-1] for t in (model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
                  if isinstance(t, torch.Tensor) and t.dim() == 2]
+        # transformers drops a mask of ones before the prefill and keeps only its length there
+        # (a model that takes no position_ids, BLOOM's, has nothing else to say it)
+        spans.append(getattr(generation_config, "_mask_length", -1))
         total = max(spans, default=input_ids.shape[1])
         if total > input_ids.shape[1]:
             past = total - input_ids.shape[1]  # the ids are what follows a past of this length
@@ -1668,6 +1672,9 @@ class _Hook:
         self.name, self.model = name, model
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _PENDING_RELEASES:  # holds of caches collected unclosed: the hooks may go once this call is done
+            with _HOOK_LOCK:
+                _release_pending()
         return _HOOKS[self.name](self.model, *args, **kwargs)
 
     def __reduce__(self) -> tuple:
@@ -1766,7 +1773,7 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
         fed = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else (
             input_ids.shape[1] if input_ids.dim() == 2 else 0)
         cache._prompt_pending = max(0, fed - cache.get_seq_length())
-        cache._check_loaded_prompt(input_ids, model_kwargs)  # loaded by the caller's load_prefix(): its prompt
+        cache._check_loaded_prompt(input_ids, model_kwargs, generation_config)  # after the caller's load_prefix()
         if ours and scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
