@@ -708,6 +708,10 @@ def test_an_output_over_an_input_is_refused_and_a_pipe_takes_two(tmp_path, capsy
     assert capsys.readouterr().err == (f"tiercache: error: --trace and --plot name the same file ({str(trace)!r}): "
                                        f"--plot would overwrite the file it reads; give each its own file\n")
     assert trace.read_text() == "time,obj_id\n"
+    # --trace-out is written only when compare records a trace: beside --trace it names nothing
+    assert main(["compare", "--trace", str(trace), "--trace-out", str(trace), "--libcachesim", "none"]) != 0
+    assert "name the same file" not in capsys.readouterr().err
+    assert trace.read_text() == "time,obj_id\n"
     text = tmp_path / "long.txt"
     text.write_text("words " * 10)
     assert main(["eval", "fidelity", "--text-file", str(text), "--plot", str(text), "--model",

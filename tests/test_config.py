@@ -203,6 +203,7 @@ def test_a_prefetch_plug_in_cannot_hide_under_auto():
     ("disk_budget", "0.0001KB", "disk_budget: '0.0001KB' is 0.1 bytes, not a whole number of bytes; use 1 byte"),
     ("device_budget", "307.2B", "device_budget: '307.2B' is 307.2 bytes, not a whole number of bytes; use 307 or "
                                 "308 bytes"),
+    ("host_budget", "0." + "0" * 44 + "1KiB", "is less than one byte, not a whole number of bytes; use 1 byte"),
 ])
 def test_a_nonzero_size_never_comes_out_as_zero_bytes(field, text, message, tmp_path):
     """A fractional size was computed in float and cut to an int without a word: "0.0004KiB"
@@ -217,6 +218,7 @@ def test_a_nonzero_size_never_comes_out_as_zero_bytes(field, text, message, tmp_
 
 @pytest.mark.parametrize("text,expected", [
     ("1.3GiB", 1395864371), ("0.3KiB", 307), ("1.0000001MiB", 1048576), ("0.8GiB", 858993459),
+    ("1." + "0" * 44 + "1GiB", 1 << 30), ("1." + "9" * 50 + "KiB", 2047),  # past 40 places: far below a byte
 ])
 def test_a_size_in_a_unit_drops_the_part_of_a_byte(text, expected):
     """A budget is a ceiling: "1.3GiB" is 1395864371.2 bytes, and 1395864371 are taken, as

@@ -448,8 +448,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for flag, path in (("--plot", args.plot), ("--trace-out", args.trace_out)):
         if path:
             check_writable(flag, path)
+    # --plot over --trace: the trace lost; --trace-out is written only when compare records a trace
     check_distinct([("--trace", args.trace), ("--io-json", args.io_json), ("--prompt-file", args.prompt_file),
-                    ("--trace-out", args.trace_out), ("--plot", args.plot)])  # --plot over --trace: the trace lost
+                    ("--trace-out", args.trace_out if args.trace is None else None), ("--plot", args.plot)])
     model = tokenizer = prompt = None
     trace_path = args.trace
     if trace_path is None:

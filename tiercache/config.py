@@ -31,7 +31,8 @@ MAX_BUDGET = 1 << 60
 _MAX_BUDGET_TEXT = "1 EiB (2**60 bytes)"
 _MAX_BUDGET_DIGITS = len(str(MAX_BUDGET))  # a whole part with more digits is past MAX_BUDGET in any unit
 # A fractional part with more significant digits is whole bytes in no unit: a unit holds at
-# most 2**40 (TiB) or 10**12 (TB), which clear at most 40 decimal places.
+# most 2**40 (TiB) or 10**12 (TB), which clear at most 40 decimal places. In a unit, the
+# digits past them are far below a byte (dropped); in bytes, they are refused.
 _MAX_FRACTION_DIGITS = 40
 # sign, whole part, fractional part, unit
 _BUDGET_RE = re.compile(r"^\s*(-?)([0-9]+)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$")
@@ -157,12 +158,13 @@ def remote_credentials(url: str) -> tuple:
 def parse_bytes(value: Budget, field_name: str = "budget") -> int:
     """Parse ``value`` (int bytes, or a string such as "64MiB", "1.5GiB") into bytes.
 
-    The size is computed exactly (no float): it must come out to a whole number of bytes,
-    so "1.5GiB" and "0.5KiB" are taken and "0.3KiB" (307.2 bytes) is refused, never
-    rounded; a nonzero size is never 0 bytes (0 disables the host and disk tiers).
+    The size is computed exactly (no float), and the part of a byte of a size in a unit is
+    dropped: "1.5GiB" is 1610612736 bytes, "0.3KiB" (307.2 bytes) 307. A nonzero size
+    under one byte is refused, never 0 bytes (0 disables the host and disk tiers), and so
+    is a count of bytes that is not whole ("0.5", "1.5B").
 
-    Raises ``ValueError`` naming ``field_name`` and the value when it is negative, not a
-    whole number of bytes, more than ``MAX_BUDGET``, or unparsable.
+    Raises ``ValueError`` naming ``field_name`` and the value when it is negative, under one
+    byte but not 0, bytes that are not whole, more than ``MAX_BUDGET``, or unparsable.
     """
     if isinstance(value, bool):  # numpy's bools are not numbers.Integral: refused below
         raise ValueError(f"{field_name}: expected bytes or a size such as '64MiB', got {value!r}")
@@ -201,13 +203,18 @@ def _parse_size_text(value: str, field_name: str) -> Fraction:
         raise ValueError(f"{field_name}: cannot parse {_shown(value)}; use bytes or a size such as "
                          f"'512KiB', '64MiB', '1.5GiB'")
     sign, whole, fraction = match.group(1), match.group(2).lstrip("0"), (match.group(3) or "").rstrip("0")
+    cut = False
     if len(whole) > _MAX_BUDGET_DIGITS:  # before any arithmetic: a 400-digit size was an OverflowError
         if sign:
             raise ValueError(f"{field_name}: must not be negative, got {_shown(value)}")
         raise _too_large(field_name, value)
     if len(fraction) > _MAX_FRACTION_DIGITS:
-        raise ValueError(f"{field_name}: {_shown(value)} is not a whole number of bytes ({len(fraction)} "
-                         f"decimal places; no unit makes that whole)")
+        if _UNITS[unit] == 1:
+            raise ValueError(f"{field_name}: {_shown(value)} is not a whole number of bytes ({len(fraction)} "
+                             f"decimal places)")
+        # what follows is far below a byte in any unit, but not 0: "0.<41 zeros>1KiB" is under
+        # a byte, not 0 bytes (a 1 in the last place kept stands for it)
+        fraction, cut = fraction[:_MAX_FRACTION_DIGITS - 1] + "1", True
     exact = Fraction(int(whole + fraction or "0"), 10 ** len(fraction)) * _UNITS[unit]
     if sign and exact:
         raise ValueError(f"{field_name}: must not be negative, got {_shown(value)}")
@@ -218,8 +225,8 @@ def _parse_size_text(value: str, field_name: str) -> Fraction:
         if _UNITS[unit] == 1 or not lower:
             # bytes are whole; and a nonzero size that rounds to 0 would disable a tier
             use = f"{lower} or {lower + 1} bytes" if lower else "1 byte"
-            raise ValueError(f"{field_name}: {value!r} is {_decimal_text(exact)} bytes, not a whole number of "
-                             f"bytes; use {use}")
+            size = "less than one byte" if cut else f"{_decimal_text(exact)} bytes"
+            raise ValueError(f"{field_name}: {value!r} is {size}, not a whole number of bytes; use {use}")
         # "1.3GiB" (1395864371.2 bytes): a budget is a ceiling, so the part of a byte goes
         return Fraction(lower)
     return exact
