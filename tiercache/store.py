@@ -2258,10 +2258,9 @@ class BlockStore:
         ``rolled_back``: the slot was reserved for a move that failed or never ran (its
         destination, ``_reserved``; not a deleted block's source copy that the roll-back frees
         too, a live record), so it holds no record of its own (a torn one at most, which fails
-        its checks): a tombstone
-        that fails there is logged, not raised, which cut the roll-back's books short. Any
-        other copy freed must be invalidated, or an old block comes back on reopen: its
-        tombstone's failure is raised."""
+        its checks): a tombstone that fails there is logged, not raised (raised, it cut the
+        roll-back's books short). Any other copy freed must be invalidated, or an old block
+        comes back on reopen: its tombstone's failure is raised."""
         if tier is Tier.DISK and not self.disk.closed:  # closed: ``_tombstone_held`` did it
             try:
                 self.disk.tombstone(slot)
