@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 
@@ -69,6 +70,39 @@ def make_store(tmp_path, geometry):
             hung.append(s)
     assert not hung, f"close() hung on {len(hung)} store(s): a move stayed in flight"
     assert not failed, f"close() raised: {failed[0]!r}"
+
+
+@pytest.fixture
+def small_filesystem():
+    """Mount a real tmpfs of ``size`` at a path (needs root: skipped elsewhere); unmounted after."""
+    mounted = []
+
+    def mount(path, size: str):
+        os.makedirs(path, exist_ok=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(path)
+        return path
+
+    yield mount
+    from tiercache.prefix import close_all
+
+    close_all()  # prefix caches hold files there
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill_filesystem(path) -> None:
+    """Write a file ``filler`` in ``path`` until its filesystem is full (ENOSPC)."""
+    fd = os.open(os.path.join(path, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ import pytest
 
 from tiercache.bench.faults import FAULTS, inject, tiny_model
 
+from conftest import fill_filesystem
+
 DAMAGE = ["payload byte flipped", "header byte flipped", "data file truncated", "data file deleted",
           "index deleted", "index damaged"]
 IO = {"ENOSPC on disk write": "No space left on device", "EIO on disk write": "Input/output error",
@@ -105,25 +107,11 @@ def test_pinned_memory_failure_falls_back_to_pageable_with_a_warning(caplog):
 
 
 @pytest.fixture
-def full_filesystem(tmp_path):
+def full_filesystem(tmp_path, small_filesystem):
     """A real 256 KiB tmpfs, filled up (mounting needs root: skipped elsewhere)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    mnt = small_filesystem(tmp_path / "small", "256k")
+    fill_filesystem(mnt)
+    return mnt
 
 
 @pytest.mark.timeout(120)

@@ -519,25 +519,6 @@ def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path,
         assert dict(db.execute("SELECT h, parent FROM blocks").fetchall()) == links
 
 
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """Mount a real tmpfs of ``size`` at a path (needs root: skipped elsewhere); unmounted after."""
-    mounted = []
-
-    def mount(path, size: str):
-        os.makedirs(path, exist_ok=True)
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                          capture_output=True).returncode:
-            pytest.skip("cannot mount a tmpfs here (needs root)")
-        mounted.append(path)
-        return path
-
-    yield mount
-    close_all()
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def test_a_full_disk_under_the_index_is_a_tier_error_naming_it(small_filesystem, tmp_path):
     """SQLite on a real full filesystem: a write to the index was a bare
     sqlite3.OperationalError ("database or disk is full"); it is a TierIOError naming the

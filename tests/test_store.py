@@ -24,7 +24,7 @@ from tiercache.store import BlockStore, _MoveFuture
 from tiercache.tiers import BlockGeometry, aligned_buffer
 from tiercache.transfer import wait_all
 
-from conftest import tiny_config
+from conftest import fill_filesystem, tiny_config
 
 
 def blocks(geometry, n, seed=0):
@@ -177,89 +177,69 @@ def test_close_says_which_blocks_a_persistent_store_could_not_keep(tmp_path, geo
         assert len(store) == 20 and all(key in store for key in list(data)[4:])
 
 
-def test_flush_counts_only_what_reached_the_disk(tmp_path, geometry):
+def test_flush_counts_only_what_reached_the_disk(tmp_path, geometry, small_filesystem):
     """A persistent store's disk tier on a real full filesystem (a tmpfs mounted small:
     needs root, skipped elsewhere). flush() counted every write it started as written,
     failed ones too, and close() returned with blocks lost and only a warning per write.
     Now flush() counts the blocks whose disk copy landed, and close() raises TierIOError
     naming the directory, ENOSPC and how many blocks went unkept; the blocks that did land
     come back exact."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        cfg = tiny_config(mnt, geometry, host_blocks=8, disk_blocks=20)  # room for 20 records, the fs for fewer
-        data = blocks(geometry, 10)
-        store = BlockStore(cfg, geometry)
-        for key, block in data.items():
-            store.put(key, block)
-        store.flush()  # waits for the write-behinds under way too (not counted: not its own writes)
-        on_disk = len(store.table.ready_keys(Tier.DISK))
-        assert on_disk < 10, "the filesystem was meant to be too small"
-        assert store.flush() == 0  # it tries the rest again: none lands (it counted every try)
-        assert len(store.table.ready_keys(Tier.DISK)) == on_disk
-        lost = 10 - on_disk
-        with pytest.raises(TierIOError, match=rf"close: {lost} of 10 blocks are not kept for the next open: {lost} "
-                                              rf"could not be written to the disk tier under '{mnt / 'kv'}' "
-                                              rf"\(No space left on device\)"):
-            store.close()
-        with BlockStore(cfg, geometry) as again:
-            assert len(again) == on_disk
-            for key in data:
-                if key in again:
-                    assert torch.equal(again.get(key), data[key])
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    mnt = small_filesystem(tmp_path / "small", "64k")
+    cfg = tiny_config(mnt, geometry, host_blocks=8, disk_blocks=20)  # room for 20 records, the fs for fewer
+    data = blocks(geometry, 10)
+    store = BlockStore(cfg, geometry)
+    for key, block in data.items():
+        store.put(key, block)
+    store.flush()  # waits for the write-behinds under way too (not counted: not its own writes)
+    on_disk = len(store.table.ready_keys(Tier.DISK))
+    assert on_disk < 10, "the filesystem was meant to be too small"
+    assert store.flush() == 0  # it tries the rest again: none lands (it counted every try)
+    assert len(store.table.ready_keys(Tier.DISK)) == on_disk
+    lost = 10 - on_disk
+    with pytest.raises(TierIOError, match=rf"close: {lost} of 10 blocks are not kept for the next open: {lost} "
+                                          rf"could not be written to the disk tier under '{mnt / 'kv'}' "
+                                          rf"\(No space left on device\)"):
+        store.close()
+    with BlockStore(cfg, geometry) as again:
+        assert len(again) == on_disk
+        for key in data:
+            if key in again:
+                assert torch.equal(again.get(key), data[key])
 
 
-def test_close_blames_the_budget_not_a_disk_error_that_passed(tmp_path, geometry):
+def test_close_blames_the_budget_not_a_disk_error_that_passed(tmp_path, geometry, small_filesystem):
     """A real filesystem that was full for a while (a tmpfs and a file filling it; root only,
     skipped elsewhere): a write-behind failed with ENOSPC, the filler went, later writes
     landed; then more blocks than the disk's 20 records. close() named the old ENOSPC
     (TierIOError) for what was a budget shortfall; it raises CapacityError now, and the 20
     blocks on disk come back exact."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+    mnt = small_filesystem(tmp_path / "small", "1m")
+    cfg = tiny_config(mnt, geometry, disk_blocks=20)
+    data = blocks(geometry, 24, seed=3)
+    keys = list(data)
+    store = BlockStore(cfg, geometry)
     try:
-        cfg = tiny_config(mnt, geometry, disk_blocks=20)
-        data = blocks(geometry, 24, seed=3)
-        keys = list(data)
-        store = BlockStore(cfg, geometry)
-        filler = mnt / "filler"
-        try:
-            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, b"\0" * 4096):
-                    pass
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-            for key in keys[:4]:
-                store.put(key, data[key])
-            assert store.flush() == 0  # the filesystem is full: nothing lands
-            # each failed write was rolled back and counted (its roll-back's zeros, written
-            # past the file's end, failed too, and cut the books short: nothing was counted)
-            assert store.stats()["failed_moves"] > 0
-            store.check()
-            filler.unlink()
-            for key in keys[4:]:
-                store.put(key, data[key])
-        except BaseException:
-            store.close()
-            raise
-        with pytest.raises(CapacityError, match=r"close: 4 of 24 blocks are not kept .* \(holds 20 blocks"):
-            store.close()
-        with BlockStore(cfg, geometry) as again:
-            assert len(again) == 20
-            for key in keys:
-                if key in again:
-                    assert torch.equal(again.get(key), data[key])
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        fill_filesystem(mnt)
+        for key in keys[:4]:
+            store.put(key, data[key])
+        assert store.flush() == 0  # the filesystem is full: nothing lands
+        # each failed write was rolled back and counted (its roll-back's zeros, written
+        # past the file's end, failed too, and cut the books short: nothing was counted)
+        assert store.stats()["failed_moves"] > 0
+        store.check()
+        (mnt / "filler").unlink()
+        for key in keys[4:]:
+            store.put(key, data[key])
+    except BaseException:
+        store.close()
+        raise
+    with pytest.raises(CapacityError, match=r"close: 4 of 24 blocks are not kept .* \(holds 20 blocks"):
+        store.close()
+    with BlockStore(cfg, geometry) as again:
+        assert len(again) == 20
+        for key in keys:
+            if key in again:
+                assert torch.equal(again.get(key), data[key])
 
 
 def test_a_deleted_blocks_record_freed_by_a_failed_move_is_not_taken_for_a_reserved_slot(tmp_path, geometry,
