@@ -288,6 +288,100 @@ def test_a_deleted_blocks_record_freed_by_a_failed_move_is_not_taken_for_a_reser
         store.close()
 
 
+def test_a_deleted_block_whose_tombstone_failed_is_not_served_after_a_reopen(tmp_path, geometry):
+    """A persistent store holds 4 blocks on its disk tier; the disk starts failing the small
+    write that invalidates a record (EIO on the tombstone's pwrite, injected) just as one
+    block is deleted. delete() raised the EIO before its books were done (the disk tier's
+    policy still ranked the deleted block) and forgot the record: the next open found it
+    whole and served the deleted block again, and its slot was handed to the next block
+    (whose write would have overwritten it, by luck). Now the failure is still raised to
+    delete's caller, but the slot stays reserved and the tombstone is tried again: here
+    flush() tries while the disk still fails (the slot stays held), then the disk recovers
+    and the next flush() invalidates the record. The reopened store holds the 3 live blocks,
+    exact, and not the deleted one."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    cfg = tiny_config(tmp_path, geometry, disk_blocks=8)
+    data = blocks(geometry, 4, seed=21)
+    keys = list(data)
+    gone = keys[1]
+    new = BlockKey(0, 1, 0)
+    store = BlockStore(cfg, geometry)
+    try:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+        slot = store.table.copy(gone, Tier.DISK).slot
+        with _failing("pwrite", errno.EIO, after=0):
+            with pytest.raises(OSError, match="Input/output error"):
+                store.delete(gone)
+            assert gone not in store and len(store) == 3
+            store.check()  # the held slot counts as used, and no policy ranks the deleted block
+            assert store.table.num_free(Tier.DISK) == 8 - 4  # 3 live records and the one not invalidated
+            store.put(new, data[gone])
+            store.flush()  # tries the tombstone again: it fails again, the slot stays held
+            assert store.table.copy(new, Tier.DISK).slot != slot  # the new block did not get it
+            with pytest.raises(OSError, match="Input/output error"):
+                store.delete(new)
+            assert store.table.num_free(Tier.DISK) == 8 - 5
+        store.flush()  # the disk works again: both records are invalidated, their slots free
+        assert store.table.num_free(Tier.DISK) == 8 - 3
+        store.check()
+    finally:
+        store.close()
+    with BlockStore(cfg, geometry) as again:
+        assert gone not in again and new not in again and len(again) == 3
+        for key in keys:
+            if key != gone:
+                assert torch.equal(again.get(key), data[key])
+
+
+def test_close_raises_when_a_deleted_blocks_record_cannot_be_invalidated(tmp_path, geometry, caplog):
+    """The same failure as above, but the disk never recovers: close() tries the tombstone
+    once more, closes everything, then raises TierIOError saying that a deleted block's
+    record on the disk tier (the directory, the OS error) could not be invalidated and that
+    it comes back on reopen (nothing on disk tells it from a live record: reopening cannot
+    detect it). It did come back, silently. A failed move's reserved slot whose tombstone
+    fails is still only logged, not raised."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    cfg = tiny_config(tmp_path, geometry, disk_blocks=8)
+    data = blocks(geometry, 3, seed=22)
+    gone = list(data)[0]
+    store = BlockStore(cfg, geometry)
+    with _failing("pwrite", errno.EIO, after=0):
+        try:
+            for key, block in data.items():
+                store.put(key, block)
+            store.flush()
+            with pytest.raises(OSError, match="Input/output error"):
+                store.delete(gone)
+            extra = BlockKey(0, 1, 0)
+            store.put(extra, data[gone])
+            with _failing("pwritev", errno.EIO, after=0), caplog.at_level("WARNING", logger="tiercache"):
+                assert store.flush() == 0  # its write fails: rolled back, and so does the reserved slot's tombstone
+            assert "could not clear disk slot" in caplog.text  # logged, not raised, and not held:
+            assert store.table.num_free(Tier.DISK) == 8 - 3  # 2 live records and the deleted one's
+            store.delete(extra)  # it has no disk copy: no tombstone to fail
+        except BaseException:
+            store.close()
+            raise
+        with pytest.raises(TierIOError, match=rf"close: the disk record of 1 deleted block could not be invalidated "
+                                              rf"on the disk tier under '{tmp_path / 'kv'}' \(Input/output error\): "
+                                              rf"it comes back when the directory is reopened"):
+            store.close()
+    assert store.closed and store.disk.closed
+    with BlockStore(cfg, geometry) as again:  # as the error said: undetectable, it is served again
+        assert gone in again and len(again) == 3
+        again.delete(gone)  # the disk works: deleted for good this time
+    with BlockStore(cfg, geometry) as again:
+        assert gone not in again and len(again) == 2
+
+
 def test_a_policy_failure_at_close_does_not_hide_the_blocks_lost(tmp_path, geometry, caplog):
     """A persistent store that cannot keep 4 of its 24 blocks, whose plug-in eviction policy
     fails during close's flush: close() raised the policy's failure (which says no data were

@@ -208,6 +208,9 @@ class BlockStore:
             # that starts work (``_starts_work``); ``_calls.depth``: such calls running on a thread.
             self._policy_failures: list = []
             self._disk_write_error: Optional[OSError] = None  # the last failed write to disk
+            # disk slot -> (key, error) of a freed record whose tombstone failed: the slot is
+            # held out of use (``BlockTable.hold``) until ``_retry_tombstones`` invalidates it
+            self._unerased: dict = {}
             self.policies = {tier: self._guarded(make_eviction(config.eviction), config.eviction, tier)
                              for tier in self.tiers}
             # CPU with a host tier: attention reads blocks on the device and on the host where
@@ -1907,6 +1910,8 @@ class BlockStore:
         copies were on their way gets its disk copy in a second pass, once they landed."""
         if self.disk is None:
             return 0
+        with self._lock:  # first: a slot whose record is invalidated now takes a block's copy below
+            self._retry_tombstones()
         written = 0
         for _ in range(2):
             waits: list = []
@@ -1964,7 +1969,10 @@ class BlockStore:
 
     def close(self) -> None:
         """Wait for moves, write persistent blocks down to disk, stop workers, close files.
-        Then raise a plug-in policy's failure that no call has raised yet (``tiercache.guard``).
+        Then raise what a persistent store could not keep: blocks not written down
+        (``_lost_at_close``), or freed records it could not invalidate, which come back on
+        reopen (``_unerased_at_close``, a ``TierIOError``). Then raise a plug-in policy's
+        failure that no call has raised yet (``tiercache.guard``).
         In a child made by ``fork()`` it only marks the store closed: the threads, files and
         session directory are the parent's (and a lock held at the fork would never open)."""
         if self.forked:
@@ -1985,12 +1993,15 @@ class BlockStore:
             self.wait_idle()
             if self.disk is not None and self.disk.persistent:
                 self._disk_write_error = None  # this flush's own failures (one long gone named a full disk)
-                self._flush()
-                self._tombstone_held()
+                self._flush()  # tries the tombstones that failed again, too
+                unerased = self._tombstone_held()
                 with self._lock:
                     missing = self._not_on_disk()
                     if missing:  # raised once everything is closed: the blocks on disk are kept
                         lost = self._lost_at_close(missing, self._disk_write_error)
+                    unerased += list(self._unerased.values())
+                    if unerased:
+                        lost = self._unerased_at_close(unerased, lost)
         finally:
             self.engine.close()  # every queued job runs first: streamed reads let go of their copies
             if self._crc_pool is not None:
@@ -2016,17 +2027,58 @@ class BlockStore:
         if lost is not None:
             raise lost
 
-    def _tombstone_held(self) -> None:
+    def _tombstone_held(self) -> list:
         """``close``: tombstone the disk records of deleted blocks that a read still holds.
         ``AsyncStore.read_disk_record`` holds its record across awaits, outside any counted
         call, so ``close`` does not wait for it; the record would be tombstoned when the read
         lets go, by then through a closed file, and the deleted block would come back on
-        reopen. (``_released`` skips the tombstone once the disk is closed.)"""
+        reopen. (``_released`` skips the tombstone once the disk is closed.) Returns the
+        (key, OSError) of each tombstone that failed, for ``_unerased_at_close``."""
+        failed = []
         with self._lock:
             for entry in list(self.table._zombies.values()):
                 copy = entry.copies.get(Tier.DISK)
                 if copy is not None:
-                    self.disk.tombstone(copy.slot)
+                    try:
+                        self.disk.tombstone(copy.slot)
+                    except OSError as exc:
+                        failed.append((entry.key, exc))
+        return failed
+
+    def _unerased_at_close(self, unerased: list, lost: Optional[TierCacheError]) -> TierIOError:
+        """Under the lock: the error ``close`` raises when the records of ``unerased``, as
+        (key, last OSError), freed but whole on disk (their tombstones failed at the time and
+        again at close), could not be invalidated; ``lost``: the blocks not kept, if any,
+        named after them.
+
+        Reopening cannot detect such a record: it is a whole, checksummed record of its
+        key, like any live one, and nothing else on disk says the block was deleted (a
+        journal of deletions would be one more write on a disk that just failed one), so the
+        next open adopts it. Only this error says so: the caller can delete the block again
+        once the disk works. A record freed as the stale copy of a block still stored (its
+        key is in the table) is an older record beside the current one; the open keeps the
+        first it scans."""
+        deleted = sum(1 for key, _ in unerased if key not in self.table)
+        stale = len(unerased) - deleted
+        failed = unerased[-1][1]
+        what = []
+        if deleted:
+            s = "s" if deleted > 1 else ""
+            what.append(f"the disk record{s} of {deleted} deleted block{s}")
+        if stale:
+            what.append(f"{stale} older disk record{'s of blocks' if stale > 1 else ' of a block'} still stored")
+        comes = "it comes" if len(unerased) == 1 else "they come"
+        text = (f"close: {' and '.join(what)} could not be invalidated on the disk tier under "
+                f"{self.disk.directory!r} ({failed.strerror or failed}): {comes} back when the directory is "
+                f"reopened (a record left whole cannot be told from a live one there)")
+        if deleted:
+            text += "; delete the block again once the disk works" if deleted == 1 else \
+                "; delete the blocks again once the disk works"
+        if stale:
+            text += "; an older record may be served instead of a stored block's current one"
+        if lost is not None:
+            text += f"; besides, {lost}"
+        return TierIOError(text)
 
     def __enter__(self) -> "BlockStore":
         return self
@@ -2260,18 +2312,49 @@ class BlockStore:
         too, a live record), so it holds no record of its own (a torn one at most, which fails
         its checks): a tombstone that fails there is logged, not raised (raised, it cut the
         roll-back's books short). Any other copy freed must be invalidated, or an old block
-        comes back on reopen: its tombstone's failure is raised."""
+        comes back on reopen: its tombstone's failure is raised, once the books are done,
+        and its slot is held and the tombstone tried again (``_hold_unerased``)."""
+        failed = None
         if tier is Tier.DISK and not self.disk.closed:  # closed: ``_tombstone_held`` did it
             try:
                 self.disk.tombstone(slot)
             except OSError as exc:
-                if not rolled_back:
-                    raise
-                log.warning("tiercache: could not clear disk slot %d of %s after a failed write (%s)",
-                            slot, self.disk.path, exc.strerror or exc)
-        if self.table.copy(key, tier) is not None:
-            return  # a zombie's copy went; a newer block with the same key lives on this tier
-        self._gone_from(key, tier)
+                if rolled_back:
+                    log.warning("tiercache: could not clear disk slot %d of %s after a failed write (%s)",
+                                slot, self.disk.path, exc.strerror or exc)
+                else:
+                    self._hold_unerased(key, slot, exc)
+                    failed = exc
+        if self.table.copy(key, tier) is None:  # else a zombie's copy went; a newer block with the key lives there
+            self._gone_from(key, tier)
+        if failed is not None:  # the books are done: the caller hears of it
+            raise failed
+
+    def _hold_unerased(self, key: Hashable, slot: int, exc: OSError) -> None:
+        """Under the lock: the tombstone of disk ``slot``, just freed from ``key``'s copy,
+        failed. The record there is whole, and a reopened store would adopt it: ``key``
+        deleted would come back (or, for a stale copy freed, its older bytes). The slot is
+        held out of use, so nothing overwrites the books' idea of it, and the tombstone is
+        tried again by ``flush`` and ``close`` (``_retry_tombstones``); ``close`` raises
+        if it still fails then (``_unerased_at_close``)."""
+        self.table.hold(Tier.DISK, slot)
+        self._unerased[slot] = (key, exc)
+        log.warning("tiercache: could not invalidate the disk record of %r (slot %d of %s: %s); the slot is held "
+                    "and flush() and close() try again", key, slot, self.disk.path, exc.strerror or exc)
+
+    def _retry_tombstones(self) -> None:
+        """Under the lock: try again the tombstones that failed (``_hold_unerased``); a slot
+        whose record is invalidated now is free again, the others stay held."""
+        if not self._unerased or self.disk is None or self.disk.closed:
+            return
+        for slot, (key, _) in list(self._unerased.items()):
+            try:
+                self.disk.tombstone(slot)
+            except OSError as exc:
+                self._unerased[slot] = (key, exc)
+                continue
+            del self._unerased[slot]
+            self.table.unhold(Tier.DISK, slot)
 
     def _gone_from(self, key: Hashable, tier: Tier) -> None:
         """Under the lock: the live block ``key`` has no copy on ``tier`` any more."""
@@ -2294,8 +2377,12 @@ class BlockStore:
 
     def _forget(self, key: Hashable) -> None:
         entry = self.table.get(key)
+        failed = None
         for tier, slot in self.table.delete(key):
-            self._released(key, tier, slot)
+            try:
+                self._released(key, tier, slot)
+            except OSError as exc:  # a tombstone failed (its slot is held, ``_hold_unerased``): the books go on
+                failed = failed or exc
         # Copies a move still reads or fills, or a view holds, go when that ends, and the key
         # may name a new block by then: the policies forget the deleted block's now (its
         # copies cannot be evicted anyway), so that they rank live blocks only.
@@ -2306,6 +2393,8 @@ class BlockStore:
             self._parent.pop(child, None)
         self._tokens.pop(key, None)
         self._token_ids.pop(key, None)
+        if failed is not None:
+            raise failed
 
     def _inflight_for(self, key: Hashable) -> list:
         """Under the lock: futures of the moves of ``key`` in flight, and of a read of its

@@ -179,6 +179,9 @@ class BlockTable:
         # by a new block, so they are kept apart (by identity) until their moves complete.
         self._zombies: dict = {}
         self._on_tier: dict = {tier: set() for tier in num_slots}
+        # Slots held out of use though no block has a copy there (``hold``): a deleted
+        # block's disk record whose tombstone failed, kept until it is invalidated.
+        self._held: dict = {tier: set() for tier in num_slots}
 
     # ---- queries -------------------------------------------------------------------
     def tiers(self) -> list:
@@ -421,6 +424,22 @@ class BlockTable:
             del self._blocks[key]
         return freed
 
+    def hold(self, tier: Tier, slot: int) -> None:
+        """Take ``slot`` on ``tier``, just freed, out of use again though no block has a copy
+        there (a deleted block's record that could not be invalidated): no copy gets it
+        until ``unhold``."""
+        self._slots[tier].take(slot)
+        self._held[tier].add(slot)
+
+    def unhold(self, tier: Tier, slot: int) -> None:
+        """Give back a slot ``hold`` took."""
+        self._held[tier].remove(slot)
+        self._slots[tier].release(slot)
+
+    def held(self, tier: Tier) -> set:
+        """The slots ``hold`` took on ``tier`` (a copy of the set)."""
+        return set(self._held.get(tier, ()))
+
     def pin(self, key: Hashable) -> None:
         entry = self.get(key)
         if entry is None:
@@ -493,7 +512,7 @@ class BlockTable:
         """Assert internal consistency (used by tests)."""
         entries = list(self._blocks.values()) + list(self._zombies.values())
         for tier, slots in self._slots.items():
-            used = [c.slot for e in entries for t, c in e.copies.items() if t == tier]
+            used = [c.slot for e in entries for t, c in e.copies.items() if t == tier] + list(self._held[tier])
             assert len(used) == len(set(used)), f"slot used twice on {tier.label}"
             assert not any(slots.is_free(s) for s in used), f"a used slot is free on {tier.label}"
             assert len(used) + slots.num_free == slots.num_slots, f"slots leaked on {tier.label}"
