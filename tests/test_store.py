@@ -811,6 +811,35 @@ def test_a_refused_directory_of_another_model_is_left_as_it_was(tmp_path, geomet
     assert digest() == before
 
 
+def test_a_disk_dir_whose_symlink_target_vanished_after_the_config_is_named(tmp_path, geometry):
+    """A config is built while ``disk_dir`` is a symlink to a real folder (the config's
+    check passes); the folder is removed before the store opens. The config refuses a
+    dangling link by name, but the store (and a DiskTier given the path) failed with
+    "disk_dir: cannot create '...' (File exists)" from os.makedirs, which names neither
+    the link nor its target. Both now say that disk_dir is a symlink to a missing target,
+    as the config does (a CacheDirError, a ValueError); so for a folder below such a link.
+    Once the target is made again, the same config opens."""
+    target, link = tmp_path / "target", tmp_path / "kv"
+    target.mkdir(mode=0o700)
+    link.symlink_to(target)
+    cfg = tiny_config(tmp_path, geometry)  # disk_dir: tmp_path / "kv", the link
+    below = dataclasses.replace(cfg, disk_dir=str(link / "cache"))
+    target.rmdir()
+    said = re.escape(f"disk_dir: {str(link)!r} is a symlink to a missing target ({str(target)!r}); "
+                     f"create that directory, or remove the link")
+    with pytest.raises(CacheDirError, match=said):
+        BlockStore(cfg, geometry)
+    with pytest.raises(ValueError, match=said):
+        DiskTier(str(link), geometry, 4)
+    with pytest.raises(CacheDirError, match=re.escape(
+            f"disk_dir: {str(link / 'cache')!r} cannot be created: {str(link)!r} is a symlink to a missing target")):
+        BlockStore(below, geometry)
+    assert not target.exists()  # nothing was made on the way
+    target.mkdir(mode=0o700)
+    with BlockStore(cfg, geometry) as store:
+        store.put(BlockKey(0, 0, 0), torch.zeros(geometry.shape))
+
+
 def test_a_disk_tier_that_fails_to_open_leaves_no_descriptor_or_lock(tmp_path, geometry):
     """Two ways a disk tier failed to open after taking its directory's lock or a file: an
     unknown ``io`` backend left the lock held (the right call on the same directory was then

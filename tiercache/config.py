@@ -285,15 +285,32 @@ def _broken_link(path: str) -> str:
     return f"{path!r} is a symlink to {target!r}, which cannot be reached"  # pragma: no cover - a race
 
 
+def dangling_link(path: str) -> Optional[str]:
+    """Why ``path`` cannot be made when it, or a folder above it that does not exist, is a
+    symlink that leads nowhere (a missing target, a loop): a message that starts with
+    "disk_dir: " and names the link; None when there is no such link on the way. Creating
+    such a path fails with a bare "File exists" (``os.makedirs``), which names neither."""
+    probe = path
+    while not os.path.exists(probe):
+        if os.path.islink(probe):
+            return (f"disk_dir: {_broken_link(probe)}" if probe == path else
+                    f"disk_dir: {path!r} cannot be created: {_broken_link(probe)}")
+        parent = os.path.dirname(probe.rstrip(os.sep)) or "."
+        if parent == probe:
+            break
+        probe = parent
+    return None
+
+
 def _check_dir_usable(path: str) -> None:
     """Raise ValueError unless ``path`` is (or can become) a writable directory."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"disk_dir: {path!r} exists and is not a directory")
+    problem = dangling_link(path)
+    if problem is not None:
+        raise ValueError(problem)
     probe = path
     while not os.path.exists(probe):
-        if os.path.islink(probe):  # creating the folder failed later, with a bare "File exists"
-            raise ValueError(f"disk_dir: {_broken_link(probe)}" if probe == path else
-                             f"disk_dir: {path!r} cannot be created: {_broken_link(probe)}")
         parent = os.path.dirname(probe.rstrip(os.sep)) or "."
         if parent == probe:
             break

@@ -24,6 +24,7 @@ import crc32c
 import numpy as np
 import torch
 
+from tiercache.config import dangling_link
 from tiercache.errors import CacheDirError
 from tiercache.table import BlockKey
 from tiercache.tiers import ALIGN, BlockGeometry, aligned_buffer, align_up
@@ -122,11 +123,13 @@ class ForeignRecordError(RecordError):
 
 
 def ensure_private_dir(path: str, allow_shared: bool = False) -> None:
-    """Create ``path`` as 0700; refuse an existing one with looser permissions or another owner."""
+    """Create ``path`` as 0700; refuse an existing one with looser permissions or another owner.
+    A ``path`` that is (or lies below) a symlink to a missing target is refused by name, as
+    ``TierConfig`` refuses it (a config built before the target vanished reaches here)."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
-        raise CacheDirError(f"disk_dir: cannot create {path!r} ({exc.strerror})") from None
+        raise CacheDirError(dangling_link(path) or f"disk_dir: cannot create {path!r} ({exc.strerror})") from None
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise CacheDirError(f"disk_dir: {path!r} is not a directory")
