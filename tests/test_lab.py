@@ -274,6 +274,50 @@ def test_prefetch_in_the_replay_turns_lower_tier_hits_into_device_hits(tmp_path)
     assert late["prefetches"]["late"] > 0
 
 
+def test_live_runs_give_the_prefetch_depth_only_to_the_policies_that_read_it(tmp_path, monkeypatch):
+    """``compare --live`` sweeps prefetch policies over a base config that sets
+    ``prefetch="lookahead", prefetch_depth=3``. Each run's config was the base with only the
+    prefetch switched: history, next-layer and none kept the depth, which the config refuses
+    for them (they are built without one), so their rows were errors instead of runs. Now
+    only lookahead (``PREFETCH_DEPTH_POLICIES``) gets the base's depth, and it does build
+    with 3 layers ahead; the others run at the default depth. Real generation with a tiny
+    model; the caches' own ``_set_prefetch`` is watched, not replaced."""
+    from tiercache.hf import TieredCache
+    from tiercache.lab.compare import live_runs
+
+    ids = torch.randint(1, 64, (1, 24), generator=torch.Generator().manual_seed(2))
+
+    class Tokenizer:  # what generate_text reads of a tokenizer
+        chat_template, pad_token_id, eos_token_id = None, 0, None
+
+        def __call__(self, text, return_tensors="pt"):
+            return {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+        def decode(self, new_ids, skip_special_tokens=True):
+            return " ".join(map(str, new_ids.tolist()))
+
+    built = []
+    real = TieredCache._set_prefetch
+
+    def watched(self, name, depth):
+        real(self, name, depth)
+        built.append((self.tier_config.prefetch, self.tier_config.prefetch_depth,
+                      getattr(self.prefetch_policy, "depth", None)))
+
+    monkeypatch.setattr(TieredCache, "_set_prefetch", watched)
+    base = tiercache.TierConfig(device_budget="64KiB", host_budget="64KiB", block_tokens=BT,
+                                prefetch="lookahead", prefetch_depth=3)
+    prefetches = ("lookahead", "history", "next-layer", "none")
+    rows = live_runs("x", base, ["lru"], [base.device_budget], prefetches, model=tiny_llama(),
+                     tokenizer=Tokenizer(), max_new_tokens=3, chat=False)
+    assert [r["prefetch"] for r in rows] == list(prefetches)
+    assert not [r["error"] for r in rows if "error" in r]
+    assert all(r["decode_tps"] > 0 for r in rows)
+    # (config's prefetch, config's depth, the policy's own depth): history and next-layer
+    # look 1 layer ahead whatever the config says, none has no depth
+    assert built == [("lookahead", 3, 3), ("history", 2, 1), ("next-layer", 2, 1), ("none", 2, None)]
+
+
 def cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "tiercache.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
