@@ -2334,9 +2334,11 @@ class BlockStore:
         """Under the lock: the tombstone of disk ``slot``, just freed from ``key``'s copy,
         failed. The record there is whole, and a reopened store would adopt it: ``key``
         deleted would come back (or, for a stale copy freed, its older bytes). The slot is
-        held out of use, so nothing overwrites the books' idea of it, and the tombstone is
-        tried again by ``flush`` and ``close`` (``_retry_tombstones``); ``close`` raises
-        if it still fails then (``_unerased_at_close``)."""
+        held out of use (a new block's write there would erase the record, but on a failing
+        disk it fails and is rolled back, and a reserved slot's tombstone failure is only
+        logged: the record would stay, forgotten), and the tombstone is tried again by
+        ``flush`` and ``close`` (``_retry_tombstones``); ``close`` raises if it still fails
+        then (``_unerased_at_close``)."""
         self.table.hold(Tier.DISK, slot)
         self._unerased[slot] = (key, exc)
         log.warning("tiercache: could not invalidate the disk record of %r (slot %d of %s: %s); the slot is held "

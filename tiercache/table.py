@@ -179,8 +179,8 @@ class BlockTable:
         # by a new block, so they are kept apart (by identity) until their moves complete.
         self._zombies: dict = {}
         self._on_tier: dict = {tier: set() for tier in num_slots}
-        # Slots held out of use though no block has a copy there (``hold``): a deleted
-        # block's disk record whose tombstone failed, kept until it is invalidated.
+        # Slots held out of use though no block has a copy there (``hold``): a freed disk
+        # record (a deleted block's) whose tombstone failed, kept until it is invalidated.
         self._held: dict = {tier: set() for tier in num_slots}
 
     # ---- queries -------------------------------------------------------------------
@@ -426,7 +426,7 @@ class BlockTable:
 
     def hold(self, tier: Tier, slot: int) -> None:
         """Take ``slot`` on ``tier``, just freed, out of use again though no block has a copy
-        there (a deleted block's record that could not be invalidated): no copy gets it
+        there (a freed record that could not be invalidated): no copy gets it
         until ``unhold``."""
         self._slots[tier].take(slot)
         self._held[tier].add(slot)
@@ -435,10 +435,6 @@ class BlockTable:
         """Give back a slot ``hold`` took."""
         self._held[tier].remove(slot)
         self._slots[tier].release(slot)
-
-    def held(self, tier: Tier) -> set:
-        """The slots ``hold`` took on ``tier`` (a copy of the set)."""
-        return set(self._held.get(tier, ()))
 
     def pin(self, key: Hashable) -> None:
         entry = self.get(key)
