@@ -338,6 +338,50 @@ def test_a_deleted_block_whose_tombstone_failed_is_not_served_after_a_reopen(tmp
                 assert torch.equal(again.get(key), data[key])
 
 
+def test_a_block_stored_again_over_a_record_that_could_not_be_invalidated_is_dropped_on_reopen(
+        tmp_path, geometry, caplog):
+    """A persistent store writes block K to disk; the disk then fails the small write that
+    invalidates a record (EIO on the tombstone's pwrite, injected), for the rest of the
+    store's life. K is deleted (its record stays whole, its slot held) and stored again
+    with other bytes, which are written to another slot; close() says the records could
+    not be invalidated. The next open found two whole records of K and kept the first it
+    scanned: K came back with its deleted, older bytes, and the decode that read it would
+    have run on the wrong KV. Now both records of K are dropped (a cache recomputes a lost
+    block; it cannot tell a stale one from the right one), with a warning, and the other
+    blocks come back exact."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    cfg = tiny_config(tmp_path, geometry, disk_blocks=8)
+    data = blocks(geometry, 3, seed=23)
+    key, other = list(data)[0], list(data)[1:]
+    newer = data[key] + 1
+    store = BlockStore(cfg, geometry)
+    with _failing("pwrite", errno.EIO, after=0):
+        try:
+            for k, block in data.items():
+                store.put(k, block)
+            store.flush()
+            old_slot = store.table.copy(key, Tier.DISK).slot
+            with pytest.raises(OSError, match="Input/output error"):
+                store.delete(key)
+            store.put(key, newer)
+            store.flush()
+            assert store.table.copy(key, Tier.DISK).slot != old_slot
+        finally:
+            with pytest.raises(TierIOError, match="two records on disk is dropped"):
+                store.close()
+    with caplog.at_level("WARNING", logger="tiercache"), BlockStore(cfg, geometry) as again:
+        assert key not in again  # neither the deleted bytes nor the newer ones: which is which is unknown
+        assert again.dropped_on_open == 2 and len(again) == 2
+        for k in other:
+            assert torch.equal(again.get(k), data[k])
+    assert "2 differing records of 1 blocks" in caplog.text
+    with BlockStore(cfg, geometry) as third:  # both records were erased: nothing to drop again
+        assert key not in third and third.dropped_on_open == 0 and len(third) == 2
+
+
 def test_close_raises_when_a_deleted_blocks_record_cannot_be_invalidated(tmp_path, geometry, caplog):
     """The same failure as above, but the disk never recovers: close() tries the tombstone
     once more, closes everything, then raises TierIOError saying that a deleted block's

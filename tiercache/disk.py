@@ -762,6 +762,23 @@ class DiskTier(RecordCodec):
             return list(range(last))
         return slots
 
+    def record_stamps(self, slots: list) -> dict:
+        """slot -> (num_tokens, payload CRC32C, token ids) of the whole records in ``slots``
+        (ascending), read from their headers; a slot whose header fails its checks is left
+        out. Two records of one key with the same stamp hold the same block (the CRC covers
+        the payload)."""
+        stamps = {}
+        for slot, head in self._read_headers(slots):
+            if len(head) < HEADER_BYTES:
+                continue
+            mv = memoryview(head)
+            try:
+                _, num_tokens, payload_crc = self.decode_header(mv)
+                stamps[slot] = (num_tokens, payload_crc, self.decode_token_ids(mv))
+            except RecordError:
+                continue
+        return stamps
+
     def _read_headers(self, slots: list) -> Iterator[tuple]:
         """(slot, header bytes) of ``slots`` (ascending), in order (short at the end of the file)."""
         if not slots:

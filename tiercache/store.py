@@ -342,10 +342,18 @@ class BlockStore:
             raise failures[0]
 
     def _adopt_disk_records(self) -> None:
-        """Adopt the valid records of the data file; erase the bad and duplicate ones, and
-        cut away those past the budget (a smaller one than they were written under), with
-        a warning. The whole file is scanned first, so that a file of another model's
-        records is refused (``CacheDirError``) before anything in it changes."""
+        """Adopt the valid records of the data file; erase the bad ones, and cut away those
+        past the budget (a smaller one than they were written under), with a warning. The
+        whole file is scanned first, so that a file of another model's records is refused
+        (``CacheDirError``) before anything in it changes.
+
+        A key with two whole records that differ (its older record's invalidation failed,
+        and the block was stored and written again: ``_unerased_at_close``) has all of them
+        erased, with a warning: nothing on disk says which one is current, and the first
+        one scanned was kept, so a block could come back with its older bytes. A cache
+        recomputes a block it lost; it cannot tell a stale one from the right one. Records
+        of a key that agree (the same tokens, token ids and payload checksum: a copy of
+        the file's bytes) are one block: the first is kept, as before."""
         records = list(self.disk.scan(with_token_ids=True, whole_file=True))
         strangers = sum(1 for _, _, num_tokens, _ in records if num_tokens == NOT_A_RECORD)
         if strangers and strangers == len(records):  # bytes everywhere, not one record header
@@ -353,12 +361,28 @@ class BlockStore:
                                 f"{strangers} of its slots hold bytes that are no record header (another "
                                 f"program's file, or one written with another block shape); nothing was changed "
                                 f"(use another directory, or clear this one)")
-        dropped = past = 0
+        seen: dict = {}  # key -> the slots of its whole records
+        for slot, key, _, _ in records:
+            if key is not None:
+                seen.setdefault(key, []).append(slot)
+        repeated = [slot for slots in seen.values() if len(slots) > 1 for slot in slots]
+        stamps = self.disk.record_stamps(sorted(repeated)) if repeated else {}
+        doubtful = {key for key, slots in seen.items()  # past the budget too: any may be the current one
+                    if len(slots) > 1 and len({stamps.get(slot, slot) for slot in slots}) > 1}
+        dropped = past = twice = 0
         for slot, key, num_tokens, token_ids in records:
+            if key in doubtful:
+                twice += 1
+                if slot < self.disk.num_slots:
+                    self.disk.tombstone(slot)
+                    dropped += 1
+                else:
+                    past += 1
+                continue
             if slot >= self.disk.num_slots:
                 past += key is not None
                 continue
-            if key is None or key in self.table:
+            if key is None or key in self.table:  # a copy of a record adopted above: one of them is kept
                 dropped += 1
                 if key is None:
                     self.events.integrity_error("disk")
@@ -370,6 +394,10 @@ class BlockStore:
             if token_ids:
                 self._token_ids[key] = token_ids
         self.disk.cut_to_budget()
+        if twice:
+            log.warning("tiercache: %s held %d differing records of %d blocks (a record whose invalidation "
+                        "failed, then the block written again); all of them were dropped, since which one is "
+                        "current cannot be told", self.disk.path, twice, len(doubtful))
         if past:
             log.warning("tiercache: %s held %d saved blocks past disk_budget (%d blocks here); they were dropped",
                         self.disk.path, past, self.disk.num_slots)
@@ -2056,8 +2084,8 @@ class BlockStore:
         journal of deletions would be one more write on a disk that just failed one), so the
         next open adopts it. Only this error says so: the caller can delete the block again
         once the disk works. A record freed as the stale copy of a block still stored (its
-        key is in the table) is an older record beside the current one; the open keeps the
-        first it scans."""
+        key is in the table) is an older record beside the current one; the next open finds
+        two records of that key and drops both (``_adopt_disk_records``)."""
         deleted = sum(1 for key, _ in unerased if key not in self.table)
         stale = len(unerased) - deleted
         failed = unerased[-1][1]
@@ -2075,7 +2103,8 @@ class BlockStore:
             text += "; delete the block again once the disk works" if deleted == 1 else \
                 "; delete the blocks again once the disk works"
         if stale:
-            text += "; an older record may be served instead of a stored block's current one"
+            text += ("; a block with two records on disk is dropped when the directory is reopened (which one "
+                     "is current cannot be told)")
         if lost is not None:
             text += f"; besides, {lost}"
         return TierIOError(text)
