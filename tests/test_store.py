@@ -60,6 +60,75 @@ def assert_all_come_up_exact(store, data):
         assert torch.equal(store.get(key), block)
 
 
+def test_a_fetch_waits_for_puts_filling_the_device_when_the_tiers_below_can_make_room(make_store, geometry):
+    """Two device slots, one host slot, a disk with room. Four blocks are stored; then two
+    threads put two new blocks, whose copies into the two device slots are slow (held
+    here until the test lets them go). Meanwhile a third thread fetches an old block to the
+    device (promote, then ensure_device). The device's copies are both being filled, and
+    the host is full, but once the puts land the new blocks can move down, the host's
+    block to the disk. The fetch raised CapacityError ("cannot move down ... read by
+    attention's views or moving") at once, while the disk was nearly empty: the room the
+    host tier could make by moving its block down was counted as none (an AsyncStore
+    shared by tasks hit it in 3 of 30 rounds, a review's script). Now the fetch waits for
+    the puts, as a put does, and then succeeds; every block reads back exact."""
+    store = make_store(device_blocks=2, host_blocks=1, disk_blocks=20)
+    g = torch.Generator().manual_seed(31)
+    data = {BlockKey(0, 0, i): torch.randn(geometry.shape, generator=g) for i in range(4)}
+    for key, block in data.items():
+        store.put(key, block)
+    old = next(key for key in data if Tier.DEVICE not in store.tiers_of(key))
+    new = {BlockKey(1, 0, i): torch.randn(geometry.shape, generator=g) for i in range(2)}
+    putters = [threading.Thread(target=store.put, args=item) for item in new.items()]
+    entered, go = hold_inside(store.device_pool, "write_block", putters)
+    results: dict = {}
+
+    def fetch(how: str) -> None:
+        try:
+            if how == "promote":
+                store.promote(old, Tier.DEVICE).result(timeout=30)
+            else:
+                store.ensure_device([old], pin=False)
+            results[how] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[how] = exc
+
+    for t in putters:
+        t.start()
+    try:
+        for how in ("promote", "ensure_device"):
+            assert entered.wait(10)
+            deadline = time.monotonic() + 10
+            while store._putting < 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert store._putting == 2  # both puts are inside their device copies
+            fetcher = threading.Thread(target=fetch, args=(how,))
+            fetcher.start()
+            fetcher.join(0.2)
+            assert how not in results, f"{how} did not wait for the puts: {results.get(how)!r}"
+            go.set()
+            fetcher.join(30)
+            assert results[how] == "ok", results[how]
+            for t in putters:
+                t.join(30)
+            if how == "promote":  # again, with both device slots being filled anew
+                store.demote_now([old])
+                entered.clear()
+                go.clear()
+                new = {BlockKey(2, 0, i): torch.randn(geometry.shape, generator=g) for i in range(2)}
+                putters[:] = [threading.Thread(target=store.put, args=item) for item in new.items()]
+                for t in putters:
+                    t.start()
+                data.update(new)
+    finally:
+        go.set()
+        for t in putters:
+            t.join(30)
+    data.update(new)
+    store.check()
+    for key, block in data.items():
+        assert torch.equal(store.get(key), block), key
+
+
 def test_reads_return_exactly_what_was_written_across_all_tiers(make_store, geometry):
     """20 blocks into 3 device + 3 host slots: the rest spill to disk; every read is exact
     and no tier is ever over its budget."""

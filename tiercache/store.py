@@ -2178,8 +2178,12 @@ class BlockStore:
         read or filled by such a call (a ``get``, a gather, a ``put``) can go then if it has
         a copy below, or moves down if there is a slot below; a deleted block's copy still
         read is freed then; and a copy that could move down but for a full tier below can,
-        as far as such calls free slots there. Not a pin, one of attention's views, a copy
-        the caller keeps (``protect``) or a prefix block with an extension on the tier."""
+        as far as such calls free slots there, or ``_room`` can make there then (idle copies
+        below that it drops or moves further down: a full host tier above a disk tier with
+        room; counted as none, two ``put`` calls filling both device slots made a fetch raise
+        "cannot move down" with the disk empty, a review's script). Not a pin, one of
+        attention's views, a copy the caller keeps (``protect``) or a prefix block with an
+        extension on the tier."""
         table, filling = self.table, CopyState.FILLING
         viewed = {id(c) for _, c in self._views}
 
@@ -2187,7 +2191,7 @@ class BlockStore:
             return (c.readers or c.state is filling) and id(c) not in viewed
 
         lower = self._lower(tier)
-        free_below = table.num_free(lower) if lower is not None else 0
+        free_below = table.num_free(lower) + self._room_to_make(lower, viewed) if lower is not None else 0
         freed_below = self._freed_by_calls(lower, busy) if lower is not None else 0
         zombies = self._held_zombie_copies(tier, busy)
         free, held, dirty = table.num_free(tier) + zombies, zombies, 0
@@ -2208,6 +2212,31 @@ class BlockStore:
                 dirty += 1
         free += min(dirty, free_below + freed_below)
         return bool(held or freed_below) and free >= need
+
+    def _room_to_make(self, tier: Tier, viewed: set) -> int:
+        """Under the lock: slots ``_room`` could free on ``tier`` for blocks coming down from
+        above once the moves in flight land, beyond its free ones: copies (not pinned or
+        viewed, no extension there) that are clean, or will be when their write-down lands
+        (a copy read by a move that fills a copy below), and idle ones that can move down to
+        a free slot of the tier below. The last tier: none (its keys are not walked; a disk
+        may hold millions)."""
+        table, lower = self.table, self._lower(tier)
+        if lower is None:
+            return 0
+        ready, filling = CopyState.READY, CopyState.FILLING
+        clean = dirty = 0
+        for key in table.keys_on(tier):
+            entry = table.get(key)
+            c = entry.copies.get(tier) if entry is not None else None
+            if (c is None or c.state is not ready or id(c) in viewed or (tier is Tier.DEVICE and entry.pins)
+                    or (self._children and self._extended_on(key, tier))):
+                continue
+            if ready_elsewhere(entry, tier) or (c.readers and any(
+                    t > tier and other.state is filling for t, other in entry.copies.items())):
+                clean += 1
+            elif not c.readers:
+                dirty += 1
+        return clean + min(dirty, table.num_free(lower))
 
     def _freed_by_calls(self, tier: Tier, busy) -> int:
         """Under the lock: slots of ``tier`` that the end of calls in progress frees: copies
