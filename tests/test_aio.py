@@ -64,10 +64,17 @@ def test_async_put_takes_the_stores_arguments_and_delete_forgets(make_store, geo
         store.get(other)
 
 
-def test_async_read_of_a_flipped_record_raises(make_store, geometry, tmp_path):
+def test_async_read_of_a_flipped_record_raises_and_drops_the_record(make_store, geometry, tmp_path):
+    """A block lies on the device and, flushed, on disk; one bit of its disk record flips.
+    read_disk_record raises BlockCorruptedError and counts it. It left the bad record as
+    the block's disk copy: the device copy then counted as clean, an eviction could drop
+    it, and only the bad record was left. Now the record is dropped, as get() drops one:
+    the intact device copy stays the block's, is written to disk anew by the next flush,
+    and reads back exact; nothing bad is served."""
     store = make_store(device_blocks=1, host_blocks=1)
     key = BlockKey(0, 0, 0)
-    store.put(key, torch.randn(geometry.shape))
+    block = torch.randn(geometry.shape)
+    store.put(key, block)
     store.flush()
     slot = store.table.copy(key, Tier.DISK).slot
     path = os.path.join(store.disk.directory, DATA_NAME)
@@ -79,6 +86,12 @@ def test_async_read_of_a_flipped_record_raises(make_store, geometry, tmp_path):
     with pytest.raises(BlockCorruptedError, match="index=0"):
         asyncio.run(AsyncStore(store).read_disk_record(key))
     assert store.stats()["integrity_errors"] == 1
+    assert store.tiers_of(key) == [Tier.DEVICE]  # the bad record is no copy of the block any more
+    store.check()
+    assert store.flush() == 1  # the intact copy goes down again
+    assert torch.equal(asyncio.run(AsyncStore(store).read_disk_record(key)), block)
+    store.put(BlockKey(0, 0, 1), torch.randn(geometry.shape))  # evicts the device copy
+    assert torch.equal(store.get(key), block)
 
 
 def test_a_block_deleted_while_its_record_is_read_is_gone_for_good(tmp_path, geometry):

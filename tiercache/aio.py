@@ -189,8 +189,9 @@ class AsyncStore:
         A read, as ``get``: a key the store does not hold (never stored, or deleted, also
         while its disk copy was waited for) is a ``KeyError``. A disk copy still being
         written is waited for (if that write fails, there is no disk copy: None). Raises
-        ``BlockCorruptedError`` when the record fails its checks, and ``RuntimeError``
-        once the store is closed. While ``reorder_rows`` holds new reads off, it waits.
+        ``BlockCorruptedError`` when the record fails its checks (the record is dropped, as
+        ``get`` drops it: a later read uses another copy, or names the loss), and
+        ``RuntimeError`` once the store is closed. While ``reorder_rows`` holds new reads off, it waits.
         """
         store, disk = self.store, self.store.disk
         while True:
@@ -255,16 +256,22 @@ class AsyncStore:
                 store._let_go([(entry, copy)])  # frees the copy if the block was deleted meanwhile
         if store.closed:  # not waited for by close(), which may have tombstoned the record
             raise RuntimeError("AsyncStore.read_disk_record: the store was closed during the read")
-        await aiofiles.os.wrap(self._verify)(key, view, got, executor=files)
+        await aiofiles.os.wrap(self._verify)(key, view, got, entry, copy, executor=files)
         g = store.geometry
         return raw[HEADER_BYTES:].view(g.dtype).view(g.shape)
 
-    def _verify(self, key: Hashable, raw: memoryview, got: int) -> None:
+    def _verify(self, key: Hashable, raw: memoryview, got: int, entry, copy) -> None:
         """On the executor: the record's checks (``RecordCodec.decode``: length, header, key,
-        a CRC32C over the payload)."""
+        a CRC32C over the payload). A record that fails them is dropped, as ``get`` drops
+        it, if it is still the block's disk copy (``entry``'s ``copy``, read): kept, it
+        stood as the block's copy below, and an intact copy above it could be evicted as
+        clean, leaving only the bad record."""
         store = self.store
         try:
             store.disk.decode(raw[:got], key)
         except RecordError as exc:
             store.events.integrity_error("disk")
+            with store._lock:
+                if store.table.get(key) is entry and entry.copies.get(Tier.DISK) is copy:
+                    store._discard(key, Tier.DISK)
             raise BlockCorruptedError(f"block {key!r}: disk record failed its integrity check ({exc})") from None
