@@ -44,6 +44,8 @@ def cli(*args, input_text=None, timeout=600):
     (["--stats-json", "/proc/tiercache-stats.json"], "--stats-json: cannot write '/proc/tiercache-stats.json'"),
     (["--metrics-textfile", "/nonexistent/m.prom"], "--metrics-textfile: cannot write '/nonexistent/m.prom'"),
     (["--metrics-port", "99999"], "--metrics-port: must be in [0, 65535]"),  # was an OverflowError
+    # was a TypeError traceback ("expected an address string ... got ''")
+    (["--metrics-port", "0", "--metrics-addr", ""], "metrics addr: an empty address"),
     (["--metrics-linger", "inf"], "--metrics-linger: seconds in [0, 86400]"),  # an OverflowError after the run
     (["--metrics-linger", "-5"], "--metrics-linger: seconds in [0, 86400]"),
 ])

@@ -253,6 +253,10 @@ def test_addr_none_is_loopback_and_a_wrong_address_type_is_named(make_cache):
         socket.create_connection((_outbound_ip(), port), timeout=5).close()
     with pytest.raises(TypeError, match="metrics addr: expected an address string .* got 123"):
         serve_metrics(cache, addr=123)
+    for empty in ("", " "):  # a string, but no address: a ValueError naming it (it was a TypeError)
+        with pytest.raises(ValueError, match="metrics addr: an empty address"):
+            serve_metrics(cache, addr=empty)
+    assert metrics_for(cache).addresses == [("127.0.0.1", port)]
     from tiercache.metrics import metrics_url  # what `tiercache generate` prints: IPv6 in brackets
 
     assert metrics_url("::1", 9464) == "http://[::1]:9464/metrics"

@@ -307,8 +307,10 @@ def _endpoint(port: Any, addr: Any) -> tuple:
         raise ValueError(f"metrics port: must be an integer in [0, 65535], got {port!r}")
     if addr is None:
         addr = "127.0.0.1"
-    if not isinstance(addr, str) or not addr:
+    if not isinstance(addr, str):
         raise TypeError(f"metrics addr: expected an address string such as '127.0.0.1' or '0.0.0.0', got {addr!r}")
+    if not addr.strip():
+        raise ValueError(f"metrics addr: an empty address; give one such as '127.0.0.1' or '0.0.0.0', got {addr!r}")
     return port, addr
 
 
