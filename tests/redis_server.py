@@ -75,6 +75,8 @@ class RedisServer:
             try:
                 if self.client().ping():
                     return
+            except redis.AuthenticationError:  # up, with --requirepass: refuses the unauthenticated ping
+                return
             except (redis.ConnectionError, redis.TimeoutError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis server on port {self.port} did not start; see {self.log.name}")
