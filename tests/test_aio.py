@@ -94,6 +94,40 @@ def test_async_read_of_a_flipped_record_raises_and_drops_the_record(make_store, 
     assert torch.equal(store.get(key), block)
 
 
+def test_a_flipped_record_whose_tombstone_fails_is_still_named_as_corrupt(make_store, geometry):
+    """A block only on disk whose record has one bit flipped; the disk also fails the small
+    write that would invalidate the record (EIO). read_disk_record raised that OSError
+    instead of BlockCorruptedError, with the block's books half done (its token count
+    kept, its loss not recorded). The record fails its checks whenever it is read, so a
+    failed tombstone there is only logged: the read names the corruption, the block is
+    gone from the store, and a fetch of it names the loss."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    store = make_store(device_blocks=1, host_blocks=1)
+    keys = [BlockKey(0, 0, i) for i in range(3)]
+    for key in keys:
+        store.put(key, torch.randn(geometry.shape), num_tokens=3)
+    store.flush()
+    store.drop_copies(Tier.DEVICE)
+    store.drop_copies(Tier.HOST)
+    key = keys[0]
+    slot = store.table.copy(key, Tier.DISK).slot
+    with open(os.path.join(store.disk.directory, DATA_NAME), "r+b") as f:
+        f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with _failing("pwrite", errno.EIO, after=0):
+        with pytest.raises(BlockCorruptedError, match="disk record failed its integrity check"):
+            asyncio.run(AsyncStore(store).read_disk_record(key))
+    assert key not in store and key not in store._tokens
+    with pytest.raises(BlockCorruptedError, match="failed its integrity check and no intact copy existed"):
+        store.ensure_device([key])
+    store.check()
+
+
 def test_a_block_deleted_while_its_record_is_read_is_gone_for_good(tmp_path, geometry):
     """``read_disk_record`` holds the record's slot while it reads; a ``delete`` meanwhile
     must still free it when the read ends. The slot stayed taken (disk full after a few

@@ -317,8 +317,9 @@ def test_a_deleted_blocks_record_freed_by_a_failed_move_is_not_taken_for_a_reser
     frees the deleted block's disk record as well as the slot the move had reserved. A
     review found that record's tombstone failure (EIO again) only logged as "after a failed
     write", as for the reserved slot, though the record is a live one that comes back on
-    reopen. Only the reserved slot's failure is logged now; the record's is raised to the
-    move's waiter, as delete() raises it."""
+    reopen. Only the reserved slot's failure is logged so; the record's slot is held and
+    its tombstone tried again (close raises if it never lands: test above), and the move's
+    waiter gets the move's own failure, the read's."""
     import errno
 
     store = BlockStore(tiny_config(tmp_path, geometry), geometry, persistent=True)
@@ -349,12 +350,16 @@ def test_a_deleted_blocks_record_freed_by_a_failed_move_is_not_taken_for_a_reser
         store.disk.tombstone = tombstone
         with caplog.at_level("WARNING", logger="tiercache"):
             go.set()
-            with pytest.raises(OSError, match="tombstone"):
+            with pytest.raises(OSError, match=r"\(read\)"):
                 future.result()
-        assert "after a failed write" not in caplog.text
+        assert "could not invalidate the disk record of BlockKey(seq=0, layer=0, index=0)" in caplog.text
+        assert slot in store._unerased  # held, to be tried again
+        store.check()
     finally:
         store.disk.read, store.disk.tombstone = real_read, real_tombstone
-        store.close()
+        store.close()  # the disk works again: the tombstone lands
+    with BlockStore(tiny_config(tmp_path, geometry), geometry) as again:
+        assert key not in again
 
 
 def test_a_deleted_block_whose_tombstone_failed_is_not_served_after_a_reopen(tmp_path, geometry):
@@ -439,7 +444,7 @@ def test_a_block_stored_again_over_a_record_that_could_not_be_invalidated_is_dro
             store.flush()
             assert store.table.copy(key, Tier.DISK).slot != old_slot
         finally:
-            with pytest.raises(TierIOError, match="two records on disk is dropped"):
+            with pytest.raises(TierIOError, match="1 block with an older record beside the current one is dropped"):
                 store.close()
     with caplog.at_level("WARNING", logger="tiercache"), BlockStore(cfg, geometry) as again:
         assert key not in again  # neither the deleted bytes nor the newer ones: which is which is unknown
@@ -449,6 +454,132 @@ def test_a_block_stored_again_over_a_record_that_could_not_be_invalidated_is_dro
     assert "2 differing records of 1 blocks" in caplog.text
     with BlockStore(cfg, geometry) as third:  # both records were erased: nothing to drop again
         assert key not in third and third.dropped_on_open == 0 and len(third) == 2
+
+
+def test_a_block_whose_older_record_could_not_be_invalidated_and_whose_new_bytes_never_landed_is_named(
+        tmp_path, geometry):
+    """Block K is on disk; then the disk fails every write, the small one that invalidates
+    a record and the record writes alike. K is deleted (its tombstone fails: the slot is
+    held) and stored again with new bytes, which never reach the disk. close() said the
+    older record "is dropped when the directory is reopened", but it is K's only record:
+    the reopened store adopts it and serves K's older bytes (nothing on disk can tell).
+    The error now says exactly that, that this block comes back with older bytes, beside
+    the count of blocks not kept; and it does."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    cfg = tiny_config(tmp_path, geometry, disk_blocks=8)
+    key = BlockKey(0, 0, 0)
+    old, new = torch.full(geometry.shape, 1.0), torch.full(geometry.shape, 2.0)
+    store = BlockStore(cfg, geometry)
+    store.put(key, old)
+    store.flush()
+    with _failing("pwrite", errno.EIO, after=0), _failing("pwritev", errno.EIO, after=0):
+        try:
+            with pytest.raises(OSError, match="Input/output error"):
+                store.delete(key)
+            store.put(key, new)
+        finally:
+            with pytest.raises(TierIOError, match=r"1 block still stored whose current bytes are not on disk comes "
+                                                  r"back with older bytes .*; besides, close: 1 of 1 blocks are not kept"):
+                store.close()
+    with BlockStore(cfg, geometry) as again:  # as the error said
+        assert torch.equal(again.get(key), old)
+
+
+def test_a_read_letting_go_of_a_deleted_blocks_record_whose_tombstone_fails_lets_go_of_every_block(
+        tmp_path, geometry):
+    """read_into reads two disk-only blocks A and B; A is deleted while its record is read,
+    so its slot is freed (and tombstoned) when the read lets go, and that tombstone fails
+    (EIO). The failure was raised from inside the loop that lets go of the blocks: B kept
+    its reader for good, and reorder_rows (which waits until no copy is read) and every
+    read after it waited forever. Now every block is let go; the failure is held and
+    logged (close raises it if it never clears), the read returns both blocks exact, and a
+    reorder runs."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1, disk_blocks=8)
+    data = blocks(geometry, 3, seed=24)
+    a, b, c = list(data)
+    store = BlockStore(cfg, geometry)
+    try:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+        store.drop_copies(Tier.DEVICE)
+        store.drop_copies(Tier.HOST)
+        assert store.tiers_of(a) == store.tiers_of(b) == [Tier.DISK]
+        entered, go = hold_inside(store.disk, "read_into")
+        outs = [torch.empty(geometry.shape), torch.empty(geometry.shape)]
+        result: dict = {}
+        reader = threading.Thread(target=lambda: result.setdefault("read", store.read_into([a, b], outs)))
+        reader.start()
+        assert entered.wait(10)
+        store.delete(a)  # its record is being read: freed when the read lets go
+        with _failing("pwrite", errno.EIO, after=0):
+            go.set()
+            reader.join(30)
+        assert result["read"] == [None, None]
+        assert torch.equal(outs[0], data[a]) and torch.equal(outs[1], data[b])
+        assert store.table.copy(b, Tier.DISK).readers == 0
+        store.check()
+        reorder = threading.Thread(target=store.reorder_rows, args=(torch.tensor([0]),))
+        reorder.start()
+        reorder.join(10)
+        assert not reorder.is_alive()
+        assert torch.equal(store.get(c), data[c])
+    finally:
+        store.close()  # the disk works again: the held tombstone is written
+    with BlockStore(cfg, geometry) as again:
+        assert a not in again and len(again) == 2
+
+
+def test_reorder_rows_permutes_every_block_and_drops_a_disk_record_it_cannot_rewrite(tmp_path, monkeypatch):
+    """Beam search permutes the batch rows of every block. A block only on disk is read,
+    permuted and written back in place; that write fails here (EIO) for one block. The
+    error came out of the middle of the loop: the blocks after it were never permuted,
+    and their rows were served in the old order, as was the block whose write failed.
+    Now every other block is permuted, the unwritable record is dropped (its block, whose
+    only copy it was, is gone, and a read names that), and the error is raised after."""
+    import errno
+
+    import tiercache.disk
+
+    geometry = BlockGeometry(2, 2, 4, 8, torch.float32)  # two batch rows
+    cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1, disk_blocks=8)
+    g = torch.Generator().manual_seed(25)
+    data = {BlockKey(0, 0, i): torch.randn(geometry.shape, generator=g) for i in range(4)}
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+        store.drop_copies(Tier.DEVICE)
+        store.drop_copies(Tier.HOST)
+        order = [key for key in data if store.tiers_of(key) == [Tier.DISK]]
+        assert len(order) == 4
+        real, calls = os.pwritev, []
+
+        def second_fails(*args):  # the second block's rewrite fails, the others land
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real(*args)
+        monkeypatch.setattr(tiercache.disk.os, "pwritev", second_fails)
+        with pytest.raises(OSError, match="Input/output error"):
+            store.reorder_rows(torch.tensor([1, 0]))
+        monkeypatch.setattr(tiercache.disk.os, "pwritev", real)
+        assert len(calls) == 4
+        store.check()
+        lost = [key for key in order if key not in store]
+        assert len(lost) == 1
+        for key in order:
+            if key in store:
+                assert torch.equal(store.get(key), data[key].index_select(1, torch.tensor([1, 0]))), key
+        with pytest.raises(BlockCorruptedError, match="could not be permuted for a beam reorder"):
+            store.ensure_device(lost)
 
 
 def test_close_raises_when_a_deleted_blocks_record_cannot_be_invalidated(tmp_path, geometry, caplog):
@@ -483,9 +614,10 @@ def test_close_raises_when_a_deleted_blocks_record_cannot_be_invalidated(tmp_pat
         except BaseException:
             store.close()
             raise
-        with pytest.raises(TierIOError, match=rf"close: the disk record of 1 deleted block could not be invalidated "
-                                              rf"on the disk tier under '{tmp_path / 'kv'}' \(Input/output error\): "
-                                              rf"it comes back when the directory is reopened"):
+        with pytest.raises(TierIOError, match=rf"close: freed disk records could not be invalidated on the disk "
+                                              rf"tier under '{tmp_path / 'kv'}' \(Input/output error\), .* when the "
+                                              rf"directory is reopened, the disk record of 1 deleted block comes back "
+                                              rf"\(delete it again once the disk works\)$"):
             store.close()
     assert store.closed and store.disk.closed
     with BlockStore(cfg, geometry) as again:  # as the error said: undetectable, it is served again

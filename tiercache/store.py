@@ -609,9 +609,9 @@ class BlockStore:
             finally:
                 with self._lock:
                     copy.readers -= 1
-                    if entry.deleted:
+                    if entry.deleted:  # a failed tombstone is held and logged (``_released``)
                         for t, freed_slot in self.table._collect(entry):
-                            self._released(key, t, freed_slot)
+                            self._released(key, t, freed_slot, errors=[])
                     elif corrupted:
                         self._discard(key, tier)
                     elif read:  # a use for the tier's policy (not a read that failed)
@@ -697,9 +697,9 @@ class BlockStore:
                 for i, key, entry, copy, tier in held:
                     copy.readers -= 1
                     outcome = results.get(i)
-                    if entry.deleted:
+                    if entry.deleted:  # a failed tombstone is held and logged (``_released``)
                         for t, freed_slot in self.table._collect(entry):
-                            self._released(key, t, freed_slot)
+                            self._released(key, t, freed_slot, errors=[])
                         if outcome is None and i in results:
                             self.events.hit(tier.label)
                         else:
@@ -818,15 +818,21 @@ class BlockStore:
         """Drop every idle copy on ``tier``; a block whose only copy it is goes entirely."""
         tier = as_tier(tier, "drop_copies")
         dropped = 0
+        failed: list = []  # tombstones that failed: raised once every copy is dropped
         with self._lock:
             for key in list(self.table.keys_on(tier)):
                 if self.table.can_drop(key, tier):
-                    self._drop(key, tier, evicted=False)
+                    self._drop(key, tier, evicted=False, errors=failed)
                 elif self.table.is_movable(key, tier) and not self._moving(key):
-                    self._forget(key)
+                    try:
+                        self._forget(key)
+                    except OSError as exc:  # its books are done (``_forget``)
+                        failed.append(exc)
                 else:
                     continue
                 dropped += 1
+        if failed:
+            raise failed[0]
         return dropped
 
     @_ends_work
@@ -1425,8 +1431,11 @@ class BlockStore:
             # is taken; the pin comes last, into the caller's list with it.
             write_slot = copies[device].slot
             if len(copies) > 1:
+                failed: list = []
                 for tier, s in self.table.drop_others(write_key, device):
-                    self._released(write_key, tier, s)
+                    self._released(write_key, tier, s, errors=failed)
+                if failed:
+                    raise failed[0]
             # read_layer(keys, hold=True): each reader is taken into the views' list in one
             # statement with no call in it, so that a Ctrl-C anywhere leaves every reader
             # taken where the next release_views lets it go (as _hold_in_memory does)
@@ -1545,9 +1554,9 @@ class BlockStore:
             while held:
                 entry, copy = held[-1]
                 copy.readers, held[-1:] = copy.readers - 1, []  # one statement, no call in it
-                if entry.deleted:
+                if entry.deleted:  # a failed tombstone is held and logged (``_released``)
                     for t, slot in self.table._collect(entry):
-                        self._released(entry.key, t, slot)
+                        self._released(entry.key, t, slot, errors=[])
 
     def release_views(self) -> None:
         """Attention is done with the views ``read_layer(hold=True)`` returned: let their
@@ -1770,8 +1779,11 @@ class BlockStore:
                     raise ValueError(f"begin_write: block {key!r} has no copy on the device; "
                                      f"ensure_device (which pins it) first")
                 if not entry.in_flight():
+                    failed: list = []
                     for tier, slot in self.table.drop_others(key, Tier.DEVICE):
-                        self._released(key, tier, slot)
+                        self._released(key, tier, slot, errors=failed)
+                    if failed:
+                        raise failed[0]
                     return entry.copies[Tier.DEVICE].slot
                 waits = self._inflight_for(key)
             wait_all(waits)
@@ -1854,9 +1866,16 @@ class BlockStore:
         is being read or filled (``_quiet``): a ``get`` on another thread reads outside the
         lock, and device blocks permuted under it came back half permuted (7 reads in 100
         reorders in a script). A disk record rewritten under a read would fail its checksum,
-        and the store discards a block that fails it."""
+        and the store discards a block that fails it.
+
+        Every block is done before an error is raised (a failed tombstone of a stale copy, a
+        disk record that could not be read or rewritten): raised from the middle of the
+        loop, it left the blocks after it unpermuted, their rows served in the old order.
+        A disk record that could not be rewritten is dropped (its block too, where it was
+        the only copy: a later read names the loss), never served unpermuted."""
         self.release_views()
         rows = rows.to(torch.long).cpu()
+        failed: list = []
         with self._quiet():
             device_keys = list(self.table.keys_on(Tier.DEVICE))
             self.device_pool.reorder_rows([self.table.copy(k, Tier.DEVICE).slot for k in device_keys], rows)
@@ -1865,20 +1884,29 @@ class BlockStore:
                 for tier in list(entry.copies):
                     if tier is Tier.DEVICE:
                         continue
-                    if Tier.DEVICE in entry.copies:
-                        self._drop(key, tier, evicted=False)
+                    if Tier.DEVICE in entry.copies:  # a failed tombstone: raised once every block is done
+                        self._drop(key, tier, evicted=False, errors=failed)
                     elif tier is Tier.HOST:
                         view = self.host_pool.view(entry.copies[tier].slot)
                         view.copy_(view.index_select(1, rows))
                     elif Tier.HOST in entry.copies:
-                        self._drop(key, tier, evicted=False)
+                        self._drop(key, tier, evicted=False, errors=failed)
                     else:  # only on disk: rewrite it in place
                         slot = entry.copies[tier].slot
-                        with self._staging.take() as buf:
-                            self._read_disk(key, slot, buf)
-                            block = self._as_block(buf)
-                            block.copy_(block.index_select(1, rows))
-                            self.disk.write(slot, key, buf, self._tokens.get(key, 0), self._token_ids.get(key, b""))
+                        try:
+                            with self._staging.take() as buf:
+                                self._read_disk(key, slot, buf)
+                                block = self._as_block(buf)
+                                block.copy_(block.index_select(1, rows))
+                                self.disk.write(slot, key, buf, self._tokens.get(key, 0),
+                                                self._token_ids.get(key, b""))
+                        except (OSError, RecordError) as exc:
+                            failed.append(exc)
+                            self._discard(key, tier)
+                            if key in self._lost:
+                                self._lost[key] = f"its disk record could not be permuted for a beam reorder ({exc})"
+        if failed:
+            raise failed[0]
 
     @contextlib.contextmanager
     def _quiet(self) -> Iterator[None]:
@@ -2080,31 +2108,39 @@ class BlockStore:
         named after them.
 
         Reopening cannot detect such a record: it is a whole, checksummed record of its
-        key, like any live one, and nothing else on disk says the block was deleted (a
-        journal of deletions would be one more write on a disk that just failed one), so the
-        next open adopts it. Only this error says so: the caller can delete the block again
-        once the disk works. A record freed as the stale copy of a block still stored (its
-        key is in the table) is an older record beside the current one; the next open finds
-        two records of that key and drops both (``_adopt_disk_records``)."""
+        key, like any live one, and nothing else on disk says it was freed (a journal would
+        be one more write on a disk that just failed one), so the next open adopts it. What
+        the open does, by kind, is what this error says:
+        - a deleted block's record: the block comes back (delete it again once the disk
+          works);
+        - the older record of a block still stored whose current bytes are on disk too: the
+          open finds two differing records of the key and drops both
+          (``_adopt_disk_records``);
+        - the older record of a block still stored whose current bytes never reached the
+          disk (a failing disk fails that write too): the older bytes come back as the
+          block (a review's script; the message said both would be dropped)."""
         deleted = sum(1 for key, _ in unerased if key not in self.table)
-        stale = len(unerased) - deleted
+        beside = sum(1 for key, _ in unerased if key in self.table and self.table.is_ready(key, Tier.DISK))
+        alone = len(unerased) - deleted - beside
         failed = unerased[-1][1]
-        what = []
+
+        def blocks(n: int, what: str) -> str:
+            return f"{n} {what}{'s' if n > 1 else ''}"
+        parts = []
         if deleted:
-            s = "s" if deleted > 1 else ""
-            what.append(f"the disk record{s} of {deleted} deleted block{s}")
-        if stale:
-            what.append(f"{stale} older disk record{'s of blocks' if stale > 1 else ' of a block'} still stored")
-        comes = "it comes" if len(unerased) == 1 else "they come"
-        text = (f"close: {' and '.join(what)} could not be invalidated on the disk tier under "
-                f"{self.disk.directory!r} ({failed.strerror or failed}): {comes} back when the directory is "
-                f"reopened (a record left whole cannot be told from a live one there)")
-        if deleted:
-            text += "; delete the block again once the disk works" if deleted == 1 else \
-                "; delete the blocks again once the disk works"
-        if stale:
-            text += ("; a block with two records on disk is dropped when the directory is reopened (which one "
-                     "is current cannot be told)")
+            parts.append(f"the disk record{'s' if deleted > 1 else ''} of {blocks(deleted, 'deleted block')} "
+                         f"come{'' if deleted > 1 else 's'} back (delete {'them' if deleted > 1 else 'it'} "
+                         f"again once the disk works)")
+        if alone:
+            parts.append(f"{blocks(alone, 'block')} still stored whose current bytes are not on disk come"
+                         f"{'' if alone > 1 else 's'} back with older bytes (delete {'them' if alone > 1 else 'it'} "
+                         f"after reopening, or clear the directory)")
+        if beside:
+            parts.append(f"{blocks(beside, 'block')} with an older record beside the current one "
+                         f"{'are' if beside > 1 else 'is'} dropped (which record is current cannot be told)")
+        text = (f"close: freed disk records could not be invalidated on the disk tier under "
+                f"{self.disk.directory!r} ({failed.strerror or failed}), and a record left whole cannot be told "
+                f"from a live one: when the directory is reopened, {'; '.join(parts)}")
         if lost is not None:
             text += f"; besides, {lost}"
         return TierIOError(text)
@@ -2295,8 +2331,8 @@ class BlockStore:
         # made another victim here clean, that victim would have to be written down too.
         dirty = []
         for key in victims:
-            if self.table.can_drop(key, tier):
-                self._drop(key, tier, evicted=True)
+            if self.table.can_drop(key, tier):  # a failed tombstone is held and logged: the moves go on
+                self._drop(key, tier, evicted=True, errors=[])
             else:
                 dirty.append(key)
         for key in dirty:
@@ -2339,9 +2375,10 @@ class BlockStore:
         rest = policy.evict(need - len(first), lambda key: key not in taken and evictable(key))
         return None if rest is None else first + rest
 
-    def _drop(self, key: Hashable, tier: Tier, evicted: bool) -> None:
+    def _drop(self, key: Hashable, tier: Tier, evicted: bool, errors: Optional[list] = None) -> None:
+        """Under the lock: drop ``key``'s idle copy on ``tier`` (``errors``: ``_released``'s)."""
         slot = self.table.drop(key, tier)
-        self._released(key, tier, slot)
+        self._released(key, tier, slot, errors=errors)
         if evicted:
             self.events.eviction(tier.label)
 
@@ -2350,8 +2387,8 @@ class BlockStore:
         was the last one, the block is gone: its books go too, and a later read names why
         (it said "not in the cache (lost or deleted)", which hid the corruption)."""
         freed = self.table.discard(key, tier)
-        for t, slot in freed:
-            self._released(key, t, slot)
+        for t, slot in freed:  # a bad record fails its checks again if read: a failed tombstone is only logged
+            self._released(key, t, slot, rolled_back=True)
         if freed and self.table.get(key) is None:
             self._forget(key)
             self._lost[key] = f"its {tier.label} record failed its integrity check and no intact copy existed"
@@ -2363,30 +2400,38 @@ class BlockStore:
         why = self._lost.get(key)
         return BlockCorruptedError(f"block {key!r} is not in the cache ({why or 'lost or deleted'})")
 
-    def _released(self, key: Hashable, tier: Tier, slot: int, rolled_back: bool = False) -> None:
+    def _released(self, key: Hashable, tier: Tier, slot: int, rolled_back: bool = False,
+                  errors: Optional[list] = None) -> None:
         """Under the lock, right after a slot was freed (before anyone can reuse it).
-        ``rolled_back``: the slot was reserved for a move that failed or never ran (its
-        destination, ``_reserved``; not a deleted block's source copy that the roll-back frees
-        too, a live record), so it holds no record of its own (a torn one at most, which fails
-        its checks): a tombstone that fails there is logged, not raised (raised, it cut the
-        roll-back's books short). Any other copy freed must be invalidated, or an old block
-        comes back on reopen: its tombstone's failure is raised, once the books are done,
-        and its slot is held and the tombstone tried again (``_hold_unerased``)."""
+        ``rolled_back``: the slot holds no record that could be served: it was reserved for
+        a move that failed or never ran (its destination, ``_reserved``; not a deleted
+        block's source copy that the roll-back frees too, a live record), so a torn one at
+        most, or its record failed its checks (``_discard``): a tombstone that fails there
+        is logged, not raised (raised, it cut the roll-back's books short), and not held. Any other copy freed must be invalidated, or an old block
+        comes back on reopen: its slot is held and the tombstone tried again
+        (``_hold_unerased``, which logs it), and the failure is raised once the books are
+        done, or appended to ``errors`` when given: a caller freeing several copies (a loop,
+        a roll-back, a read letting go) frees them all first, and a read path that only lets
+        go does not raise it at all (``close`` does, if the record is never invalidated).
+        Raised from inside such a loop, it left readers held and moves in flight for good
+        (a review's script: ``reorder_rows`` then waited forever)."""
         failed = None
         if tier is Tier.DISK and not self.disk.closed:  # closed: ``_tombstone_held`` did it
             try:
                 self.disk.tombstone(slot)
             except OSError as exc:
                 if rolled_back:
-                    log.warning("tiercache: could not clear disk slot %d of %s after a failed write (%s)",
-                                slot, self.disk.path, exc.strerror or exc)
+                    log.warning("tiercache: could not clear disk slot %d of %s (%s); the record there fails its "
+                                "checks if it is ever read", slot, self.disk.path, exc.strerror or exc)
                 else:
                     self._hold_unerased(key, slot, exc)
                     failed = exc
         if self.table.copy(key, tier) is None:  # else a zombie's copy went; a newer block with the key lives there
             self._gone_from(key, tier)
         if failed is not None:  # the books are done: the caller hears of it
-            raise failed
+            if errors is None:
+                raise failed
+            errors.append(failed)
 
     def _hold_unerased(self, key: Hashable, slot: int, exc: OSError) -> None:
         """Under the lock: the tombstone of disk ``slot``, just freed from ``key``'s copy,
@@ -2591,7 +2636,7 @@ class BlockStore:
                 if self._to_device.get(move.key) is move:
                     del self._to_device[move.key]
                 for tier, slot in self.table.complete_move(move, ok=False):
-                    self._released(move.key, tier, slot, rolled_back=_reserved(move, tier, slot))
+                    self._released(move.key, tier, slot, rolled_back=_reserved(move, tier, slot), errors=[])
             raise
         return moves
 
@@ -2639,8 +2684,8 @@ class BlockStore:
         crc = self._crcs.pop(move, None)
         if crc is not None:
             crc.cancel()
-        for tier, slot in self.table.complete_move(move, ok=False):
-            self._released(move.key, tier, slot, rolled_back=_reserved(move, tier, slot))
+        for tier, slot in self.table.complete_move(move, ok=False):  # every move of an _abandon goes back
+            self._released(move.key, tier, slot, rolled_back=_reserved(move, tier, slot), errors=[])
         return waiter
 
     def _submit_all(self, moves: list, priority: Priority, help_here: Optional[list] = None) -> list:
@@ -3119,8 +3164,9 @@ class BlockStore:
         # then the policy, the checksum's verdict and the write-behind concern the old one,
         # which only needs its copies freed.
         live = self.table.get(move.key) is move.entry
-        for tier, slot in self.table.complete_move(move, error is None):
-            self._released(move.key, tier, slot, rolled_back=error is not None and _reserved(move, tier, slot))
+        for tier, slot in self.table.complete_move(move, error is None):  # a failed tombstone: held, logged
+            self._released(move.key, tier, slot, rolled_back=error is not None and _reserved(move, tier, slot),
+                           errors=[])
         if corrupted and live:
             self._discard(move.key, move.src)
         if error is None and live:

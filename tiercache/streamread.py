@@ -218,9 +218,9 @@ class DiskStreams:
             read.copy.readers -= 1
         if store._streaming.get(read.key) is read.done:
             del store._streaming[read.key]
-        if read.entry.deleted:
+        if read.entry.deleted:  # a failed tombstone is held and logged (``BlockStore._released``)
             for t, slot in store.table._collect(read.entry):
-                store._released(read.key, t, slot)
+                store._released(read.key, t, slot, errors=[])
 
     def _job(self, buf: tuple, pos: int, read: _Read) -> None:
         """On an I/O thread: read the record into its position of ``buf`` (an item of
