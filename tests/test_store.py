@@ -1076,6 +1076,8 @@ def test_a_disk_dir_whose_symlink_target_vanished_after_the_config_is_named(tmp_
         BlockStore(cfg, geometry)
     with pytest.raises(ValueError, match=said):
         DiskTier(str(link), geometry, 4)
+    with pytest.raises(ValueError, match=re.escape(f"is a symlink to a missing target ({str(target)!r})")):
+        DiskTier(str(link) + os.sep, geometry, 4)  # "kv/": it said "File exists" (a review)
     with pytest.raises(CacheDirError, match=re.escape(
             f"disk_dir: {str(link / 'cache')!r} cannot be created: {str(link)!r} is a symlink to a missing target")):
         BlockStore(below, geometry)

@@ -290,10 +290,10 @@ def dangling_link(path: str) -> Optional[str]:
     symlink that leads nowhere (a missing target, a loop): a message that starts with
     "disk_dir: " and names the link; None when there is no such link on the way. Creating
     such a path fails with a bare "File exists" (``os.makedirs``), which names neither."""
-    probe = path
+    probe = path.rstrip(os.sep) or path  # "kv/" names the link "kv" (islink of "kv/" is False)
     while not os.path.exists(probe):
         if os.path.islink(probe):
-            return (f"disk_dir: {_broken_link(probe)}" if probe == path else
+            return (f"disk_dir: {_broken_link(probe)}" if probe == path.rstrip(os.sep) else
                     f"disk_dir: {path!r} cannot be created: {_broken_link(probe)}")
         parent = os.path.dirname(probe.rstrip(os.sep)) or "."
         if parent == probe:
