@@ -568,7 +568,9 @@ def test_reorder_rows_permutes_every_block_and_drops_a_disk_record_it_cannot_rew
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return real(*args)
         monkeypatch.setattr(tiercache.disk.os, "pwritev", second_fails)
-        with pytest.raises(OSError, match="Input/output error"):
+        with pytest.raises(TierIOError, match=r"beam reorder: block .* was dropped: the disk tier under .* could "
+                                              r"not read or rewrite its record \(Input/output error\), and its rows "
+                                              r"would be in the old order"):
             store.reorder_rows(torch.tensor([1, 0]))
         monkeypatch.setattr(tiercache.disk.os, "pwritev", real)
         assert len(calls) == 4
@@ -580,6 +582,85 @@ def test_reorder_rows_permutes_every_block_and_drops_a_disk_record_it_cannot_rew
                 assert torch.equal(store.get(key), data[key].index_select(1, torch.tensor([1, 0]))), key
         with pytest.raises(BlockCorruptedError, match="could not be permuted for a beam reorder"):
             store.ensure_device(lost)
+        # A record that fails its checksum is dropped as bad, the other blocks permuted:
+        # the BlockCorruptedError came out of the loop's middle, the blocks after it unpermuted.
+        kept = [key for key in order if key in store]  # permuted once
+        slot = store.table.copy(kept[0], Tier.DISK).slot
+        with open(os.path.join(store.disk.directory, DATA_NAME), "r+b") as f:
+            f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 3)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(BlockCorruptedError, match="disk record failed its integrity check"):
+            store.reorder_rows(torch.tensor([1, 0]))  # back to the stored order for the others
+        assert kept[0] not in store
+        for key in kept[1:]:
+            assert torch.equal(store.get(key), data[key]), key
+        store.check()
+
+
+@pytest.mark.parametrize("case", ["copy dropped", "deleted twice", "held slots fill the budget"])
+def test_close_names_only_what_the_reopen_will_serve_wrongly(tmp_path, geometry, case):
+    """The disk fails every tombstone (pwrite EIO) for the store's whole life. What close()
+    says about the records it could not invalidate must be what the next open does; it
+    counted records and worded the worst case (a review):
+    - copy dropped: block K's disk copy is dropped while K stays on the device; close
+      writes K down again (the same bytes). It said K "is dropped" on reopen; the two
+      records agree and the open keeps K, exact. Now close raises nothing.
+    - deleted twice: K is deleted, stored again with other bytes and flushed, deleted
+      again. It said "2 deleted blocks come back"; the open finds two differing records of
+      K and drops both: nothing comes back. Now close raises nothing.
+    - held slots fill the budget: a 4-slot disk, two deleted blocks' slots held, four live
+      blocks. Besides the two deleted blocks that come back, the error asked for
+      disk_budget at least 4 records, the budget it had; it now counts the held slots and
+      says why they are held."""
+    import errno
+
+    from tiercache.bench.faults import _failing
+
+    cfg = tiny_config(tmp_path, geometry, disk_blocks=4 if case == "held slots fill the budget" else 8)
+    key = BlockKey(0, 0, 0)
+    a, b = torch.full(geometry.shape, 1.0), torch.full(geometry.shape, 2.0)
+    record = DiskTier.record_size(geometry)
+    store = BlockStore(cfg, geometry)
+    store.put(key, a)
+    store.flush()
+    with _failing("pwrite", errno.EIO, after=0):
+        try:
+            if case == "copy dropped":
+                with pytest.raises(OSError):
+                    store.drop_copies(Tier.DISK)
+                assert store.tiers_of(key) == [Tier.DEVICE]
+            elif case == "deleted twice":
+                with pytest.raises(OSError):
+                    store.delete(key)
+                store.put(key, b)
+                store.flush()
+                with pytest.raises(OSError):
+                    store.delete(key)
+            else:
+                store.put(BlockKey(0, 0, 1), b)
+                store.flush()
+                for k in (key, BlockKey(0, 0, 1)):
+                    with pytest.raises(OSError):
+                        store.delete(k)
+                for i in range(4):
+                    store.put(BlockKey(1, 0, i), a + i)
+        finally:
+            if case == "held slots fill the budget":
+                with pytest.raises(TierIOError, match=rf"2 blocks no longer stored \(deleted or dropped\) come back "
+                                                      rf".*; besides, close: 2 of 4 blocks are not kept .* \(2 of its "
+                                                      rf"slots hold freed records that could not be invalidated: the "
+                                                      rf"disk failed their writes\), .* give disk_budget at least "
+                                                      rf"{6 * record} bytes"):
+                    store.close()
+            else:
+                store.close()  # nothing the reopen will serve wrongly: nothing raised
+    with BlockStore(cfg, geometry) as again:
+        if case == "copy dropped":
+            assert torch.equal(again.get(key), a)
+        elif case == "deleted twice":
+            assert key not in again
 
 
 def test_close_raises_when_a_deleted_blocks_record_cannot_be_invalidated(tmp_path, geometry, caplog):
@@ -616,8 +697,8 @@ def test_close_raises_when_a_deleted_blocks_record_cannot_be_invalidated(tmp_pat
             raise
         with pytest.raises(TierIOError, match=rf"close: freed disk records could not be invalidated on the disk "
                                               rf"tier under '{tmp_path / 'kv'}' \(Input/output error\), .* when the "
-                                              rf"directory is reopened, the disk record of 1 deleted block comes back "
-                                              rf"\(delete it again once the disk works\)$"):
+                                              rf"directory is reopened, 1 block no longer stored \(deleted or "
+                                              rf"dropped\) comes back \(delete it again once the disk works\)$"):
             store.close()
     assert store.closed and store.disk.closed
     with BlockStore(cfg, geometry) as again:  # as the error said: undetectable, it is served again

@@ -1871,11 +1871,16 @@ class BlockStore:
         Every block is done before an error is raised (a failed tombstone of a stale copy, a
         disk record that could not be read or rewritten): raised from the middle of the
         loop, it left the blocks after it unpermuted, their rows served in the old order.
-        A disk record that could not be rewritten is dropped (its block too, where it was
-        the only copy: a later read names the loss), never served unpermuted."""
+        A disk record that could not be read or rewritten is dropped (its block too, where
+        it was the only copy: a fetch names the loss), never served unpermuted: one that
+        failed its checks as bad, one that the disk failed to read or write the held way
+        (``_discard``), so that ``close`` says so if its record, whole and unpermuted, stays.
+        The first block lost is raised (``BlockCorruptedError``, or ``TierIOError`` naming
+        the disk tier)."""
         self.release_views()
         rows = rows.to(torch.long).cpu()
-        failed: list = []
+        failed: list = []  # tombstones of stale copies that failed (held: ``_released``)
+        lost: list = []  # disk-only blocks that could not be permuted, dropped
         with self._quiet():
             device_keys = list(self.table.keys_on(Tier.DEVICE))
             self.device_pool.reorder_rows([self.table.copy(k, Tier.DEVICE).slot for k in device_keys], rows)
@@ -1900,13 +1905,19 @@ class BlockStore:
                                 block.copy_(block.index_select(1, rows))
                                 self.disk.write(slot, key, buf, self._tokens.get(key, 0),
                                                 self._token_ids.get(key, b""))
-                        except (OSError, RecordError) as exc:
-                            failed.append(exc)
-                            self._discard(key, tier)
+                        except (OSError, BlockCorruptedError) as exc:
+                            bad = isinstance(exc, BlockCorruptedError)  # else the old record may be whole
+                            self._discard(key, tier, bad_record=bad)
+                            why = (str(exc) if bad else
+                                   f"its disk record could not be permuted for a beam reorder ({exc.strerror or exc})")
                             if key in self._lost:
-                                self._lost[key] = f"its disk record could not be permuted for a beam reorder ({exc})"
-        if failed:
-            raise failed[0]
+                                self._lost[key] = why
+                            lost.append(exc if bad else TierIOError(
+                                f"beam reorder: block {key!r} was dropped: the disk tier under "
+                                f"{self.disk.directory!r} could not read or rewrite its record "
+                                f"({exc.strerror or exc}), and its rows would be in the old order"))
+        if lost or failed:  # a block lost first; a stale copy's tombstone is held, and retried
+            raise (lost + failed)[0]
 
     @contextlib.contextmanager
     def _quiet(self) -> Iterator[None]:
@@ -2012,10 +2023,13 @@ class BlockStore:
             return TierIOError(f"close: {lost} of {total} blocks are not kept for the next open: {lost - no_room} "
                                f"could not be written to the disk tier under {self.disk.directory!r} "
                                f"({failed.strerror or failed}){beyond}; the blocks already on disk are kept")
+        held = len(self._unerased)
+        held_text = (f" ({held} of its slots hold freed records that could not be invalidated: the disk failed "
+                     f"their writes)" if held else "")
         return CapacityError(f"close: {lost} of {total} blocks are not kept for the next open: "
-                             f"{self.disk_budget_text()}, and a persistent store keeps only what its disk tier "
-                             f"holds; give disk_budget at least {total * record} bytes, or delete() the blocks it "
-                             f"need not keep before close()")
+                             f"{self.disk_budget_text()}{held_text}, and a persistent store keeps only what its disk "
+                             f"tier holds; give disk_budget at least {(total + held) * record} bytes, or delete() the "
+                             f"blocks it need not keep before close()")
 
     def disk_budget_text(self) -> str:
         """``disk_budget`` as an error message names it: the blocks it holds, and the bytes
@@ -2055,7 +2069,7 @@ class BlockStore:
                     missing = self._not_on_disk()
                     if missing:  # raised once everything is closed: the blocks on disk are kept
                         lost = self._lost_at_close(missing, self._disk_write_error)
-                    unerased += list(self._unerased.values())
+                    unerased += [(key, exc, slot) for slot, (key, exc) in self._unerased.items()]
                     if unerased:
                         lost = self._unerased_at_close(unerased, lost)
         finally:
@@ -2089,7 +2103,7 @@ class BlockStore:
         call, so ``close`` does not wait for it; the record would be tombstoned when the read
         lets go, by then through a closed file, and the deleted block would come back on
         reopen. (``_released`` skips the tombstone once the disk is closed.) Returns the
-        (key, OSError) of each tombstone that failed, for ``_unerased_at_close``."""
+        (key, OSError, slot) of each tombstone that failed, for ``_unerased_at_close``."""
         failed = []
         with self._lock:
             for entry in list(self.table._zombies.values()):
@@ -2098,46 +2112,70 @@ class BlockStore:
                     try:
                         self.disk.tombstone(copy.slot)
                     except OSError as exc:
-                        failed.append((entry.key, exc))
+                        failed.append((entry.key, exc, copy.slot))
         return failed
 
-    def _unerased_at_close(self, unerased: list, lost: Optional[TierCacheError]) -> TierIOError:
-        """Under the lock: the error ``close`` raises when the records of ``unerased``, as
-        (key, last OSError), freed but whole on disk (their tombstones failed at the time and
-        again at close), could not be invalidated; ``lost``: the blocks not kept, if any,
-        named after them.
+    def _unerased_at_close(self, unerased: list, lost: Optional[TierCacheError]) -> Optional[TierCacheError]:
+        """Under the lock: the error ``close`` raises for the records of ``unerased``, as
+        (key, last OSError, slot), freed but whole on disk (their tombstones failed at the
+        time and again at close), where the next open will serve a block wrongly; ``lost``:
+        the blocks not kept, if any, named after them (returned as is when no record is
+        harmful).
 
         Reopening cannot detect such a record: it is a whole, checksummed record of its
         key, like any live one, and nothing else on disk says it was freed (a journal would
-        be one more write on a disk that just failed one), so the next open adopts it. What
-        the open does, by kind, is what this error says:
-        - a deleted block's record: the block comes back (delete it again once the disk
-          works);
-        - the older record of a block still stored whose current bytes are on disk too: the
-          open finds two differing records of the key and drops both
-          (``_adopt_disk_records``);
-        - the older record of a block still stored whose current bytes never reached the
-          disk (a failing disk fails that write too): the older bytes come back as the
-          block (a review's script; the message said both would be dropped)."""
-        deleted = sum(1 for key, _ in unerased if key not in self.table)
-        beside = sum(1 for key, _ in unerased if key in self.table and self.table.is_ready(key, Tier.DISK))
-        alone = len(unerased) - deleted - beside
+        be one more write on a disk that just failed one). The open adopts a key's records
+        when they agree, and drops them all when they differ (``_adopt_disk_records``). So,
+        key by key, with the block's current record (if it is on disk) among them:
+        - a block no longer stored (deleted, or dropped by the store) whose records agree
+          comes back: named (delete it again once the disk works);
+        - a block still stored whose current bytes are not on disk, its older records
+          agreeing: it comes back with older bytes: named;
+        - a block still stored whose current record is on disk beside a differing older
+          one: both are dropped, the block is lost at the open: named;
+        - records that agree with the current one, or a deleted block's that differ: the
+          open does the right thing, nothing to say.
+        Records whose headers cannot be read now are taken to differ. (Counted by record,
+        and worded for the worst case, the message once said blocks would come back that
+        the open dropped, and the other way round: a review.)"""
         failed = unerased[-1][1]
+        slots_of: dict = {}
+        for key, _, slot in unerased:
+            slots_of.setdefault(key, []).append(slot)
+        comes = older = dropped = 0
+        for key, slots in slots_of.items():
+            live = key in self.table
+            current = self.table.copy(key, Tier.DISK) if live and self.table.is_ready(key, Tier.DISK) else None
+            every = sorted(set(slots) | ({current.slot} if current is not None else set()))
+            agree = len(every) == 1
+            if not agree:
+                try:
+                    stamps = self.disk.record_stamps(every)
+                except OSError:
+                    stamps = {}
+                agree = len({stamps.get(slot, slot) for slot in every}) == 1
+            if agree and not live:
+                comes += 1
+            elif agree and current is None:
+                older += 1
+            elif not agree and current is not None:
+                dropped += 1
+        if not (comes or older or dropped):
+            return lost
 
-        def blocks(n: int, what: str) -> str:
+        def blocks(n: int, what: str = "block") -> str:
             return f"{n} {what}{'s' if n > 1 else ''}"
         parts = []
-        if deleted:
-            parts.append(f"the disk record{'s' if deleted > 1 else ''} of {blocks(deleted, 'deleted block')} "
-                         f"come{'' if deleted > 1 else 's'} back (delete {'them' if deleted > 1 else 'it'} "
-                         f"again once the disk works)")
-        if alone:
-            parts.append(f"{blocks(alone, 'block')} still stored whose current bytes are not on disk come"
-                         f"{'' if alone > 1 else 's'} back with older bytes (delete {'them' if alone > 1 else 'it'} "
+        if comes:
+            parts.append(f"{blocks(comes, 'block')} no longer stored (deleted or dropped) come{'' if comes > 1 else 's'} "
+                         f"back (delete {'them' if comes > 1 else 'it'} again once the disk works)")
+        if older:
+            parts.append(f"{blocks(older)} still stored whose current bytes are not on disk come"
+                         f"{'' if older > 1 else 's'} back with older bytes (delete {'them' if older > 1 else 'it'} "
                          f"after reopening, or clear the directory)")
-        if beside:
-            parts.append(f"{blocks(beside, 'block')} with an older record beside the current one "
-                         f"{'are' if beside > 1 else 'is'} dropped (which record is current cannot be told)")
+        if dropped:
+            parts.append(f"{blocks(dropped)} with an older record beside the current one "
+                         f"{'are' if dropped > 1 else 'is'} dropped (which record is current cannot be told)")
         text = (f"close: freed disk records could not be invalidated on the disk tier under "
                 f"{self.disk.directory!r} ({failed.strerror or failed}), and a record left whole cannot be told "
                 f"from a live one: when the directory is reopened, {'; '.join(parts)}")
@@ -2382,13 +2420,18 @@ class BlockStore:
         if evicted:
             self.events.eviction(tier.label)
 
-    def _discard(self, key: Hashable, tier: Tier) -> None:
+    def _discard(self, key: Hashable, tier: Tier, bad_record: bool = True) -> None:
         """Under the lock: drop ``key``'s copy on ``tier``, which failed its check. If it
         was the last one, the block is gone: its books go too, and a later read names why
-        (it said "not in the cache (lost or deleted)", which hid the corruption)."""
+        (it said "not in the cache (lost or deleted)", which hid the corruption).
+
+        A bad record fails its checks again whenever it is read: a failed tombstone of it is
+        only logged. ``bad_record=False``: a copy dropped because the disk failed to read or
+        rewrite it (``reorder_rows``), whose record may be whole: a failed tombstone is held
+        and tried again, as for a deleted block's (``_released``)."""
         freed = self.table.discard(key, tier)
-        for t, slot in freed:  # a bad record fails its checks again if read: a failed tombstone is only logged
-            self._released(key, t, slot, rolled_back=True)
+        for t, slot in freed:
+            self._released(key, t, slot, rolled_back=bad_record, errors=[])
         if freed and self.table.get(key) is None:
             self._forget(key)
             self._lost[key] = f"its {tier.label} record failed its integrity check and no intact copy existed"
