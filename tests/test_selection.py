@@ -370,3 +370,70 @@ def test_a_left_padded_row_chooses_its_pages_as_it_would_alone(tmp_path):
     with TieredCache(model, tight_config(model, tmp_path / "a", batch=1, device_blocks=128, **budget)) as cache:
         alone = generate(model, row, cache=cache, max_new_tokens=new)
     assert batch.sequences[1, -new:].tolist() == alone.sequences[0, -new:].tolist()
+
+
+def test_a_left_padded_row_alone_chooses_its_pages_as_in_a_batch(tmp_path):
+    """The same left-padded row (padding longer than a block) decoded alone, as a batch of
+    one, and next to an unpadded row. Alone, its padding mask has one row, and the search
+    for a row's first visible page ran only for masks of several rows: the row's forced
+    first page was pure padding, and its tokens differed from the same row in the batch
+    (a review). Now a row's first page is the first it sees, whatever the batch."""
+    model = tiny_model("llama")
+    pad, length, new = BT + 1, 14, 16
+    ids = prompt_ids(batch=2, length=length, seed=3)
+    mask = torch.ones_like(ids)
+    ids[1, :pad], mask[1, :pad] = PAD, 0
+    budget = dict(selection="quest", selection_budget=3 * BT)
+    with TieredCache(model, tight_config(model, tmp_path / "b", batch=2, device_blocks=128, **budget)) as cache:
+        batch = generate(model, ids, cache=cache, mask=mask, max_new_tokens=new)
+    with TieredCache(model, tight_config(model, tmp_path / "a", batch=1, device_blocks=128, **budget)) as cache:
+        alone = generate(model, ids[1:], cache=cache, mask=mask[1:], max_new_tokens=new)
+        assert cache.attention_stats()["selection"]["layer_steps"] > 0
+    assert alone.sequences[0].tolist() == batch.sequences[1].tolist()
+
+
+def _tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "bloom":
+        config = transformers.BloomConfig(vocab_size=128, initializer_range=0.2, hidden_size=64, n_layer=2, n_head=4,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=None)
+        model = transformers.BloomForCausalLM(config)
+    else:
+        config = transformers.FalconConfig(vocab_size=128, initializer_range=0.2, hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, alibi=True, new_decoder_architecture=False,
+                                           multi_query=False, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+        model = transformers.FalconForCausalLM(config)
+    model.eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+    return model
+
+
+def test_selection_and_retention_need_attention_the_hook_sees(tmp_path):
+    """Bloom computes its attention itself: the config names tiercache's hook, but the
+    hook is never called. Quest then handed the model its placeholder keys (the newest key
+    repeated) and it attended to them: wrong tokens (logits off by 8.8), no error, at a
+    budget that covers the context; retention kept every token past its budget, silently
+    (a review). Now quest's generate() stops at the first decode step with an
+    UnsupportedModelError naming the model, its placeholder is NaN besides, and retention
+    is refused when the cache is built, for Bloom and for Falcon with ALiBi (which ran into
+    a torch shape error inside the model after the first compaction)."""
+    from tiercache import TierConfig, UnsupportedModelError
+
+    model = _tiny("bloom")
+    ids = prompt_ids()
+    ref = generate(model, ids, max_new_tokens=4)
+    plain = TierConfig(device_budget="4MiB", host_budget="4MiB", block_tokens=BT)
+    with TieredCache(model, plain) as cache:  # without selection, the hook is not needed: exact
+        assert torch.equal(generate(model, ids, cache=cache, max_new_tokens=4).sequences, ref.sequences)
+    quest = TierConfig(device_budget="4MiB", host_budget="4MiB", block_tokens=BT, selection="quest",
+                       selection_budget=16 * BT)
+    with TieredCache(model, quest) as cache:
+        with pytest.raises(UnsupportedModelError, match="BloomForCausalLM: its attention does not run through "
+                                                        "transformers' attention interface.*selection works"):
+            generate(model, ids, cache=cache, max_new_tokens=4)
+        assert cache.attention_stats()["selection"]["layer_steps"] == 0  # no placeholder was handed out
+    for kind in ("bloom", "falcon"):
+        retain = TierConfig(device_budget="4MiB", host_budget="4MiB", block_tokens=BT, retention="h2o",
+                            retention_budget=3 * BT)
+        with pytest.raises(UnsupportedModelError, match=f"{kind}: retention drops tokens, and its ALiBi attention"):
+            TieredCache(_tiny(kind), retain)

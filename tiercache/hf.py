@@ -48,6 +48,13 @@ _SEQ_IDS = itertools.count(1)
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
+def _uses_alibi(config: Any) -> bool:
+    """Does the model position its tokens with ALiBi (Bloom, MPT, Falcon with ``alibi``)?"""
+    return (getattr(config, "model_type", None) in ("bloom", "mpt") or getattr(config, "alibi", False) is True
+            or getattr(config, "position_embedding_type", None) == "alibi"
+            or getattr(getattr(config, "attn_config", None), "alibi", False) is True)
+
+
 def _visible_start(num_tokens: int, window: Optional[int]) -> int:
     """First of ``num_tokens`` stored tokens that attention sees in the next update: 0 for a
     full layer, the window's start for a sliding one (``window``)."""
@@ -273,11 +280,23 @@ class TieredCache(Cache):
         self._pending_read: Optional[tuple] = None  # (keys, t_us) awaiting the attention hook's scores
         self._pending_scores: Optional[dict] = None
         self.selection_state, self.retention_state = self._make_selection_and_retention()
+        if self.retention_state is not None and _uses_alibi(text):
+            # ALiBi biases attention by the distance between positions; a compacted cache
+            # changes those distances, and Falcon sized its mask from the absolute length: a
+            # torch shape error inside the model at the first step after a compaction
+            raise UnsupportedModelError(f"{getattr(text, 'model_type', 'this model')}: retention drops tokens, and "
+                                        f"its ALiBi attention biases by the distance between positions, which "
+                                        f"dropping would change; use retention with a RoPE or learned-position "
+                                        f"model, or leave it off")
         # update() may take the resident fast path: no trace, scores, selection or retention
         self._plain = (self.trace is None and not self.wants_scores and self.selection_state is None
                        and self.retention_state is None)
         self._attn_config = text  # selection/retention need tiercache's attention hook on this config
         self._hook_seen = False  # the hook ran for this cache's keys (block attention relies on it)
+        # selection and retention act inside the hook: its keys carry a probe until the hook is
+        # seen; _probe_step: the step a probe was first handed out (``_check_hook``)
+        self._needs_hook = self.selection_state is not None or self.retention_state is not None
+        self._probe_step: Optional[int] = None
         self.in_place_steps = 0  # layer-steps of decode attention computed in place (attend_in_place)
         # (thread, last layer it updated): one forward pass at a time (``_claim``)
         self._forward: tuple = (None, -1)
@@ -942,6 +961,8 @@ class TieredCache(Cache):
             out = self._update_resident(layer, key_states, value_states, q)
             if out is not None:
                 return out
+        if self._needs_hook and not self._hook_seen and layer_idx == 0:
+            self._check_hook()
         retention = self.retention_state
         if retention is not None and layer_idx == 0:
             retention.settle(q)  # snapkv: the prompt ended (a no-op if get_mask_sizes did it)
@@ -1009,8 +1030,10 @@ class TieredCache(Cache):
             return BlockAttentionPlan(self, layer_idx, needed, end - read_from, offset, ahead).placeholder(key_states)
         keys, values = store.read_layer(needed, end - read_from, offset, hold=not retained, ahead=ahead)
         keys, values = self._after_read(layer_idx, needed, offset, keys, values, planned=True)
-        if q == 1 and not self._hook_seen and self.tier_config.attend_in_place:
+        if not self._hook_seen and (self._needs_hook or q == 1 and self.tier_config.attend_in_place):
             setattr(keys, PROBE_ATTR, self._saw_hook)  # the hook will show it sees this cache's keys
+            if self._probe_step is None:
+                self._probe_step = self._step
         if retained:
             from tiercache.attention import PLAN_ATTR
             from tiercache.retention import RetentionPlan
@@ -1193,9 +1216,30 @@ class TieredCache(Cache):
                 and _inner_name(self._attn_config) == "sdpa")
 
     def _selects(self, layer: TieredLayer, query_length: int) -> bool:
-        """Quest applies to decode steps (one query token) of full-attention layers."""
+        """Quest applies to decode steps (one query token) of full-attention layers, once the
+        hook has shown it sees this cache's keys (``_check_hook``)."""
         return (self.selection_state is not None and query_length == 1 and not layer.is_sliding
-                and self._routed())
+                and self._hook_seen and self._routed())
+
+    def _check_hook(self) -> None:
+        """At a forward's first layer, before anything is written: selection and retention
+        work inside tiercache's attention hook, and an earlier forward handed the hook a
+        probe that it never called. The model computes attention itself (Bloom, MPT, Falcon
+        with ALiBi: its config names the hook, but its attention never calls it), so its
+        queries are never seen. Quest handed such a model its placeholder keys and it
+        attended to them: wrong tokens, no error; retention kept every token past its
+        budget, without a word (a review). An ``UnsupportedModelError`` naming it instead."""
+        if self._probe_step is None or self._probe_step >= self._step or not self._routed():
+            return
+        names = [name for name, state in (("selection", self.selection_state), ("retention", self.retention_state))
+                 if state is not None]
+        what = " and ".join(names)
+        model = type(self._model).__name__ if self._model is not None else "this model"
+        raise UnsupportedModelError(
+            f"{model}: its attention does not run through transformers' attention interface, so tiercache's "
+            f"attention hook never sees its queries, and {what} work{'s' if len(names) == 1 else ''} inside that "
+            f"hook; use {what} with a model "
+            f"whose attention does (Llama, Mistral, Qwen2/3, Gemma2, Phi3, GPT-2, ...), or leave it off")
 
     def _note_read(self, keys: list) -> None:
         """The blocks a selection actually reads (for the trace)."""

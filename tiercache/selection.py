@@ -88,11 +88,13 @@ class SelectionPlan:
         self.num_tokens = num_tokens
 
     def placeholder(self, key_states: torch.Tensor) -> tuple:
-        """K/V of the right shape, [B, H, num_tokens, D], that hold no memory; they carry the plan."""
+        """K/V of the right shape, [B, H, num_tokens, D], that hold no memory; they carry the
+        plan. NaN, so that attention which bypassed the hook could never pass for right (the
+        newest key repeated, as they were, gave plausible wrong tokens: a review)."""
         b, h, _, d = key_states.shape
-        shape = (b, h, self.num_tokens, d)
-        keys = key_states[:, :, -1:].expand(shape)
-        values = key_states[:, :, -1:].expand(shape)
+        nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=key_states.device)
+        keys = nan.expand(b, h, self.num_tokens, d)
+        values = nan.expand(b, h, self.num_tokens, d)
         setattr(keys, PLAN_ATTR, self)
         return keys, values
 
@@ -135,7 +137,7 @@ class SelectionPlan:
         and its tokens depended on the rest of the batch (a review). ``seen``: the step's
         visibility (``visible``)."""
         first = None
-        if seen.shape[0] > 1:  # per row (a padding mask): the keys the step's last query sees
+        if seen.shape[0] == grouped.shape[0]:  # per row (a padding mask, batch 1 too): the keys the last query sees
             seen = seen[:, :, -1].any(dim=1)  # [B, N]
             seen = torch.nn.functional.pad(seen, (0, num_pages * bt - seen.shape[-1]))
             pages_seen = seen.view(seen.shape[0], num_pages, bt).any(dim=-1)  # [B, P]
