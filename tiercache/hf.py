@@ -1338,6 +1338,14 @@ class TieredCache(Cache):
             raise RuntimeError(f"crop: layer {layer_idx} dropped {layer.dropped} tokens for good (retention="
                                f"{self.tier_config.retention!r}), so it cannot roll back; assisted generation "
                                f"and other rollbacks need a lossless cache")
+        retention = self.retention_state
+        if (layer_idx == 0 and retention is not None and retention.policy.prompt_only and not retention.compactions
+                and not getattr(self, "_warned_uncut", False)):
+            self._warned_uncut = True
+            log.warning("tiercache: retention=%r cuts the prompt when the first decode step of one token runs; in "
+                        "assisted generation (a rollback: crop) each step checks several candidate tokens, so "
+                        "nothing has been dropped: the cache keeps every token (exact, but no memory saved)",
+                        self.tier_config.retention)
         bt = self.tier_config.block_tokens
         new_len = max(layer.num_tokens + tokens_to_remove, 0)
         if layer.is_sliding and new_len < layer.first_block * bt + (layer.sliding_window - 1) and layer.first_block:

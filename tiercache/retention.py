@@ -137,16 +137,10 @@ class RetentionState:
         state = self.layers.get(layer_idx)
         return None if state is None else state.positions
 
-    def stored_after_settle(self, layer: "TieredLayer", query_length: int) -> int:
-        stored = layer.num_tokens - layer.dropped
-        state = self.layers.get(layer.layer_idx)
-        if state is not None and state.pending is not None and query_length == 1:
-            return state.pending.shape[-1]
-        return stored
-
     def settle(self, query_length: int) -> None:
         """At the start of a forward: apply pending snapkv compactions if it is a decode step,
-        forget them if more prompt arrives."""
+        forget them if more prompt arrives. (Assisted generation's every forward checks
+        several candidate tokens, so it never cuts: ``TieredCache`` warns at its first crop.)"""
         for layer_idx, state in self.layers.items():
             if state.pending is None:
                 continue
