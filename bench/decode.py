@@ -434,8 +434,10 @@ def run(argv: Optional[list] = None) -> int:
     for flag, value in (("--device-fraction", args.device_fraction), ("--host-fraction", args.host_fraction)):
         if not 0 < value <= 1:
             raise ValueError(f"{flag}: must be in (0, 1], got {value}")
-    cfg = TierConfig(selection=args.selection, selection_budget=args.selection_budget,
-                     block_tokens=args.block_tokens, **({"eviction": args.eviction} if args.eviction else {}))
+    # the budget as the quest set-up uses it (it selects with quest when --selection is full)
+    cfg = TierConfig(selection=args.selection if args.selection not in (None, "full") else "quest",
+                     selection_budget=args.selection_budget, block_tokens=args.block_tokens,
+                     **({"eviction": args.eviction} if args.eviction else {}))
     import torch
 
     cuda = torch.cuda.is_available()

@@ -121,6 +121,38 @@ def test_a_setting_that_would_be_ignored_is_refused_by_name(settings, message, t
         TierConfig(**settings)
 
 
+@pytest.mark.parametrize("settings,message", [
+    ({"selection_budget": 512}, "selection_budget: 512, but selection='full' reads every block and has no budget"),
+    ({"retention_budget": 64}, "retention_budget: 64, but retention is None"),
+    ({"attend_in_place": True, "selection": "quest", "selection_budget": 3 * 1024},
+     "attend_in_place: True attends to every block where it lies, and selection='quest' reads"),
+    ({"attend_in_place": True, "retention": "h2o"},
+     "attend_in_place: True attends to every block where it lies, and retention='h2o' reads"),
+])
+def test_selection_and_retention_settings_that_would_do_nothing_are_refused(settings, message):
+    """Accepted before and ignored (a review): a selection budget without selection, a
+    retention budget without retention, and attend_in_place with either (their own plans
+    read and attend, so in-place attention never ran: 0 layer-steps)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TierConfig(**settings)
+
+
+def test_a_copy_with_other_blocks_rounds_the_default_selection_budget_again():
+    """With quest and no budget given, the default (4096 tokens) is rounded to whole
+    blocks: 4000 for 250-token blocks. replace(block_tokens=256) passed 4000 on as if the
+    caller had chosen it, and refused it as not whole blocks (a review). A copy now rounds
+    the default again, through replace() and dataclasses.replace() alike; a budget the
+    caller chose is still checked as given."""
+    import dataclasses
+
+    cfg = TierConfig(selection="quest", block_tokens=250)
+    assert cfg.selection_budget == 4000
+    assert cfg.replace(block_tokens=256).selection_budget == 4096
+    assert dataclasses.replace(cfg, block_tokens=300).selection_budget == 3900
+    with pytest.raises(ValueError, match="selection_budget: 4000 tokens is not a whole number of blocks"):
+        TierConfig(selection="quest", block_tokens=256, selection_budget=4000)
+
+
 def test_the_settings_refused_alone_are_accepted_with_their_tier(tmp_path):
     """What the refusals above leave alone: each setting with the tier it applies to, and the
     remote fields whose default value cannot be told from one given (namespace, timeout)."""
@@ -142,8 +174,9 @@ def test_every_integer_setting_is_refused_just_outside_its_range_and_taken_at_it
     for bad in (low - 1, high + 1):
         with pytest.raises(ValueError, match=f"{field}: must be an integer in \\[{low}, {high}\\], got {bad}"):
             TierConfig(**{field: bad})
+    with_policy = {"retention_budget": {"retention": "tova"}}.get(field, {})  # a budget needs its policy
     for good in (low, high) if field not in ("block_tokens", "selection_budget") else ():
-        assert getattr(TierConfig(**{field: good}), field) == good
+        assert getattr(TierConfig(**{field: good}, **with_policy), field) == good
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -292,12 +292,14 @@ def test_a_budget_that_is_not_whole_blocks_is_refused_by_name():
     """quest reads whole blocks and rounded the budget down: 15 tokens of 4-token blocks read
     3 blocks, so a budget that covered a 15-token context was not exact (6.8 in the logits
     in a helper's test), which the README promises. Such a budget is refused, naming the
-    two whole-block budgets around it; 'full' takes any."""
+    two whole-block budgets around it. 'full' has no budget: one given did nothing, and is
+    refused (a review)."""
     with pytest.raises(ValueError, match=r"selection_budget: 15 tokens is not a whole number of blocks of "
                                          r"block_tokens=4 .*use 12 or 16"):
         tiercache.TierConfig(selection="quest", selection_budget=15, block_tokens=4)
     tiercache.TierConfig(selection="quest", selection_budget=16, block_tokens=4)
-    tiercache.TierConfig(selection="full", selection_budget=15, block_tokens=4)
+    with pytest.raises(ValueError, match="selection_budget: 15, but selection='full' reads every block"):
+        tiercache.TierConfig(selection="full", selection_budget=15, block_tokens=4)
 
 
 def test_the_default_budget_is_rounded_to_whole_blocks():

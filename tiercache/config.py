@@ -88,6 +88,15 @@ def _max_reuse_block_tokens() -> int:
 
 
 _DEFAULT_SELECTION_BUDGET = 4096  # TierConfig.selection_budget's default, rounded to whole blocks when not chosen
+_DEFAULT_RETENTION_BUDGET = 1024  # TierConfig.retention_budget's default
+
+
+class _DefaultBudget(int):
+    """``selection_budget`` as the default, rounded to whole blocks of one config's
+    ``block_tokens``: a copy with another ``block_tokens`` (``replace``,
+    ``dataclasses.replace``) rounds the default again. Passed on as a plain int, the
+    rounded default of one block size was refused under another as a budget the caller
+    had chosen (a review: 4000 for 250-token blocks, then block_tokens=256)."""
 
 
 def _check_remote_address(url: str, scheme: str) -> None:
@@ -362,7 +371,7 @@ class TierConfig:
     selection: str = "full"  # which pages attention reads per decode step: "full" (exact) or "quest"
     selection_budget: int = _DEFAULT_SELECTION_BUDGET  # tokens each (row, KV head) reads per quest step
     retention: Optional[str] = None  # lossy: None, "streaming", "h2o", "tova", "snapkv"
-    retention_budget: int = 1024  # tokens each full-attention layer keeps with a retention policy
+    retention_budget: int = _DEFAULT_RETENTION_BUDGET  # tokens each full-attention layer keeps with a retention policy
     reuse: Optional[bool] = None  # prefix cache; None: on when the disk tier is enabled
     reuse_host_budget: Budget = "1GiB"  # host memory of the prefix cache (warm prefixes)
     reuse_admission: str = REUSE_ADMISSIONS[0]  # "always", or "reused": store a block once seen twice
@@ -526,13 +535,18 @@ class TierConfig:
 
     def _check_selection_and_retention(self) -> None:
         self._check_name("selection", SELECTION_POLICIES)
+        if isinstance(self.selection_budget, _DefaultBudget):  # a copy of a defaulted config: default again
+            object.__setattr__(self, "selection_budget", _DEFAULT_SELECTION_BUDGET)
         self._check_int("selection_budget", 1, 1 << 30)
+        if self.selection == "full" and self.selection_budget != _DEFAULT_SELECTION_BUDGET:
+            raise ValueError(f"selection_budget: {self.selection_budget}, but selection='full' reads every block "
+                             f"and has no budget; set selection='quest', or leave selection_budget out")
         if (self.selection != "full" and self.selection_budget == _DEFAULT_SELECTION_BUDGET
                 and (self.selection_budget % self.block_tokens or self.selection_budget < 3 * self.block_tokens)):
             # not chosen: whole blocks below it, and at least the 3 a step reads (it was refused
             # with block_tokens above 1365, as a budget the caller had set)
             object.__setattr__(self, "selection_budget",
-                               max(3, self.selection_budget // self.block_tokens) * self.block_tokens)
+                               _DefaultBudget(max(3, self.selection_budget // self.block_tokens) * self.block_tokens))
         if self.selection != "full" and self.selection_budget < 3 * self.block_tokens:
             raise ValueError(
                 f"selection_budget: {self.selection_budget} tokens is less than 3 blocks of block_tokens="
@@ -546,6 +560,14 @@ class TierConfig:
                 f"that covered the context was not exact); use {lower} or {lower + self.block_tokens}")
         self._check_name("retention", RETENTION_POLICIES, none_ok=True)
         self._check_int("retention_budget", 1, 1 << 30)
+        if self.retention is None and self.retention_budget != _DEFAULT_RETENTION_BUDGET:
+            raise ValueError(f"retention_budget: {self.retention_budget}, but retention is None (nothing is "
+                             f"dropped); set retention (one of {', '.join(sorted(RETENTION_POLICIES))}), or "
+                             f"leave retention_budget out")
+        if self.attend_in_place and (self.selection != "full" or self.retention is not None):
+            what = f"selection={self.selection!r}" if self.selection != "full" else f"retention={self.retention!r}"
+            raise ValueError(f"attend_in_place: True attends to every block where it lies, and {what} reads and "
+                             f"attends through its own plan instead, so it would never run; choose one")
         if self.retention is not None:
             low = RETENTION_POLICIES[self.retention]().min_budget()
             if self.retention_budget < low:
