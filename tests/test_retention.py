@@ -9,6 +9,7 @@ within 1e-5 at every forward, ``get_seq_length()`` stays the absolute count, and
 """
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -21,7 +22,8 @@ from tiercache import TieredCache  # noqa: E402
 from tiercache.attention import visible  # noqa: E402
 from tiercache.policies import RETENTION_POLICIES, make_retention  # noqa: E402
 from test_hf_exactness import (ATOL, BT, NEW, PAD, PROMPT, assert_all_tiers_used, assert_plugin_refused,  # noqa: E402
-                               generate, layer_windows, prompt_ids, tight_config, tiny_model, working_set_blocks)
+                               generate, layer_windows, prompt_ids, registered, tight_config, tiny_model,
+                               working_set_blocks)
 
 REF = "tiercache_test_reference"
 BUDGET = 7  # tokens kept per full-attention layer (< PROMPT, so the prompt alone overflows it)
@@ -346,6 +348,10 @@ def test_wrap_installs_retention(tmp_path):
     ("floats", "not a tensor of token indices"),
     ("raises", "failed in keep: IndexError: policy bug"),
     ("raises in combine", "failed in combine: IndexError: policy bug"),
+    # combine's answer was taken unchecked: a torch error from the cache's books (a review)
+    ("combine sums the heads", r"broke the contract of combine: it returned scores of shape \[1, \d+\], not "
+                               r"\[B, H_kv, N\] = \[1, 2, \d+\]"),
+    ("combine returns None", "broke the contract of combine: it returned NoneType, not a tensor of scores"),
 ])
 def test_a_plugin_retention_that_breaks_keep_is_named_before_it_costs_a_token(breach, message, tmp_path):
     """A plug-in retention policy whose ``keep`` names a token twice (a silently wrong cache:
@@ -357,10 +363,14 @@ def test_a_plugin_retention_that_breaks_keep_is_named_before_it_costs_a_token(br
     torch's ``gather``.)"""
     from tiercache.policies import RETENTION_POLICIES as registry
 
-    class Broken(registry["h2o" if breach == "raises in combine" else "streaming"]):  # h2o scores
+    class Broken(registry["h2o" if "combine" in breach else "streaming"]):  # h2o scores
         def combine(self, previous, mass):
             if breach == "raises in combine":
                 raise IndexError("policy bug")
+            if breach == "combine sums the heads":
+                return mass.sum(dim=1)
+            if breach == "combine returns None":
+                return None
             return super().combine(previous, mass)
 
         def keep(self, scores, valid, budget):
@@ -378,3 +388,21 @@ def test_a_plugin_retention_that_breaks_keep_is_named_before_it_costs_a_token(br
             return index
 
     assert_plugin_refused(registry, "retention", Broken, message, tmp_path, max_new_tokens=3, retention_budget=BUDGET)
+
+
+@pytest.mark.parametrize("attrs, message", [
+    ({"score_rows": "every"}, "has score_rows='every'; expected one of none, all, last, window"),
+    ({"min_budget": lambda self: "2"}, "says its min_budget() is '2'; expected a whole number of tokens >= 1"),
+    ({"__init__": lambda self, ratio: None}, "cannot be made with no arguments, as the cache makes it (TypeError"),
+])
+def test_a_plugin_retention_policy_that_cannot_be_used_is_named_by_the_config(attrs, message):
+    """A registered retention policy whose score_rows is misspelt (a KeyError from the
+    attention hook at the first forward), whose min_budget() is not a number (a TypeError
+    from the config's comparison) or that needs constructor arguments (a TypeError from the
+    config): each is a ValueError naming the policy when the config is made (a review)."""
+    from tiercache.policies import RETENTION_POLICIES as registry
+
+    broken = type("Broken", (registry["streaming"],), dict(attrs))
+    with registered(registry, "broken", broken):
+        with pytest.raises(ValueError, match=re.escape(f"retention: the policy 'broken' {message}")):
+            tiercache.TierConfig(retention="broken")

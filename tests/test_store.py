@@ -481,8 +481,9 @@ def test_a_block_whose_older_record_could_not_be_invalidated_and_whose_new_bytes
                 store.delete(key)
             store.put(key, new)
         finally:
-            with pytest.raises(TierIOError, match=r"1 block still stored whose current bytes are not on disk comes "
-                                                  r"back with older bytes .*; besides, close: 1 of 1 blocks are not kept"):
+            with pytest.raises(TierIOError, match=r"1 block still stored whose current bytes are not on disk "
+                                                  r"comes back with older bytes .*; besides, close: 1 of 1 "
+                                                  r"blocks are not kept"):
                 store.close()
     with BlockStore(cfg, geometry) as again:  # as the error said
         assert torch.equal(again.get(key), old)

@@ -91,6 +91,36 @@ _DEFAULT_SELECTION_BUDGET = 4096  # TierConfig.selection_budget's default, round
 _DEFAULT_RETENTION_BUDGET = 1024  # TierConfig.retention_budget's default
 
 
+_SCORE_ROWS = ("none", "all", "last", "window")  # RetentionPolicy.score_rows: the query rows that score
+
+
+def _retention_min_budget(name: str) -> int:
+    """The registered retention policy ``name``, made and checked as the cache will use it:
+    it can be built with no arguments, names its ``score_rows`` (one of ``_SCORE_ROWS``;
+    ``window`` with a ``window_for``), and its ``min_budget()`` is a whole number of tokens
+    >= 1, which is returned. A plug-in that fails one of these is a ValueError naming it
+    here, not a TypeError from the config's comparison or a KeyError from the attention
+    hook at the first forward (a review)."""
+    cls = RETENTION_POLICIES[name]
+    try:
+        policy = cls()
+    except Exception as exc:  # noqa: BLE001 - a plug-in's, named
+        raise ValueError(f"retention: the policy {name!r} cannot be made with no arguments, as the cache makes it "
+                         f"({type(exc).__name__}: {exc}); give its parameters defaults") from exc
+    rows = getattr(policy, "score_rows", None)
+    if rows not in _SCORE_ROWS or (rows == "window" and not callable(getattr(policy, "window_for", None))):
+        raise ValueError(f"retention: the policy {name!r} has score_rows={rows!r}; expected one of "
+                         f"{', '.join(_SCORE_ROWS)} ('window' with a window_for(budget) method)")
+    try:
+        low = policy.min_budget()
+    except Exception as exc:  # noqa: BLE001 - a plug-in's, named
+        raise ValueError(f"retention: the policy {name!r} failed in min_budget ({type(exc).__name__}: {exc})") from exc
+    if isinstance(low, bool) or not isinstance(low, numbers.Integral) or low < 1:
+        raise ValueError(f"retention: the policy {name!r} says its min_budget() is {low!r}; expected a whole number "
+                         f"of tokens >= 1")
+    return int(low)
+
+
 class _DefaultBudget(int):
     """``selection_budget`` as the default, rounded to whole blocks of one config's
     ``block_tokens``: a copy with another ``block_tokens`` (``replace``,
@@ -569,7 +599,7 @@ class TierConfig:
             raise ValueError(f"attend_in_place: True attends to every block where it lies, and {what} reads and "
                              f"attends through its own plan instead, so it would never run; choose one")
         if self.retention is not None:
-            low = RETENTION_POLICIES[self.retention]().min_budget()
+            low = _retention_min_budget(self.retention)
             if self.retention_budget < low:
                 raise ValueError(f"retention_budget: {self.retention} needs at least {low} tokens, "
                                  f"got {self.retention_budget!r}")

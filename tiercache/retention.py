@@ -183,7 +183,7 @@ class RetentionState:
         if not self.plugin:
             return self.policy.combine(previous, mass)
         return plugin_answer("retention", self.name, "combine", lambda: self.policy.combine(previous, mass),
-                             lambda answer: "")
+                             lambda answer: _combine_breach(answer, mass))
 
     def _keep(self, scores: Optional[torch.Tensor], valid: torch.Tensor, budget: int) -> torch.Tensor:
         """The policy's ``keep``; a plug-in's answer checked first (``tiercache.guard``)."""
@@ -222,6 +222,20 @@ class RetentionState:
 def attach(plan: RetentionPlan, keys: torch.Tensor) -> torch.Tensor:
     setattr(keys, PLAN_ATTR, plan)
     return keys
+
+
+def _combine_breach(answer: object, mass: torch.Tensor) -> str:
+    """What is wrong with a plug-in's ``combine`` answer, or "": scores like this forward's
+    attention mass, floats of its shape [B, H_kv, N] (one was taken unchecked: a torch error
+    from deep inside the cache's books, or a PolicyError blaming ``keep``; a review)."""
+    if not isinstance(answer, torch.Tensor):
+        return f"it returned {type(answer).__name__}, not a tensor of scores"
+    if tuple(answer.shape) != tuple(mass.shape):
+        return (f"it returned scores of shape {list(answer.shape)}, not [B, H_kv, N] = {list(mass.shape)} "
+                f"(one per batch row, KV head and token)")
+    if not answer.is_floating_point():
+        return f"it returned {answer.dtype} scores, not floats"
+    return ""
 
 
 def _keep_breach(index: Any, valid: torch.Tensor, budget: int) -> str:

@@ -2167,8 +2167,9 @@ class BlockStore:
             return f"{n} {what}{'s' if n > 1 else ''}"
         parts = []
         if comes:
-            parts.append(f"{blocks(comes, 'block')} no longer stored (deleted or dropped) come{'' if comes > 1 else 's'} "
-                         f"back (delete {'them' if comes > 1 else 'it'} again once the disk works)")
+            parts.append(f"{blocks(comes, 'block')} no longer stored (deleted or dropped) "
+                         f"come{'' if comes > 1 else 's'} back (delete {'them' if comes > 1 else 'it'} again once "
+                         f"the disk works)")
         if older:
             parts.append(f"{blocks(older)} still stored whose current bytes are not on disk come"
                          f"{'' if older > 1 else 's'} back with older bytes (delete {'them' if older > 1 else 'it'} "
@@ -2450,8 +2451,9 @@ class BlockStore:
         a move that failed or never ran (its destination, ``_reserved``; not a deleted
         block's source copy that the roll-back frees too, a live record), so a torn one at
         most, or its record failed its checks (``_discard``): a tombstone that fails there
-        is logged, not raised (raised, it cut the roll-back's books short), and not held. Any other copy freed must be invalidated, or an old block
-        comes back on reopen: its slot is held and the tombstone tried again
+        is logged, not raised (raised, it cut the roll-back's books short), and not held.
+        Any other copy freed must be invalidated, or an old block comes back on reopen: its
+        slot is held and the tombstone tried again
         (``_hold_unerased``, which logs it), and the failure is raised once the books are
         done, or appended to ``errors`` when given: a caller freeing several copies (a loop,
         a roll-back, a read letting go) frees them all first, and a read path that only lets
