@@ -137,20 +137,28 @@ def test_selection_and_retention_settings_that_would_do_nothing_are_refused(sett
         TierConfig(**settings)
 
 
-def test_a_copy_with_other_blocks_rounds_the_default_selection_budget_again():
+def test_a_copy_rounds_the_default_selection_budget_again_and_drops_a_budget_it_leaves_without_policy():
     """With quest and no budget given, the default (4096 tokens) is rounded to whole
     blocks: 4000 for 250-token blocks. replace(block_tokens=256) passed 4000 on as if the
-    caller had chosen it, and refused it as not whole blocks (a review). A copy now rounds
-    the default again, through replace() and dataclasses.replace() alike; a budget the
-    caller chose is still checked as given."""
+    caller had chosen it, and refused it as not whole blocks (a review). replace() now
+    rounds the default again; a budget the caller chose is still checked as given, and
+    dataclasses.replace passes every value on as given. A copy made to be the exact
+    baseline (selection="full", retention=None) was refused for the budget it no longer
+    uses (a review): replace() puts that budget back to its default."""
     import dataclasses
 
     cfg = TierConfig(selection="quest", block_tokens=250)
-    assert cfg.selection_budget == 4000
+    assert cfg.selection_budget == 4000 and type(cfg.selection_budget) is int
     assert cfg.replace(block_tokens=256).selection_budget == 4096
-    assert dataclasses.replace(cfg, block_tokens=300).selection_budget == 3900
+    assert cfg.replace(block_tokens=300).selection_budget == 3900
+    with pytest.raises(ValueError, match="selection_budget: 4000 tokens is not a whole number of blocks"):
+        dataclasses.replace(cfg, block_tokens=256)
     with pytest.raises(ValueError, match="selection_budget: 4000 tokens is not a whole number of blocks"):
         TierConfig(selection="quest", block_tokens=256, selection_budget=4000)
+    chosen = TierConfig(selection="quest", block_tokens=256, selection_budget=2048)
+    assert chosen.replace(block_tokens=512).selection_budget == 2048
+    assert chosen.replace(selection="full").selection_budget == 4096
+    assert TierConfig(retention="h2o", retention_budget=512).replace(retention=None).retention_budget == 1024
 
 
 def test_the_settings_refused_alone_are_accepted_with_their_tier(tmp_path):

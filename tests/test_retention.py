@@ -295,6 +295,12 @@ def test_snapkv_with_assisted_generation_runs(tmp_path, caplog):
         cache.store.check()
         assert cache.retention_state.compactions == 0
     assert caplog.text.count("retention='snapkv' cuts the prompt when the first decode step of one token runs") == 1
+    caplog.clear()  # with a budget above the whole run there was nothing to cut: no warning (a review)
+    roomy = tight_config(model, tmp_path / "roomy", batch=1, device_blocks=12, retention="snapkv",
+                         retention_budget=PROMPT + NEW + 8)
+    with TieredCache(model, roomy) as cache, caplog.at_level("WARNING", logger="tiercache"):
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=NEW, assistant_model=draft)
+    assert "cuts the prompt" not in caplog.text
 
 
 @pytest.mark.parametrize("policy", sorted(RETENTION_POLICIES))

@@ -396,7 +396,12 @@ def test_a_left_padded_row_alone_chooses_its_pages_as_in_a_batch(tmp_path):
 
 def _tiny(kind: str):
     torch.manual_seed(0)
-    if kind == "bloom":
+    if kind == "gpt_neo":
+        config = transformers.GPTNeoConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+                                           attention_types=[[["global"], 2]], max_position_embeddings=512,
+                                           initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+        model = transformers.GPTNeoForCausalLM(config)
+    elif kind == "bloom":
         config = transformers.BloomConfig(vocab_size=128, initializer_range=0.2, hidden_size=64, n_layer=2, n_head=4,
                                           pad_token_id=0, bos_token_id=1, eos_token_id=None)
         model = transformers.BloomForCausalLM(config)
@@ -411,17 +416,18 @@ def _tiny(kind: str):
 
 
 def test_selection_and_retention_need_attention_the_hook_sees(tmp_path):
-    """Bloom computes its attention itself: the config names tiercache's hook, but the
-    hook is never called. Quest then handed the model its placeholder keys (the newest key
-    repeated) and it attended to them: wrong tokens (logits off by 8.8), no error, at a
-    budget that covers the context; retention kept every token past its budget, silently
-    (a review). Now quest's generate() stops at the first decode step with an
-    UnsupportedModelError naming the model, its placeholder is NaN besides, and retention
-    is refused when the cache is built, for Bloom and for Falcon with ALiBi (which ran into
-    a torch shape error inside the model after the first compaction)."""
+    """Bloom and GPT-Neo compute their attention themselves: the config names tiercache's
+    hook, but the hook is never called. Quest then handed the model its placeholder keys
+    (the newest key repeated) and it attended to them: wrong tokens (Bloom's logits off by
+    8.8), no error, at a budget that covers the context; retention kept every token past
+    its budget, silently (a review). Now quest's generate() stops at the first decode step
+    with an UnsupportedModelError naming the model (GPT-Neo here), and its placeholder is
+    NaN besides. Retention and selection are refused when the cache is built for a model
+    with ALiBi positions (Bloom; Falcon with ALiBi, which ran into a torch shape error
+    inside the model after retention's first compaction)."""
     from tiercache import TierConfig, UnsupportedModelError
 
-    model = _tiny("bloom")
+    model = _tiny("gpt_neo")
     ids = prompt_ids()
     ref = generate(model, ids, max_new_tokens=4)
     plain = TierConfig(device_budget="4MiB", host_budget="4MiB", block_tokens=BT)
@@ -430,12 +436,42 @@ def test_selection_and_retention_need_attention_the_hook_sees(tmp_path):
     quest = TierConfig(device_budget="4MiB", host_budget="4MiB", block_tokens=BT, selection="quest",
                        selection_budget=16 * BT)
     with TieredCache(model, quest) as cache:
-        with pytest.raises(UnsupportedModelError, match="BloomForCausalLM: its attention does not run through "
+        with pytest.raises(UnsupportedModelError, match="GPTNeoForCausalLM: its attention does not run through "
                                                         "transformers' attention interface.*selection works"):
             generate(model, ids, cache=cache, max_new_tokens=4)
         assert cache.attention_stats()["selection"]["layer_steps"] == 0  # no placeholder was handed out
     for kind in ("bloom", "falcon"):
         retain = TierConfig(device_budget="4MiB", host_budget="4MiB", block_tokens=BT, retention="h2o",
                             retention_budget=3 * BT)
-        with pytest.raises(UnsupportedModelError, match=f"{kind}: retention drops tokens, and its ALiBi attention"):
+        with pytest.raises(UnsupportedModelError, match=f"{kind}: its ALiBi attention biases by the distance "
+                                                        f"between positions, which retention changes by dropping"):
             TieredCache(_tiny(kind), retain)
+    # Falcon with ALiBi calls the hook, with the bias in its float mask; quest rebuilt the
+    # mask of the pages it reads as booleans, losing the bias: 0.27 off in the logits with
+    # every page read (a review). Refused too.
+    for kind in ("bloom", "falcon"):
+        with pytest.raises(UnsupportedModelError, match=f"{kind}: its ALiBi attention biases by the distance "
+                                                        f"between positions, which selection loses"):
+            TieredCache(_tiny(kind), quest)
+
+
+def test_a_cache_made_before_the_hook_selects_once_the_hook_is_installed(tmp_path):
+    """A cache built from the model's config (no model: no hook) warns and reads every
+    block; the warning says to call tiercache.attention.install(model). Done, with reset(),
+    the next generate() was refused as if the model bypassed the hook (the probe of the
+    first call, which nothing could call, still counted: a review). It now selects."""
+    from test_hf_exactness import make_config
+
+    from tiercache.attention import install
+
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(make_config("llama")).eval()  # no hook yet
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=64, selection="quest", selection_budget=3 * BT)
+    with TieredCache(model.config, cfg) as cache:
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=4)
+        assert cache.attention_stats()["selection"]["layer_steps"] == 0
+        install(model)
+        cache.reset()
+        generate(model, prompt_ids(), cache=cache, max_new_tokens=4)
+        assert cache.attention_stats()["selection"]["layer_steps"] > 0

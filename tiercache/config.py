@@ -121,12 +121,6 @@ def _retention_min_budget(name: str) -> int:
     return int(low)
 
 
-class _DefaultBudget(int):
-    """``selection_budget`` as the default, rounded to whole blocks of one config's
-    ``block_tokens``: a copy with another ``block_tokens`` (``replace``,
-    ``dataclasses.replace``) rounds the default again. Passed on as a plain int, the
-    rounded default of one block size was refused under another as a budget the caller
-    had chosen (a review: 4000 for 250-token blocks, then block_tokens=256)."""
 
 
 def _check_remote_address(url: str, scheme: str) -> None:
@@ -565,8 +559,6 @@ class TierConfig:
 
     def _check_selection_and_retention(self) -> None:
         self._check_name("selection", SELECTION_POLICIES)
-        if isinstance(self.selection_budget, _DefaultBudget):  # a copy of a defaulted config: default again
-            object.__setattr__(self, "selection_budget", _DEFAULT_SELECTION_BUDGET)
         self._check_int("selection_budget", 1, 1 << 30)
         if self.selection == "full" and self.selection_budget != _DEFAULT_SELECTION_BUDGET:
             raise ValueError(f"selection_budget: {self.selection_budget}, but selection='full' reads every block "
@@ -576,7 +568,8 @@ class TierConfig:
             # not chosen: whole blocks below it, and at least the 3 a step reads (it was refused
             # with block_tokens above 1365, as a budget the caller had set)
             object.__setattr__(self, "selection_budget",
-                               _DefaultBudget(max(3, self.selection_budget // self.block_tokens) * self.block_tokens))
+                               max(3, self.selection_budget // self.block_tokens) * self.block_tokens)
+            object.__setattr__(self, "_budget_defaulted", True)  # not a field: ``replace`` rounds the default again
         if self.selection != "full" and self.selection_budget < 3 * self.block_tokens:
             raise ValueError(
                 f"selection_budget: {self.selection_budget} tokens is less than 3 blocks of block_tokens="
@@ -640,8 +633,18 @@ class TierConfig:
         return self.reuse
 
     def replace(self, **changes) -> "TierConfig":
-        """A copy with ``changes`` applied (and validated)."""
+        """A copy with ``changes`` applied (and validated). A budget the copy leaves without
+        its policy (``selection="full"``, ``retention=None``) goes back to its default, as
+        does a default selection budget rounded to this config's blocks (the copy rounds the
+        default for its own): passed on, the rounded default of one block size was refused
+        under another as a budget the caller had chosen, and a copy made to be an exact
+        baseline was refused for the budget it no longer uses (reviews).
+        ``dataclasses.replace`` passes every value on as given."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if getattr(self, "_budget_defaulted", False) or changes.get("selection", self.selection) == "full":
+            values["selection_budget"] = _DEFAULT_SELECTION_BUDGET
+        if changes.get("retention", self.retention) is None:
+            values["retention_budget"] = _DEFAULT_RETENTION_BUDGET
         values.update(changes)
         return TierConfig(**values)
 

@@ -280,14 +280,17 @@ class TieredCache(Cache):
         self._pending_read: Optional[tuple] = None  # (keys, t_us) awaiting the attention hook's scores
         self._pending_scores: Optional[dict] = None
         self.selection_state, self.retention_state = self._make_selection_and_retention()
-        if self.retention_state is not None and _uses_alibi(text):
-            # ALiBi biases attention by the distance between positions; a compacted cache
-            # changes those distances, and Falcon sized its mask from the absolute length: a
-            # torch shape error inside the model at the first step after a compaction
-            raise UnsupportedModelError(f"{getattr(text, 'model_type', 'this model')}: retention drops tokens, and "
-                                        f"its ALiBi attention biases by the distance between positions, which "
-                                        f"dropping would change; use retention with a RoPE or learned-position "
-                                        f"model, or leave it off")
+        if (self.retention_state is not None or self.selection_state is not None) and _uses_alibi(text):
+            # ALiBi biases attention by the distance between positions, in the float mask.
+            # Retention's compaction changes those distances (Falcon sized its mask from the
+            # absolute length: a torch shape error inside the model), and selection rebuilds
+            # the mask of the pages it reads as booleans, dropping the bias: quest on Falcon
+            # with ALiBi was off by 0.27 in the logits with every page read (a review)
+            what = "retention" if self.retention_state is not None else "selection"
+            raise UnsupportedModelError(f"{getattr(text, 'model_type', 'this model')}: its ALiBi attention biases "
+                                        f"by the distance between positions, which {what} "
+                                        f"{'changes by dropping tokens' if what == 'retention' else 'loses'}; use "
+                                        f"{what} with a RoPE or learned-position model, or leave it off")
         # update() may take the resident fast path: no trace, scores, selection or retention
         self._plain = (self.trace is None and not self.wants_scores and self.selection_state is None
                        and self.retention_state is None)
@@ -1032,7 +1035,7 @@ class TieredCache(Cache):
         keys, values = self._after_read(layer_idx, needed, offset, keys, values, planned=True)
         if not self._hook_seen and (self._needs_hook or q == 1 and self.tier_config.attend_in_place):
             setattr(keys, PROBE_ATTR, self._saw_hook)  # the hook will show it sees this cache's keys
-            if self._probe_step is None:
+            if self._probe_step is None and self._routed():  # unrouted: nothing could call it (yet)
                 self._probe_step = self._step
         if retained:
             from tiercache.attention import PLAN_ATTR
@@ -1224,11 +1227,13 @@ class TieredCache(Cache):
     def _check_hook(self) -> None:
         """At a forward's first layer, before anything is written: selection and retention
         work inside tiercache's attention hook, and an earlier forward handed the hook a
-        probe that it never called. The model computes attention itself (Bloom, MPT, Falcon
-        with ALiBi: its config names the hook, but its attention never calls it), so its
-        queries are never seen. Quest handed such a model its placeholder keys and it
-        attended to them: wrong tokens, no error; retention kept every token past its
-        budget, without a word (a review). An ``UnsupportedModelError`` naming it instead."""
+        probe that it never called. The model computes attention itself (Bloom, MPT: its
+        config names the hook, but its attention never calls it), so its queries are never
+        seen. Quest handed such a model its placeholder keys and it attended to them: wrong
+        tokens, no error; retention kept every token past its budget, without a word (a
+        review). An ``UnsupportedModelError`` naming it instead. (A probe counts only once
+        attention is routed to the hook: one handed out while a cache built from a config
+        had no hook yet was never callable.)"""
         if self._probe_step is None or self._probe_step >= self._step or not self._routed():
             return
         names = [name for name, state in (("selection", self.selection_state), ("retention", self.retention_state))
@@ -1340,7 +1345,8 @@ class TieredCache(Cache):
                                f"and other rollbacks need a lossless cache")
         retention = self.retention_state
         if (layer_idx == 0 and retention is not None and retention.policy.prompt_only and not retention.compactions
-                and not getattr(self, "_warned_uncut", False)):
+                and not getattr(self, "_warned_uncut", False)
+                and any(lay.num_tokens > retention.budget for lay in self.layers if retention.applies(lay))):
             self._warned_uncut = True
             log.warning("tiercache: retention=%r cuts the prompt when the first decode step of one token runs; in "
                         "assisted generation (a rollback: crop) each step checks several candidate tokens, so "
@@ -1428,6 +1434,7 @@ class TieredCache(Cache):
         self._chain = []
         self._prompt_checked()  # nothing loaded any more: any prompt goes
         self._prompt_pending = 0
+        self._probe_step = None  # the hook may have been installed since (install(model), as warned)
         # a new request: a block it computes again is a new sighting (reuse_admission="reused"
         # stored nothing in a cache reused through reset(), its first answer kept for good)
         self._admitted = {}
