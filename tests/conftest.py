@@ -72,6 +72,22 @@ def make_store(tmp_path, geometry):
     assert not failed, f"close() raised: {failed[0]!r}"
 
 
+def fixed_tokenizer(ids: torch.Tensor):
+    """A stand-in for what ``tiercache.generation.generate_text`` reads of a tokenizer: any
+    text encodes to ``ids`` (with a full attention mask), ids decode to their numbers."""
+
+    class Tokenizer:
+        chat_template, pad_token_id, eos_token_id = None, 0, None
+
+        def __call__(self, text, return_tensors="pt"):
+            return {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+        def decode(self, new_ids, skip_special_tokens=True):
+            return " ".join(map(str, new_ids.tolist()))
+
+    return Tokenizer()
+
+
 @pytest.fixture
 def small_filesystem():
     """Mount a real tmpfs of ``size`` at a path (needs root: skipped elsewhere); unmounted after."""

@@ -16,6 +16,7 @@ from tiercache.lab.sim import Bandwidths, InfeasibleBudget, replay
 from tiercache.lab.trace import HEADER, TraceError, load_trace, obj_id
 from tiercache.policies import LRUPolicy, PrefetchPolicy
 
+from conftest import fixed_tokenizer
 from test_hf_exactness import registered
 
 BW = Bandwidths(host_to_device=9e9, device_to_host=9e9, disk_read=1e9, disk_write=1.5e9)
@@ -287,15 +288,6 @@ def test_live_runs_give_the_prefetch_depth_only_to_the_policies_that_read_it(tmp
 
     ids = torch.randint(1, 64, (1, 24), generator=torch.Generator().manual_seed(2))
 
-    class Tokenizer:  # what generate_text reads of a tokenizer
-        chat_template, pad_token_id, eos_token_id = None, 0, None
-
-        def __call__(self, text, return_tensors="pt"):
-            return {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
-        def decode(self, new_ids, skip_special_tokens=True):
-            return " ".join(map(str, new_ids.tolist()))
-
     built = []
     real = TieredCache._set_prefetch
 
@@ -309,7 +301,7 @@ def test_live_runs_give_the_prefetch_depth_only_to_the_policies_that_read_it(tmp
                                 prefetch="lookahead", prefetch_depth=3)
     prefetches = ("lookahead", "history", "next-layer", "none")
     rows = live_runs("x", base, ["lru"], [base.device_budget], prefetches, model=tiny_llama(),
-                     tokenizer=Tokenizer(), max_new_tokens=3, chat=False)
+                     tokenizer=fixed_tokenizer(ids), max_new_tokens=3, chat=False)
     assert [r["prefetch"] for r in rows] == list(prefetches)
     assert not [r["error"] for r in rows if "error" in r]
     assert all(r["decode_tps"] > 0 for r in rows)

@@ -23,7 +23,7 @@ from tiercache import CacheDirError, TierConfig, TieredCache
 from tiercache.cache_admin import describe, prefix_dirs
 from tiercache.prefix import INDEX_NAME, close_all
 
-from conftest import in_a_forked_child
+from conftest import fixed_tokenizer, in_a_forked_child
 
 BT = 4
 PROMPT = 30
@@ -1707,15 +1707,6 @@ def test_tiercache_generate_runs_greedy_on_its_cache_whatever_the_models_generat
 
     ids = prompt()
 
-    class Tokenizer:  # what generate_text reads of a tokenizer
-        chat_template, pad_token_id, eos_token_id = None, 0, None
-
-        def __call__(self, text, return_tensors="pt"):
-            return {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
-        def decode(self, new_ids, skip_special_tokens=True):
-            return " ".join(map(str, new_ids.tolist()))
-
     with torch.no_grad():
         want = tiny_model().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
                                      do_sample=False)[0, PROMPT:].tolist()
@@ -1725,7 +1716,7 @@ def test_tiercache_generate_runs_greedy_on_its_cache_whatever_the_models_generat
         for key, value in setting.items():
             setattr(model.generation_config, key, value)
         for run_no in range(2):  # cold, then warm from the prefix cache
-            result = generate_text("x", cfg, model=model, tokenizer=Tokenizer(), max_new_tokens=NEW,
+            result = generate_text("x", cfg, model=model, tokenizer=fixed_tokenizer(ids), max_new_tokens=NEW,
                                    progress=False, prefill_chunk=None)
             assert result["new_token_ids"] == want, (setting, run_no)
             assert result["stats"]["reused_tokens"] == (reused if run_no else 0), (setting, run_no)
@@ -1733,8 +1724,8 @@ def test_tiercache_generate_runs_greedy_on_its_cache_whatever_the_models_generat
     # a wrapped model: the run is on this command's cache, not on one wrap() makes
     wrapped = tiercache.wrap(tiny_model(), config(tmp_path / "w"))
     assert wrapped.tiercache_last is None
-    result = generate_text("x", config(tmp_path / "c0"), model=wrapped, tokenizer=Tokenizer(), max_new_tokens=NEW,
-                           progress=False, prefill_chunk=None)
+    result = generate_text("x", config(tmp_path / "c0"), model=wrapped, tokenizer=fixed_tokenizer(ids),
+                           max_new_tokens=NEW, progress=False, prefill_chunk=None)
     assert result["new_token_ids"] == want and result["stats"]["reused_tokens"] == 28
     assert wrapped.tiercache_last is None and isinstance(vars(wrapped)["_prefill"], tiercache.hf._Hook)
 
@@ -1962,15 +1953,6 @@ def test_tiercache_generate_checks_the_budget_with_the_chunks_generate_runs(tmp_
 
     ids = prompt()
 
-    class Tokenizer:
-        chat_template, pad_token_id, eos_token_id = None, 0, None
-
-        def __call__(self, text, return_tensors="pt"):
-            return {"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
-        def decode(self, new_ids, skip_special_tokens=True):
-            return ""
-
     with torch.no_grad():
         want = tiny_model(family="mistral").generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
                                                      do_sample=False)[0, PROMPT:].tolist()
@@ -1979,8 +1961,8 @@ def test_tiercache_generate_checks_the_budget_with_the_chunks_generate_runs(tmp_
         model.generation_config.prefill_chunk_size = 4
         model.generation_config.return_dict_in_generate = True
         cfg = dataclasses.replace(config(tmp_path / budget), device_budget=budget, reuse=False)
-        result = generate_text("x", cfg, model=model, tokenizer=Tokenizer(), max_new_tokens=NEW, progress=False,
-                               prefill_chunk=None)
+        result = generate_text("x", cfg, model=model, tokenizer=fixed_tokenizer(ids), max_new_tokens=NEW,
+                               progress=False, prefill_chunk=None)
         assert result["new_token_ids"] == want, budget
 
 
