@@ -30,6 +30,18 @@ PLAN_ATTR = "_tiercache_plan"
 PROBE_ATTR = "_tiercache_probe"  # called when the hook sees this key tensor (TieredCache checks routing)
 
 
+def plan_placeholder(plan: Any, key_states: torch.Tensor, num_tokens: int) -> tuple:
+    """K/V of the right shape, [B, H, num_tokens, D], that hold no memory and carry ``plan``
+    (the hook reads and attends as it says). NaN, so that attention which bypassed the hook
+    could never pass for right (the newest key repeated, as quest's once were, gave
+    plausible wrong tokens: a review)."""
+    b, h, _, d = key_states.shape
+    nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=key_states.device)
+    keys = nan.expand(b, h, num_tokens, d)
+    setattr(keys, PLAN_ATTR, plan)
+    return keys, nan.expand(b, h, num_tokens, d)
+
+
 class _NoBackward(torch.autograd.Function):
     """A copy of ``kv`` (K/V read from the tiers, holding no graph) tied to ``new`` (this
     forward's K/V): a forward runs as usual, and a backward pass through it raises."""

@@ -779,6 +779,14 @@ class DiskTier(RecordCodec):
                 continue
         return stamps
 
+    def records_agree(self, slots: list) -> bool:
+        """Whether the whole records in ``slots`` hold one block (``record_stamps`` alike);
+        a slot whose header fails its checks agrees with none."""
+        if len(slots) < 2:
+            return True
+        stamps = self.record_stamps(sorted(slots))
+        return len({stamps.get(slot, slot) for slot in slots}) == 1
+
     def _read_headers(self, slots: list) -> Iterator[tuple]:
         """(slot, header bytes) of ``slots`` (ascending), in order (short at the end of the file)."""
         if not slots:

@@ -1227,9 +1227,9 @@ class TieredCache(Cache):
     def _check_hook(self) -> None:
         """At a forward's first layer, before anything is written: selection and retention
         work inside tiercache's attention hook, and an earlier forward handed the hook a
-        probe that it never called. The model computes attention itself (Bloom, MPT: its
-        config names the hook, but its attention never calls it), so its queries are never
-        seen. Quest handed such a model its placeholder keys and it attended to them: wrong
+        probe that it never called. The model computes attention itself (GPT-Neo, Bloom:
+        its config names the hook, but its attention never calls it), so its queries are
+        never seen. Quest handed such a model its placeholder keys and it attended to them: wrong
         tokens, no error; retention kept every token past its budget, without a word (a
         review). An ``UnsupportedModelError`` naming it instead. (A probe counts only once
         attention is routed to the hook: one handed out while a cache built from a config

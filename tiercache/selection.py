@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from tiercache.attention import PLAN_ATTR, as_mask, visible
+from tiercache.attention import as_mask, plan_placeholder, visible
 from tiercache.guard import is_plugin, plugin_answer
 
 if TYPE_CHECKING:
@@ -88,15 +88,8 @@ class SelectionPlan:
         self.num_tokens = num_tokens
 
     def placeholder(self, key_states: torch.Tensor) -> tuple:
-        """K/V of the right shape, [B, H, num_tokens, D], that hold no memory; they carry the
-        plan. NaN, so that attention which bypassed the hook could never pass for right (the
-        newest key repeated, as they were, gave plausible wrong tokens: a review)."""
-        b, h, _, d = key_states.shape
-        nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=key_states.device)
-        keys = nan.expand(b, h, self.num_tokens, d)
-        values = nan.expand(b, h, self.num_tokens, d)
-        setattr(keys, PLAN_ATTR, self)
-        return keys, values
+        """K/V that carry the plan (``tiercache.attention.plan_placeholder``)."""
+        return plan_placeholder(self, key_states, self.num_tokens)
 
     def prepare(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: Optional[torch.Tensor], eager: bool) -> tuple:

@@ -365,10 +365,8 @@ class BlockStore:
         for slot, key, _, _ in records:
             if key is not None:
                 seen.setdefault(key, []).append(slot)
-        repeated = [slot for slots in seen.values() if len(slots) > 1 for slot in slots]
-        stamps = self.disk.record_stamps(sorted(repeated)) if repeated else {}
         doubtful = {key for key, slots in seen.items()  # past the budget too: any may be the current one
-                    if len(slots) > 1 and len({stamps.get(slot, slot) for slot in slots}) > 1}
+                    if len(slots) > 1 and not self.disk.records_agree(slots)}
         dropped = past = twice = 0
         for slot, key, num_tokens, token_ids in records:
             if key in doubtful:
@@ -2147,13 +2145,10 @@ class BlockStore:
             live = key in self.table
             current = self.table.copy(key, Tier.DISK) if live and self.table.is_ready(key, Tier.DISK) else None
             every = sorted(set(slots) | ({current.slot} if current is not None else set()))
-            agree = len(every) == 1
-            if not agree:
-                try:
-                    stamps = self.disk.record_stamps(every)
-                except OSError:
-                    stamps = {}
-                agree = len({stamps.get(slot, slot) for slot in every}) == 1
+            try:
+                agree = self.disk.records_agree(every)
+            except OSError:  # the disk that failed the tombstones: taken to differ
+                agree = len(every) == 1
             if agree and not live:
                 comes += 1
             elif agree and current is None:
@@ -2527,12 +2522,9 @@ class BlockStore:
 
     def _forget(self, key: Hashable) -> None:
         entry = self.table.get(key)
-        failed = None
+        failed: list = []  # tombstones that failed (held, ``_hold_unerased``): raised once the books are done
         for tier, slot in self.table.delete(key):
-            try:
-                self._released(key, tier, slot)
-            except OSError as exc:  # a tombstone failed (its slot is held, ``_hold_unerased``): the books go on
-                failed = failed or exc
+            self._released(key, tier, slot, errors=failed)
         # Copies a move still reads or fills, or a view holds, go when that ends, and the key
         # may name a new block by then: the policies forget the deleted block's now (its
         # copies cannot be evicted anyway), so that they rank live blocks only.
@@ -2543,8 +2535,8 @@ class BlockStore:
             self._parent.pop(child, None)
         self._tokens.pop(key, None)
         self._token_ids.pop(key, None)
-        if failed is not None:
-            raise failed
+        if failed:
+            raise failed[0]
 
     def _inflight_for(self, key: Hashable) -> list:
         """Under the lock: futures of the moves of ``key`` in flight, and of a read of its

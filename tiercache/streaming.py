@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from tiercache.attention import PLAN_ATTR
+from tiercache.attention import plan_placeholder
 
 if TYPE_CHECKING:
     from tiercache.hf import TieredCache
@@ -39,14 +39,8 @@ class BlockAttentionPlan:
         self.ahead = ahead
 
     def placeholder(self, key_states: torch.Tensor) -> tuple:
-        """K/V of the right shape, [B, H, num_tokens, D], that hold no memory; they carry the
-        plan. NaN, so that attention which bypassed the hook could never pass for right."""
-        b, h, _, d = key_states.shape
-        nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=key_states.device)
-        keys = nan.expand(b, h, self.num_tokens, d)
-        values = nan.expand(b, h, self.num_tokens, d)
-        setattr(keys, PLAN_ATTR, self)
-        return keys, values
+        """K/V that carry the plan (``tiercache.attention.plan_placeholder``)."""
+        return plan_placeholder(self, key_states, self.num_tokens)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.Tensor],
                scaling: Optional[float]) -> tuple:
