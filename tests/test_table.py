@@ -198,3 +198,36 @@ def test_free_slots_taken_by_number_and_given_back_keep_their_heap_small():
     assert slots.num_free == 32 and slots.alloc() == 0 and slots.alloc() == 2
     slots.release(0)
     assert slots.is_free(0) and not slots.is_free(1) and not slots.is_free(64)
+
+
+def test_a_batch_takes_the_lowest_free_slots_at_once_and_gives_back_all_if_one_fails():
+    """prepare_moves takes a batch's destination slots in one call (``alloc_many``): the
+    lowest free ones, freed ones below the untouched top first, ascending, as one ``alloc``
+    per move would. A batch that fails on its third move (a block not known) leaves every
+    slot free again, and a batch larger than the free slots is refused before it starts."""
+    from tiercache.table import _Slots
+
+    slots = _Slots(8)
+    assert [slots.alloc() for _ in range(5)] == [0, 1, 2, 3, 4]
+    slots.release(3)
+    slots.release(1)
+    assert slots.alloc_many(4) == [1, 3, 5, 6] and slots.num_free == 1
+    assert slots.alloc_many(2) is None and slots.num_free == 1  # nothing taken
+    assert slots.alloc_many(1) == [7] and slots.alloc() is None
+
+    t = table(device=4, host=4)
+    for key in (1, 2, 3):
+        ready(t, key)
+    with pytest.raises(TableError, match="unknown block 9"):
+        t.prepare_moves([(1, D), (2, D), (9, D), (3, D)], H, drop_source=True)
+    assert t.num_free(H) == 4 and t.num_free(D) == 1
+    assert all(t.copy(key, H) is None and t.copy(key, D).readers == 0 for key in (1, 2, 3))
+    t.check()
+    with pytest.raises(TableError, match="no free slot on host for 5 blocks"):
+        t.prepare_moves([(1, D), (2, D), (3, D), (1, D), (2, D)], H, drop_source=False)
+    moves = t.prepare_moves([(3, D), (1, D)], H, drop_source=True)
+    assert [(m.key, m.dst_slot) for m in moves] == [(3, 0), (1, 1)]
+    for move in moves:
+        t.complete_move(move, ok=True)
+    assert t.num_free(H) == 2 and t.num_free(D) == 3
+    t.check()

@@ -43,6 +43,10 @@ _CHUNK_BYTES = 16 << 20
 _READERS_WAIT_S = 5.0  # how long a call waits out copies read by calls in progress (_wait_out_readers)
 _CUDA_PIECE_BYTES = 64 << 20  # see _submit_all
 _CUDA_JOBS = 2  # copy jobs of a batch, and device staging buffers (_device_lease)
+_BELOW_DEVICE = (Tier.HOST, Tier.DISK)  # fastest first
+_TIER_LABELS = tuple(tier.label for tier in Tier)  # by tier number
+_MOVE_SRC = operator.itemgetter(Move._fields.index("src"))
+_DST_SLOT = operator.itemgetter(Move._fields.index("dst_slot"))
 # _slot_runs' sort key, (src, dst, src_slot) of a Move: a C getter, not a lambda per move
 _RUN_ORDER = operator.itemgetter(*(Move._fields.index(f) for f in ("src", "dst", "src_slot")))
 _GATHER_SPLIT = 4  # a demotion's gather goes through scratch for 1/4 of a piece at a time
@@ -955,11 +959,20 @@ class BlockStore:
         batches: dict = {}  # dst -> ([(key, src)], [index in keys]), prepared together
         free: dict = {}  # dst -> slots left (a drop below may free more: those keys wait)
         later: list = []
+        get, below, device = self.table.get, self._below, Tier.DEVICE
         for key, src, i in self._in_source_order(keys):
-            decided = self._demote_plan(key, src)
-            if decided is None:
+            # ``_demote_plan`` inline for the usual block (one lookup, no calls); a block
+            # that has a copy below already goes through it (its copy here is dropped)
+            dst = below.get(src)
+            if dst is None:
                 continue
-            dst = decided[1]
+            entry = get(key)
+            c = entry.copies[src]  # READY: its best copy
+            if c.readers or (src is device and entry.pins):  # not ``is_movable``
+                continue
+            if dst in entry.copies:
+                self._demote_plan(key, src)
+                continue
             left = free[dst] if dst in free else self.table.num_free(dst)
             if left >= 1:
                 batch = batches.get(dst)
@@ -1111,36 +1124,43 @@ class BlockStore:
                 with self._lock:
                     missing = []
                     fresh = []  # READY on the device, not pinned by this call yet
-                    hits: dict = {}  # tier label -> blocks found there first (one event each)
+                    hits = [0, 0, 0]  # blocks found first on each tier (one event each)
                     try:
                         for key in keys:
                             entry = get(key)
                             if entry is None:
                                 raise self._missing(key)
-                            c = entry.copies.get(device)
+                            copies = entry.copies
+                            c = copies.get(device)
                             if c is not None and c.state is ready:
                                 if key not in pinned_keys:
                                     fresh.append(key)
                                 if first:
-                                    hits["device"] = hits.get("device", 0) + 1
+                                    hits[0] += 1
                                     if self._prefetched and self._prefetched.pop(key, None) is not None:
                                         self.events.prefetch("used")
                             elif c is not None:  # FILLING: a prefetch is on its way
                                 waits.append(self._future(self._to_device[key]))
                                 if first and self._prefetched and self._prefetched.pop(key, None) is not None:
                                     self.events.prefetch("late")
-                                    hits["device"] = hits.get("device", 0) + 1
+                                    hits[0] += 1
                             else:
-                                found = self.table.best_copy(key)
-                                if found is None:
+                                # ``best_copy``: the fastest READY copy below (no device copy)
+                                found = None
+                                for tier in _BELOW_DEVICE:
+                                    c = copies.get(tier)
+                                    if c is not None and c.state is ready:
+                                        found = tier, c
+                                        break
+                                else:
                                     waits.extend(self._inflight_for(key))
                                     continue
                                 if first:
-                                    hits[found[0].label] = hits.get(found[0].label, 0) + 1
+                                    hits[found[0]] += 1
                                 missing.append((key, found))
                     finally:  # counted even if a later key is unknown, as prefetch outcomes are
-                        for label, n in hits.items():
-                            self.events.hit(label, n)
+                        for tier, n in zip(_TIER_LABELS, hits):
+                            self.events.hit(tier, n)
                     first = False
                     self.policies[device].touch_many(fresh)  # a read is a use
                     if pin or missing or waits:
@@ -2661,7 +2681,7 @@ class BlockStore:
         try:
             moves = self.table.prepare_moves(planned, dst, drop_source)
             fetch = dst is Tier.DEVICE
-            touching = len(moves) if fetch else sum(move.src is Tier.DEVICE for move in moves)
+            touching = len(moves) if fetch else list(map(_MOVE_SRC, moves)).count(Tier.DEVICE)
             self._copying += touching
             if fetch:
                 self._to_device.update([(move.key, move) for move in moves])
@@ -2993,14 +3013,23 @@ class BlockStore:
         ``_complete``. A batch of 43 blocks spent ~6 µs a block in the general path."""
         src, dst = piece[0].src, piece[0].dst
         evicted_down, live, commit = self._evicted_down, self.table.get, self.table.commit_copied
-        take = self._take_waiter
+        # ``_take_waiter`` inline: every move of the piece is to or from the device
+        inflight, started, to_device, gone = self._inflight, self._started, self._to_device, _GONE
+        fetch = dst is Tier.DEVICE
         rest: list = []
         arrived: list = []  # keys now READY on dst, and those whose source copy went: the
         left: list = []     # policies learn of them in one call each, below
         for move in piece:
             waiter = None
             try:  # whatever happens to one move (a bug, Ctrl-C), the others still complete
-                waiter = take(move)
+                held = inflight.pop(move, gone)
+                if held is not gone:
+                    self._copying -= 1
+                started.discard(move)
+                if fetch and to_device.get(move.key) is move:
+                    del to_device[move.key]
+                if held.__class__ is _MoveFuture:
+                    waiter = held
                 if (evicted_down and move in evicted_down) or live(move.key) is not move.entry:
                     rest.append((self._complete(move, None, False, chain=False), waiter, None))
                     continue
@@ -3420,7 +3449,7 @@ def _slot_runs(todo: list) -> list:
     if n > 1:  # the usual batch, planned in source order: one run, found without a step per move
         first, last = order[0], order[-1]
         if (first.src is last.src and first.dst is last.dst and last.src_slot - first.src_slot == n - 1
-                and [m.dst_slot for m in order] == list(range(first.dst_slot, first.dst_slot + n))):
+                and list(map(_DST_SLOT, order)) == list(range(first.dst_slot, first.dst_slot + n))):
             return [order]  # sorted by tiers: all of one direction; distinct source slots n - 1 apart: adjacent
     runs: list = []
     for move in order:

@@ -140,6 +140,25 @@ class _Slots:
             return self._top - 1
         return None
 
+    def alloc_many(self, n: int) -> Optional[list]:
+        """``alloc`` ``n`` times, in one call (a batch of moves): the ``n`` lowest free
+        slots, ascending; None, with nothing taken, if fewer are free."""
+        if n > self.num_slots - self._used:
+            return None
+        out: list = []
+        free, free_set, pop = self._free, self._free_set, heapq.heappop
+        while free and len(out) < n:
+            slot = pop(free)
+            if slot in free_set:
+                free_set.discard(slot)
+                out.append(slot)
+        rest = n - len(out)  # the heap's slots are all below _top: these come after them
+        if rest:
+            out.extend(range(self._top, self._top + rest))
+            self._top += rest
+        self._used += n
+        return out
+
     def take(self, slot: int) -> None:
         if slot >= self._top and slot < self.num_slots:
             for below in range(self._top, slot):  # the slots skipped stay free, below _top now
@@ -331,23 +350,41 @@ class BlockTable:
         One call for a batch: planning a batch of host<->device moves was about a third of
         the store's Python per block moved."""
         moves: list = []
-        blocks, new_copy, ready, device = self._blocks, self._new_copy, CopyState.READY, Tier.DEVICE
+        blocks, ready, filling, device = self._blocks, CopyState.READY, CopyState.FILLING, Tier.DEVICE
+        # ``_new_copy`` inline, its slots taken at once: the lowest free, in order
+        dst_slots, on_dst = self._slots[dst], self._on_tier[dst]
+        slots = dst_slots.alloc_many(len(planned))
+        if slots is None:
+            raise TableError(f"no free slot on {dst.label} for {len(planned)} blocks "
+                             f"({dst_slots.num_free} free)")
         try:
-            for key, src in planned:
+            for slot, (key, src) in zip(slots, planned):
                 entry = blocks.get(key)
                 if entry is None or entry.deleted:
                     raise TableError(f"unknown block {key!r}")
-                c = entry.copies.get(src)
+                copies = entry.copies
+                c = copies.get(src)
                 if c is None or c.state is not ready:
                     raise TableError(f"block {key!r} has no READY copy on {src.label}")
                 if drop_source and (c.readers or (src is device and entry.pins)):  # not is_movable
                     raise TableError(f"block {key!r} on {src.label} is pinned or busy")
-                slot = new_copy(entry, dst)
+                if dst in copies:
+                    raise TableError(f"block {key!r} already has a copy on {dst.label}")
+                copies[dst] = Copy(slot, filling)
+                on_dst.add(key)
                 c.readers += 1
                 moves.append(Move(key, src, c.slot, dst, slot, drop_source, entry))
         except BaseException:
             for move in moves:
                 self.complete_move(move, ok=False)
+            made = len(moves)
+            for i in range(made, len(slots)):  # the slots taken for moves not made go back,
+                if i == made:  # but the one whose copy an interrupt left made (held, as before)
+                    entry = blocks.get(planned[i][0])
+                    c = None if entry is None else entry.copies.get(dst)
+                    if c is not None and c.slot == slots[i]:
+                        continue
+                dst_slots.release(slots[i])
             raise
         return moves
 
