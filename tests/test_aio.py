@@ -268,10 +268,25 @@ def test_every_coroutine_answers_an_unknown_key_as_the_store_does(make_store, ge
     the same operation, must come out the same way. ``read_disk_record`` answered None, as
     for a block that has no disk copy yet, where ``get`` (and ``read_into``) raise KeyError:
     a caller could not tell a deleted block from one not written down. It is a read, so it
-    now raises KeyError as ``get`` does; None still means "stored, but not on disk"."""
+    now raises KeyError as ``get`` does; None still means "stored, but not on disk".
+    A block lost to a failed check (its only copy, on disk, flipped) must come out the same
+    way too: ``BlockCorruptedError`` from every call, where ``get`` and ``read_disk_record``
+    said KeyError after the first read had found the damage."""
     store = make_store(device_blocks=2, host_blocks=2)
     astore = AsyncStore(store)
-    unknown, known = BlockKey(9, 9, 9), BlockKey(0, 0, 0)
+    unknown, known, lost = BlockKey(9, 9, 9), BlockKey(0, 0, 0), BlockKey(0, 0, 1)
+    store.put(lost, torch.randn(geometry.shape))
+    store.flush()
+    store.drop_copies(Tier.DEVICE)  # its only copy is the disk record
+    slot = store.table.copy(lost, Tier.DISK).slot
+    with open(os.path.join(store.disk.directory, DATA_NAME), "r+b") as f:
+        f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(BlockCorruptedError, match="index=1"):
+        store.get(lost)
+    assert lost not in store
     store.put(known, torch.randn(geometry.shape))  # on the device only: no disk copy
 
     def outcome(call):
@@ -289,20 +304,24 @@ def test_every_coroutine_answers_an_unknown_key_as_the_store_does(make_store, ge
         except Exception as exc:  # noqa: BLE001
             return "raises", type(exc)
 
-    pairs = [  # (name, the store's call, the coroutine)
-        ("get", lambda: store.get(unknown), lambda: astore.get(unknown)),
-        ("promote to the device", lambda: store.promote(unknown), lambda: astore.promote(unknown)),
-        ("promote to the host", lambda: store.promote(unknown, Tier.HOST),
-         lambda: astore.promote(unknown, Tier.HOST)),
-        ("demote", lambda: store.demote(unknown), lambda: astore.demote(unknown)),
-        ("ensure_device", lambda: store.ensure_device([unknown], pin=False),
-         lambda: astore.ensure_device([unknown])),
-        # no read of the record itself in the store: the read it is, get
-        ("read_disk_record", lambda: store.get(unknown), lambda: astore.read_disk_record(unknown)),
-    ]
-    for name, call, acall in pairs:
+    def pairs(key):  # (name, the store's call, the coroutine)
+        return [
+            ("get", lambda: store.get(key), lambda: astore.get(key)),
+            ("promote to the device", lambda: store.promote(key), lambda: astore.promote(key)),
+            ("promote to the host", lambda: store.promote(key, Tier.HOST),
+             lambda: astore.promote(key, Tier.HOST)),
+            ("demote", lambda: store.demote(key), lambda: astore.demote(key)),
+            ("ensure_device", lambda: store.ensure_device([key], pin=False),
+             lambda: astore.ensure_device([key])),
+            # no read of the record itself in the store: the read it is, get
+            ("read_disk_record", lambda: store.get(key), lambda: astore.read_disk_record(key)),
+        ]
+    for name, call, acall in pairs(unknown):
         expected = outcome(call)
         assert asyncio.run(aoutcome(acall())) == expected, name
+    for name, call, acall in pairs(lost):
+        assert outcome(call) == ("raises", BlockCorruptedError), name
+        assert asyncio.run(aoutcome(acall())) == ("raises", BlockCorruptedError), name
     # a block that is stored but has no disk copy is still None, not an error
     assert asyncio.run(astore.read_disk_record(known)) is None
     store.check()

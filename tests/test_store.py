@@ -1238,8 +1238,18 @@ def test_a_corrupted_record_is_never_returned(tmp_path, geometry, where):
         else:
             with pytest.raises(BlockCorruptedError, match="BlockKey.seq=0, layer=0, index=2"):
                 store.get(victim)
+            # gone for good, never served; every later call says why (it said only KeyError)
+            lost = r"index=2\) is not in the cache \(its disk record failed its integrity check"
+            with pytest.raises(BlockCorruptedError, match=lost):
+                store.get(victim)
+            out = torch.empty(geometry.shape, dtype=geometry.dtype)
+            assert [type(e) for e in store.read_into([victim, BlockKey(0, 0, 3)], [out, out.clone()])] == [
+                BlockCorruptedError, type(None)]
+            for call in (store.pin, store.demote_now):
+                with pytest.raises(BlockCorruptedError, match=lost):
+                    call([victim])
             with pytest.raises(KeyError):
-                store.get(victim)  # gone for good, never served
+                store.get(BlockKey(9, 9, 9))  # never stored: a KeyError, as before
         assert store.stats()["integrity_errors"] == 1
         for key, block in data.items():
             if key != victim:

@@ -204,7 +204,7 @@ class AsyncStore:
             with store._lock:
                 entry = store.table.get(key)
                 if entry is None:
-                    raise KeyError(key)
+                    raise store._unknown(key)
                 copy = entry.copies.get(Tier.DISK) if disk is not None else None
                 if copy is None:
                     return None

@@ -571,14 +571,15 @@ class BlockStore:
         """A copy of the block's bytes from its fastest intact copy (no promotion).
 
         Raises ``KeyError`` for an unknown block and ``BlockCorruptedError`` when every copy
-        failed its integrity check.
+        failed its integrity check: then, and for every later call that names the block
+        (``get``, ``read_into``, ``pin``, moves), until a block is stored under its key again.
         """
         while True:
             self._past_reorder()
             with self._lock:
                 if self.table.get(key) is None:
                     self.events.miss()
-                    raise KeyError(key)
+                    raise self._unknown(key)
                 tier = self.table.best_source(key)
                 if tier is None:  # only copies in flight: wait for them, then look again
                     waits = self._inflight_for(key)
@@ -662,7 +663,7 @@ class BlockStore:
                 entry = self.table.get(key)
                 if entry is None:
                     self.events.miss()
-                    errors[i] = KeyError(key)
+                    errors[i] = self._unknown(key)
                     continue
                 tier = self.table.best_source(key)
                 if tier is None:  # only copies in flight
@@ -845,7 +846,7 @@ class BlockStore:
         with self._lock:
             for key in keys:
                 if self.table.get(key) is None:
-                    raise KeyError(key)
+                    raise self._unknown(key)
             for key in keys:
                 self.table.pin(key)
 
@@ -874,7 +875,7 @@ class BlockStore:
         with self._lock:
             for key in keys:
                 if self.table.get(key) is None:
-                    raise self._missing(key) if key in self._lost else KeyError(key)
+                    raise self._unknown(key)
 
     @_starts_work
     def promote(self, key: Hashable, dst: Tier = Tier.DEVICE) -> Future:
@@ -2453,6 +2454,13 @@ class BlockStore:
             self._lost[key] = f"its {tier.label} record failed its integrity check and no intact copy existed"
             while len(self._lost) > _LOST_KEPT:
                 self._lost.pop(next(iter(self._lost)))
+
+    def _unknown(self, key: Hashable) -> Exception:
+        """Under the lock: the error for a call naming ``key``, which the table does not
+        hold: ``KeyError``, or ``BlockCorruptedError`` saying why if it was lost to a failed
+        check (a second ``get`` of such a block said only KeyError, as for a key never
+        stored)."""
+        return self._missing(key) if key in self._lost else KeyError(key)
 
     def _missing(self, key: Hashable) -> BlockCorruptedError:
         """The error for a read of ``key``, which the table does not hold."""
