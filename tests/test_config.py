@@ -351,6 +351,34 @@ def test_a_reuse_admission_without_a_prefix_cache_is_refused(settings, message, 
     assert TierConfig(reuse_admission="always", **settings).reuse_admission == "always"
 
 
+@pytest.mark.parametrize("settings,why", [
+    (dict(reuse=False), "reuse=False turns the prefix cache off"),
+    (dict(disk_dir=None), "there is no prefix cache without a disk tier"),
+    (dict(retention="h2o"), "retention='h2o' turns it off"),
+    (dict(block_tokens=2048), "block_tokens=2048 turns it off"),
+])
+def test_a_prefix_host_budget_without_a_prefix_cache_is_refused_and_replace_drops_it(settings, why, tmp_path):
+    """``reuse_host_budget`` sizes the prefix cache's host tier. With no prefix cache it was
+    taken and ignored, where ``reuse_admission`` is refused: it is refused too, naming why
+    the cache is off. The default (1GiB) stays accepted. A copy that turns the prefix cache
+    off (``replace(reuse=False)``, as bench prefix makes its plain baseline) gets the
+    prefix settings' defaults back instead of being refused for them; one that keeps the
+    cache keeps them."""
+    settings = {"disk_dir": str(tmp_path / "kv"), "disk_budget": "16MiB", **settings}
+    with pytest.raises(ValueError, match=re.escape(f"reuse_host_budget: 64.0 MiB is host memory of the prefix cache, "
+                                                   f"and {why}")):
+        TierConfig(reuse_host_budget="64MiB", **settings)
+    assert TierConfig(**settings).reuse_host_budget == 1 << 30
+    with_prefix = TierConfig(disk_dir=str(tmp_path / "kv"), reuse_host_budget="64MiB", reuse_admission="reused")
+    plain = with_prefix.replace(**settings)
+    assert not plain.reuse_enabled
+    assert (plain.reuse_host_budget, plain.reuse_admission) == (1 << 30, "always")
+    kept = with_prefix.replace(device_budget="8MiB")
+    assert (kept.reuse_host_budget, kept.reuse_admission) == (64 << 20, "reused")
+    with pytest.raises(ValueError, match="reuse_host_budget: 32.0 MiB"):
+        with_prefix.replace(reuse=False, reuse_host_budget="32MiB")  # asked for in the same copy: refused
+
+
 def test_a_reuse_admission_with_the_prefix_cache_is_taken(tmp_path):
     kv = str(tmp_path / "kv")
     assert TierConfig(reuse_admission="reused", disk_dir=kv).reuse_enabled

@@ -89,6 +89,7 @@ def _max_reuse_block_tokens() -> int:
 
 _DEFAULT_SELECTION_BUDGET = 4096  # TierConfig.selection_budget's default, rounded to whole blocks when not chosen
 _DEFAULT_RETENTION_BUDGET = 1024  # TierConfig.retention_budget's default
+_DEFAULT_REUSE_HOST_BUDGET = "1GiB"  # TierConfig.reuse_host_budget's default
 
 
 _SCORE_ROWS = ("none", "all", "last", "window")  # RetentionPolicy.score_rows: the query rows that score
@@ -397,7 +398,7 @@ class TierConfig:
     retention: Optional[str] = None  # lossy: None, "streaming", "h2o", "tova", "snapkv"
     retention_budget: int = _DEFAULT_RETENTION_BUDGET  # tokens each full-attention layer keeps with a retention policy
     reuse: Optional[bool] = None  # prefix cache; None: on when the disk tier is enabled
-    reuse_host_budget: Budget = "1GiB"  # host memory of the prefix cache (warm prefixes)
+    reuse_host_budget: Budget = _DEFAULT_REUSE_HOST_BUDGET  # host memory of the prefix cache (warm prefixes)
     reuse_admission: str = REUSE_ADMISSIONS[0]  # "always", or "reused": store a block once seen twice
     shared_dir: bool = False  # opt in: accept a disk_dir with looser permissions or another owner
     # CPU, host tier: decode attention reads each block where it lies instead of gathering the
@@ -481,6 +482,12 @@ class TierConfig:
             raise ValueError(f"reuse_admission: {self.reuse_admission!r} decides what the prefix cache stores, "
                              f"and {why}, so it would be ignored; {fix}, or leave reuse_admission "
                              f"{REUSE_ADMISSIONS[0]!r}")
+        if (self.reuse_host_budget != parse_bytes(_DEFAULT_REUSE_HOST_BUDGET, "reuse_host_budget")
+                and not self.reuse_enabled):
+            why, fix = self._why_no_reuse()
+            raise ValueError(f"reuse_host_budget: {format_bytes(self.reuse_host_budget)} is host memory of the prefix "
+                             f"cache, and {why}, so it would be ignored; {fix}, or leave reuse_host_budget at its "
+                             f"default ({_DEFAULT_REUSE_HOST_BUDGET})")
         self._check_remote()
         if self.attend_in_place and not self.host_enabled:  # it reads host-tier blocks; host_budget=0: none
             raise ValueError("attend_in_place: True reads the host tier's blocks where they lie, and host_budget=0 "
@@ -638,15 +645,35 @@ class TierConfig:
         does a default selection budget rounded to this config's blocks (the copy rounds the
         default for its own): passed on, the rounded default of one block size was refused
         under another as a budget the caller had chosen, and a copy made to be an exact
-        baseline was refused for the budget it no longer uses (reviews).
+        baseline was refused for the budget it no longer uses (reviews). So do the prefix
+        cache's ``reuse_host_budget`` and ``reuse_admission`` in a copy that has no prefix
+        cache (``reuse=False``, a retention policy, no disk tier), unless ``changes`` set them.
         ``dataclasses.replace`` passes every value on as given."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if getattr(self, "_budget_defaulted", False) or changes.get("selection", self.selection) == "full":
             values["selection_budget"] = _DEFAULT_SELECTION_BUDGET
         if changes.get("retention", self.retention) is None:
             values["retention_budget"] = _DEFAULT_RETENTION_BUDGET
+        if _reuse_off({**values, **changes}):  # the prefix cache's settings, of a copy without one
+            values["reuse_host_budget"], values["reuse_admission"] = _DEFAULT_REUSE_HOST_BUDGET, REUSE_ADMISSIONS[0]
         values.update(changes)
         return TierConfig(**values)
+
+
+def _reuse_off(values: dict) -> bool:
+    """Whether a config of these field values (``TierConfig.replace``'s, before it checks
+    them) has no prefix cache, as ``reuse_enabled`` would say; False where a value is
+    invalid (the config's own check names it)."""
+    if values["retention"] is not None or values["reuse"] is False:
+        return True
+    if values["reuse"] is not None:
+        return False
+    try:
+        disk_on = values["disk_dir"] is not None and parse_bytes(values["disk_budget"], "disk_budget") > 0
+    except ValueError:
+        return False
+    block_tokens = values["block_tokens"]
+    return not disk_on or (isinstance(block_tokens, int) and block_tokens > _max_reuse_block_tokens())
 
 
 def as_tier_config(config: Optional[TierConfig]) -> TierConfig:
