@@ -48,6 +48,7 @@ from typing import Optional
 
 from tiercache.cli import WORKER_ERROR, doc_summary, model_positions, work_dir, worker_failure
 
+SELECTION_BUDGET = 4096  # --selection-budget's default (TierConfig's)
 SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
 CUDA_ONLY = ("hf_offload",)  # transformers' offloaded cache needs CUDA streams
 IN_PLACE = "_inplace"  # suffix: the set-up without it, with attend_in_place=True
@@ -169,7 +170,7 @@ def _disk_read(moved: dict) -> int:
 
 
 def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir: str,
-           prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = 4096,
+           prefill_chunk: int, selection: Optional[str] = None, selection_budget: int = SELECTION_BUDGET,
            device_fraction: float = 0.25, host_fraction: float = 0.25, eviction: Optional[str] = None,
            model_path: Optional[str] = None, disk_io: str = "auto") -> dict:
     """One set-up alone in this process: prefill ``context`` tokens, ``WARMUP_STEPS``
@@ -220,7 +221,7 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
 
 def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int, block_tokens: int,
                         workdir: str, prefill_chunk: int, selection: Optional[str] = None,
-                        selection_budget: int = 4096, device_fraction: float = 0.25,
+                        selection_budget: int = SELECTION_BUDGET, device_fraction: float = 0.25,
                         host_fraction: float = 0.25, eviction: Optional[str] = None,
                         raw_read_bytes: int = 0, model_path: Optional[str] = None,
                         disk_io: str = "auto") -> dict:
@@ -382,8 +383,8 @@ def _parser() -> argparse.ArgumentParser:
                    "in each side-by-side round (without that run: one bench io measurement of this size)")
     p.add_argument("--selection", default="full", help="full (default) or quest: adds the quest set-up "
                    "(the disk set-up reading only the selected pages)")
-    p.add_argument("--selection-budget", type=int, default=4096, help="quest: tokens per KV head and step "
-                   "(>= 3 blocks, a whole number of blocks; default %(default)s)")
+    p.add_argument("--selection-budget", type=int, default=None, help="quest: tokens per KV head and step "
+                   f"(>= 3 blocks, a whole number of blocks; default {SELECTION_BUDGET})")
     p.add_argument("--device-fraction", type=float, default=0.25, help="disk/quest set-ups: device tier as a "
                    "share of the KV (default %(default)s)")
     p.add_argument("--host-fraction", type=float, default=0.25, help="disk/quest set-ups: host tier share "
@@ -403,6 +404,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(argv: Optional[list] = None) -> int:
     args = _parser().parse_args(argv)
+    budget_given = args.selection_budget is not None
+    if not budget_given:
+        args.selection_budget = SELECTION_BUDGET
     common = (args.block_tokens, args.dir, args.prefill_chunk, args.selection, args.selection_budget,
               args.device_fraction, args.host_fraction, args.eviction or None)
     if args.worker:
@@ -434,10 +438,7 @@ def run(argv: Optional[list] = None) -> int:
     for flag, value in (("--device-fraction", args.device_fraction), ("--host-fraction", args.host_fraction)):
         if not 0 < value <= 1:
             raise ValueError(f"{flag}: must be in (0, 1], got {value}")
-    # the budget as the quest set-up uses it (it selects with quest when --selection is full)
-    cfg = TierConfig(selection=args.selection if args.selection not in (None, "full") else "quest",
-                     selection_budget=args.selection_budget, block_tokens=args.block_tokens,
-                     **({"eviction": args.eviction} if args.eviction else {}))
+    cfg = TierConfig(block_tokens=args.block_tokens, **({"eviction": args.eviction} if args.eviction else {}))
     import torch
 
     cuda = torch.cuda.is_available()
@@ -461,6 +462,12 @@ def run(argv: Optional[list] = None) -> int:
     if unknown:
         raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}, each tiered one also as "
                          f"SETUP@POLICY (an eviction policy)")
+    if any(_base(s) == "quest" for s in setups):  # the budget as the quest set-up uses it (quest when --selection
+        TierConfig(selection=args.selection if args.selection not in (None, "full") else "quest",  # is full)
+                   selection_budget=args.selection_budget, block_tokens=args.block_tokens)
+    elif budget_given:
+        raise ValueError(f"--selection-budget: only the quest set-up reads it, and --setups {','.join(setups)} has "
+                         f"none, so it would be ignored; add quest (or --selection quest), or leave it out")
     for setup in setups:
         name, with_policy, policy = setup.partition(WITH_POLICY)
         if with_policy:

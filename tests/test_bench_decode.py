@@ -158,6 +158,11 @@ def test_bench_decode_refuses_bad_arguments():
         (["--setups", "dynamic,disk", "--disk-gbps", "0"], "--disk-gbps: a positive rate"),
         (["--setups", "dynamic,disk", "--disk-gbps", "nan"], "--disk-gbps: a positive rate"),
         (["--setups", "dynamic", "--dir", "/nonexistent-dir"], "--dir: '/nonexistent-dir' does not exist"),
+        # read by the quest set-up only: checked as it uses it, and refused without it (was checked, then ignored)
+        (["--setups", "dynamic,quest", "--selection-budget", "100"],
+         "selection_budget: 100 tokens is less than 3 blocks"),
+        (["--setups", "dynamic,disk", "--selection-budget", "2048"],
+         "--selection-budget: only the quest set-up reads it, and --setups dynamic,disk has none"),
     ]
     for argv, message in refusals:
         with pytest.raises(ValueError, match=message):
