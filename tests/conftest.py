@@ -72,6 +72,20 @@ def make_store(tmp_path, geometry):
     assert not failed, f"close() raised: {failed[0]!r}"
 
 
+def flip_disk_record(store: BlockStore, key, offset: int = 7) -> None:
+    """Flip every bit of one byte of ``key``'s disk record, ``offset`` bytes into its payload,
+    under an open store (a record that must now fail its checksum)."""
+    from tiercache.disk import DATA_NAME, HEADER_BYTES
+    from tiercache.table import Tier
+
+    position = store.table.copy(key, Tier.DISK).slot * store.disk.record_bytes + HEADER_BYTES + offset
+    with open(os.path.join(store.disk.directory, DATA_NAME), "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def fixed_tokenizer(ids: torch.Tensor):
     """A stand-in for what ``tiercache.generation.generate_text`` reads of a tokenizer: any
     text encodes to ``ids`` (with a full attention mask), ids decode to their numbers."""

@@ -11,11 +11,12 @@ import torch
 
 from tiercache import BlockCorruptedError, BlockKey, Tier
 from tiercache.aio import AsyncStore
-from tiercache.disk import DATA_NAME, HEADER_BYTES
 from tiercache.policies import EVICTION_POLICIES
 from tiercache.store import BlockStore
 from tiercache.tiers import BlockGeometry
 from tiercache.transfer import Priority
+
+from conftest import flip_disk_record
 
 
 def test_async_put_demote_get_and_aiofiles_read(make_store, geometry):
@@ -76,13 +77,7 @@ def test_async_read_of_a_flipped_record_raises_and_drops_the_record(make_store, 
     block = torch.randn(geometry.shape)
     store.put(key, block)
     store.flush()
-    slot = store.table.copy(key, Tier.DISK).slot
-    path = os.path.join(store.disk.directory, DATA_NAME)
-    with open(path, "r+b") as f:
-        f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
+    flip_disk_record(store, key, 3)
     with pytest.raises(BlockCorruptedError, match="index=0"):
         asyncio.run(AsyncStore(store).read_disk_record(key))
     assert store.stats()["integrity_errors"] == 1
@@ -113,12 +108,7 @@ def test_a_flipped_record_whose_tombstone_fails_is_still_named_as_corrupt(make_s
     store.drop_copies(Tier.DEVICE)
     store.drop_copies(Tier.HOST)
     key = keys[0]
-    slot = store.table.copy(key, Tier.DISK).slot
-    with open(os.path.join(store.disk.directory, DATA_NAME), "r+b") as f:
-        f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 5)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
+    flip_disk_record(store, key, 5)
     with _failing("pwrite", errno.EIO, after=0):
         with pytest.raises(BlockCorruptedError, match="disk record failed its integrity check"):
             asyncio.run(AsyncStore(store).read_disk_record(key))
@@ -278,12 +268,7 @@ def test_every_coroutine_answers_an_unknown_key_as_the_store_does(make_store, ge
     store.put(lost, torch.randn(geometry.shape))
     store.flush()
     store.drop_copies(Tier.DEVICE)  # its only copy is the disk record
-    slot = store.table.copy(lost, Tier.DISK).slot
-    with open(os.path.join(store.disk.directory, DATA_NAME), "r+b") as f:
-        f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
+    flip_disk_record(store, lost, 3)
     with pytest.raises(BlockCorruptedError, match="index=1"):
         store.get(lost)
     assert lost not in store

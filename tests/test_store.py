@@ -24,7 +24,7 @@ from tiercache.store import BlockStore, _MoveFuture
 from tiercache.tiers import BlockGeometry, aligned_buffer
 from tiercache.transfer import wait_all
 
-from conftest import fill_filesystem, tiny_config
+from conftest import fill_filesystem, flip_disk_record, tiny_config
 
 
 def blocks(geometry, n, seed=0):
@@ -586,12 +586,7 @@ def test_reorder_rows_permutes_every_block_and_drops_a_disk_record_it_cannot_rew
         # A record that fails its checksum is dropped as bad, the other blocks permuted:
         # the BlockCorruptedError came out of the loop's middle, the blocks after it unpermuted.
         kept = [key for key in order if key in store]  # permuted once
-        slot = store.table.copy(kept[0], Tier.DISK).slot
-        with open(os.path.join(store.disk.directory, DATA_NAME), "r+b") as f:
-            f.seek(slot * store.disk.record_bytes + HEADER_BYTES + 3)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 1]))
+        flip_disk_record(store, kept[0], 3)
         with pytest.raises(BlockCorruptedError, match="disk record failed its integrity check"):
             store.reorder_rows(torch.tensor([1, 0]))  # back to the stored order for the others
         assert kept[0] not in store
@@ -1310,17 +1305,11 @@ def _five_blocks_flushed(tmp_path, geometry) -> tuple:
     return cfg, _flushed(cfg, geometry, 5)
 
 
-def _flip_disk_record(store, key) -> None:
-    """Flip a payload byte of ``key``'s disk record under an open store."""
-    slot = store.table.copy(key, Tier.DISK).slot
-    _flip(os.path.join(store.config.disk_dir, DATA_NAME), slot * store.disk.record_bytes + HEADER_BYTES + 7)
-
-
 def test_corrupted_block_on_the_decode_path_raises_naming_it(tmp_path, geometry):
     cfg, _ = _five_blocks_flushed(tmp_path, geometry)
     victim = BlockKey(0, 0, 1)
     with BlockStore(cfg, geometry) as store:
-        _flip_disk_record(store, victim)
+        flip_disk_record(store, victim)
         with pytest.raises(BlockCorruptedError, match="index=1"):
             store.ensure_device([victim])
         assert store.stats()["integrity_errors"] == 1
@@ -1335,7 +1324,7 @@ def test_a_block_lost_to_a_failed_check_in_a_prefetch_is_named_so_when_read(tmp_
     cfg, data = _five_blocks_flushed(tmp_path, geometry)
     victim = BlockKey(0, 0, 1)
     with BlockStore(cfg, geometry) as store:
-        _flip_disk_record(store, victim)
+        flip_disk_record(store, victim)
         store.prefetch([victim], dst=Tier.HOST)
         store.wait_idle()
         assert victim not in store and store.stats()["integrity_errors"] == 1
