@@ -128,6 +128,8 @@ class _Slots:
         self._used = 0
 
     def alloc(self) -> Optional[int]:
+        if not self._free and self._free_set:  # an interrupted pop left free slots out of the heap
+            self._free = sorted(self._free_set)
         while self._free:
             slot = heapq.heappop(self._free)
             if slot in self._free_set:
@@ -142,21 +144,30 @@ class _Slots:
 
     def alloc_many(self, n: int) -> Optional[list]:
         """``alloc`` ``n`` times, in one call (a batch of moves): the ``n`` lowest free
-        slots, ascending; None, with nothing taken, if fewer are free."""
+        slots, ascending; None, with nothing taken, if fewer are free. Each slot is counted
+        as it is taken, never past ``num_slots``, and an interrupt in here gives back those
+        taken (a review: counted at the end, a Ctrl-C in the loop lost them all, and the
+        count then let it hand out slots past the tier's size)."""
         if n > self.num_slots - self._used:
             return None
         out: list = []
         free, free_set, pop = self._free, self._free_set, heapq.heappop
-        while free and len(out) < n:
-            slot = pop(free)
-            if slot in free_set:
-                free_set.discard(slot)
-                out.append(slot)
-        rest = n - len(out)  # the heap's slots are all below _top: these come after them
-        if rest:
-            out.extend(range(self._top, self._top + rest))
-            self._top += rest
-        self._used += n
+        try:
+            if len(free_set) > len(free):  # an interrupted pop left free slots out of the heap
+                free[:] = sorted(free_set)
+            while free and len(out) < n:
+                slot = pop(free)
+                if slot in free_set:
+                    free_set.discard(slot)
+                    self._used, out[_END:] = self._used + 1, [slot]  # one statement: both or neither
+            while len(out) < n and self._top < self.num_slots:
+                self._top, self._used, out[_END:] = self._top + 1, self._used + 1, [self._top]
+            if len(out) < n:
+                raise TableError(f"{n} free slots counted, {len(out)} found")
+        except BaseException:
+            for slot in out:
+                self.release(slot)
+            raise
         return out
 
     def take(self, slot: int) -> None:
@@ -357,6 +368,7 @@ class BlockTable:
         if slots is None:
             raise TableError(f"no free slot on {dst.label} for {len(planned)} blocks "
                              f"({dst_slots.num_free} free)")
+        held = None  # the slot of the last copy made (the move after it may not be)
         try:
             for slot, (key, src) in zip(slots, planned):
                 entry = blocks.get(key)
@@ -370,21 +382,16 @@ class BlockTable:
                     raise TableError(f"block {key!r} on {src.label} is pinned or busy")
                 if dst in copies:
                     raise TableError(f"block {key!r} already has a copy on {dst.label}")
-                copies[dst] = Copy(slot, filling)
+                copies[dst], held = Copy(slot, filling), slot  # no interrupt between the two
                 on_dst.add(key)
                 c.readers += 1
                 moves.append(Move(key, src, c.slot, dst, slot, drop_source, entry))
         except BaseException:
             for move in moves:
                 self.complete_move(move, ok=False)
-            made = len(moves)
-            for i in range(made, len(slots)):  # the slots taken for moves not made go back,
-                if i == made:  # but the one whose copy an interrupt left made (held, as before)
-                    entry = blocks.get(planned[i][0])
-                    c = None if entry is None else entry.copies.get(dst)
-                    if c is not None and c.slot == slots[i]:
-                        continue
-                dst_slots.release(slots[i])
+            for slot in slots[len(moves):]:  # the slots taken for moves not made go back, but
+                if slot != held:  # one whose copy an interrupt left made (held, as before)
+                    dst_slots.release(slot)
             raise
         return moves
 
