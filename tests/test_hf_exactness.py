@@ -263,9 +263,13 @@ def run_mode(family: str, mode: str, tmp_path, *, block_tokens: int = BT, device
         decode = [1] * (half - 1) + [EXTRA + 1] + [1] * (half - 1)
     if "assisted" in features:
         kwargs["assistant_model"] = tiny_model(family, assistant=True)
-        # Past recording keeps every block of sliding layers until crop; bound it as full.
+        # Past recording keeps a sliding layer's blocks from one crop to the next (the
+        # draft tokens on top of the window): bound every layer as a full one. Where every
+        # layer slides, a forward reads at most the prompt and the longest verification
+        # (the crops trim the rest); a full layer may read the whole run and a draft more.
+        slides = all(w is not None for w in windows)
         windows = [None] * len(windows)
-        prefill, decode = [PROMPT + NEW + ASSISTANT_TOKENS + 8], []
+        prefill, decode = [PROMPT + NEW + 1 if slides else PROMPT + NEW + ASSISTANT_TOKENS + 8], []
 
     device_blocks = working_set_blocks(windows, prefill + decode, block_tokens) + device_extra
     cfg = tight_config(model, tmp_path, batch=batch, device_blocks=device_blocks, host_blocks=host_blocks,
@@ -660,6 +664,20 @@ def test_the_cache_api_names_a_wrong_argument(tmp_path):
             for bad in (layers, -1, "a", 1.0, True):
                 with pytest.raises(ValueError, match=rf"layer_idx must be an integer in \[0, {layers}\), got "):
                     call(bad)
+    # direct update() calls (a review): a negative layer was taken (and its disk moves failed
+    # later, logged), a 3-D K an unpacking error, K and V of two lengths an error from a copy,
+    # int64 K/V a store of ints; each is now named before anything is stored
+    kv = torch.randn(1, 2, 3, 16)
+    with tiercache.TieredCache(model, cfg) as fresh:
+        for k, v, layer_idx, message in (
+                (kv, kv, -1, r"layer_idx must be in \[0, 3\), got -1"),
+                (kv[0], kv[0], 0, r"key_states must be a floating-point tensor shaped \[batch, KV heads, tokens, "
+                                  r"head dim\], got \(2, 3, 16\)"),
+                (kv, kv[:, :, :2], 0, r"key_states \(1, 2, 3, 16\) and value_states \(1, 2, 2, 16\) differ"),
+                (kv.long(), kv.long(), 0, "got .* torch.int64")):
+            with pytest.raises(ValueError, match=message):
+                fresh.update(k, v, layer_idx)
+            assert fresh.store is None and fresh.get_seq_length() == 0
     with tiercache.TieredCache(model, cfg) as fresh:
         with pytest.raises(TypeError, match=r"input_ids must be a torch.Tensor of token ids shaped \[1, N\]"):
             fresh.load_prefix(ids[0].tolist())
@@ -668,6 +686,35 @@ def test_the_cache_api_names_a_wrong_argument(tmp_path):
         assert fresh.load_prefix(ids) > 0  # the same prompt, as generate() takes it: loaded
     with pytest.raises(TypeError, match="metrics: expected a TieredCache or a BlockStore, got dict"):
         serve_metrics({})
+
+
+def test_reorder_cache_names_an_index_that_is_not_one_per_row(tmp_path):
+    """``reorder_cache`` with an index of another length (DynamicCache changes its batch size
+    with one) was a RuntimeError from inside a copy, and a float index was truncated (a
+    review). Each is a ValueError naming the rows, before anything moves; a list of ints is
+    taken as a tensor is, and the cache then reorders exactly as DynamicCache."""
+    model = tiny_model("llama")
+    ids = prompt_ids(batch=2, seed=2)
+    nxt = prompt_ids(batch=2, length=1, seed=3)
+    ref = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=ref, use_cache=True)
+        ref.reorder_cache(torch.tensor([1, 1]))
+        expected = model(nxt, cache=ref, use_cache=True).logits
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=2, device_blocks=4)) as cache:
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+        for bad, message in ((torch.tensor([0, 0, 0]), r"expected 2 integer row indices .* got Tensor \(3,\)"),
+                             (torch.tensor([1.0, 0.0]), "got Tensor .* torch.float32"),
+                             (torch.tensor([[1, 0]]), r"got Tensor \(1, 2\)"),
+                             (torch.tensor([0, 2]), r"must lie in \[0, 2\), got \[0, 2\]"),
+                             ([1, -1], r"must lie in \[0, 2\)"), ("ab", "got 'ab'")):
+            with pytest.raises(ValueError, match=message):
+                cache.reorder_cache(bad)
+        cache.reorder_cache([1, 1])
+        with torch.no_grad():
+            got = model(nxt, cache=cache, use_cache=True).logits
+    assert (got - expected).abs().max() <= ATOL
 
 
 def test_offload_and_prefetch_from_another_thread_during_generate(tmp_path):
@@ -1014,6 +1061,40 @@ def test_min_device_budget_of_a_model_whose_every_layer_slides(tmp_path):
             out = generate(model, ids, cache=cache, max_new_tokens=4, prefill_chunk_size=8)
         assert_same(ref, out, run)
         assert loaded == (0 if run == "cold" else need // bb * BT)  # what the device holds, not all 36
+
+
+@pytest.mark.parametrize("rollback", ["assisted", "prompt lookup"])
+def test_sliding_layers_keep_their_window_under_assisted_generation(rollback, tmp_path):
+    """Assisted generation and prompt lookup record the past (``activate_past_recording``)
+    so that ``crop`` can roll back rejected draft tokens. DynamicCache's sliding layer trims
+    itself back to its window in ``crop``; a tiered sliding layer kept every block instead:
+    on the tiny Mistral (every layer slides, window 6, 4-token blocks) 18 blocks a layer
+    after 60 new tokens, against 2 in plain generation, and a run whose budgets fit plain
+    generation raised CapacityError at 39 tokens (a review). Now: the same budgets are
+    enough, the tokens and logits are DynamicCache's, the cache rolled back, and no layer
+    ever holds more than its window's blocks plus one step's draft tokens."""
+    model = tiny_model("mistral")
+    ids = prompt_ids()
+    kwargs = ({"assistant_model": tiny_model("mistral", assistant=True)} if rollback == "assisted"
+              else {"prompt_lookup_num_tokens": 3})
+    ref = generate(model, ids, max_new_tokens=60, **kwargs)
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=8, host_blocks=3)
+    cfg = cfg.replace(disk_budget=20 * (cfg.disk_budget // 256))  # 20 records: a window-bounded run's room
+    with tiercache.TieredCache(model, cfg) as cache:
+        calls = _spy(cache)
+        most = [0]
+        crop = cache.crop
+
+        def crop_and_count(*args, **kw):
+            crop(*args, **kw)
+            most[0] = max(most[0], max(len(cache._blocks_of(i)) for i in range(len(cache.layers))))
+        cache.crop = crop_and_count
+        out = generate(model, ids, cache=cache, max_new_tokens=60, **kwargs)
+        after = [len(cache._blocks_of(i)) for i in range(len(cache.layers))]
+    assert_same(ref, out, rollback)
+    assert calls["crop"], "the run never rolled the cache back"
+    assert after == [2] * len(after)  # the window (5 tokens) over 4-token blocks, as in plain generation
+    assert most[0] == 2  # right after every crop: the window's 5 tokens lie in 2 blocks at most
 
 
 def test_a_warm_run_fits_wherever_the_cold_run_fits(tmp_path):

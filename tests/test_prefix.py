@@ -204,6 +204,30 @@ def test_generate_refuses_a_prompt_that_is_not_the_one_loaded(tmp_path):
     assert "_prefill" not in vars(model)
 
 
+def test_generate_refuses_a_mode_that_does_not_continue_from_the_loaded_prefix(tmp_path):
+    """``cache.load_prefix(A)`` then ``generate(A, cache=cache)`` with prompt lookup or a draft
+    model: assisted generation feeds the whole prompt again on top of the loaded KV, so the
+    cache ended 28 tokens too long and the logits were 7.5 off a fresh run, with no error (a
+    review; a DynamicCache filled by hand is as wrong, but the loaded prefix is tiercache's
+    to guard). Beams expand the rows. Each is refused by name before any forward, the cache
+    untouched; a greedy generate() then runs on it, exact."""
+    model, a = tiny_model(), prompt()
+    run(model, a, config(tmp_path))  # publishes A's blocks
+    ref = reference(model, a)
+    with TieredCache(model, config(tmp_path)) as cache, torch.no_grad():
+        assert cache.load_prefix(a) == 28
+        for mode, kw in (("assisted_generation", dict(prompt_lookup_num_tokens=2)),
+                         ("assisted_generation", dict(assistant_model=tiny_model(seed=5))),
+                         ("beam_search", dict(num_beams=2))):
+            with pytest.raises(ValueError, match=rf"first 28 tokens .* load_prefix\(\), and generate\(\) in mode "
+                                                 rf"'{mode}' does not continue from a cache's past"):
+                model.generate(a, attention_mask=torch.ones_like(a), cache=cache, **GEN, **kw)
+            assert cache.get_seq_length() == 28
+        out = model.generate(a, attention_mask=torch.ones_like(a), cache=cache, **GEN)
+        assert cache.stats()["reused_tokens"] == 28
+    assert_same(ref, out)
+
+
 def test_a_loaded_prefix_continues_with_the_forms_transformers_takes_for_a_past(tmp_path):
     """After ``load_prefix(A)``, transformers takes two more forms of the prompt for a cache
     that holds a past: only the new ids under an attention mask of the whole length, and

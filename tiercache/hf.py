@@ -920,19 +920,24 @@ class TieredCache(Cache):
         # key_states, value_states: [B, H_kv, q, D]
         if self.closed:
             raise RuntimeError(_CLOSED)
+        if not 0 <= layer_idx < self.num_layers:  # before the forward is claimed: nothing changes
+            if layer_idx >= self.num_layers:
+                raise ValueError(f"TieredCache: layer {layer_idx} of a model with more layers than the "
+                                 f"{self.num_layers} this cache was built for; build the cache with the model that "
+                                 f"uses it")
+            raise ValueError(f"TieredCache.update: layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
         me = _thread_token()
         if layer_idx and self._forward[0] is me:  # on with this thread's forward pass
             self._forward = (me, layer_idx)
         else:  # a forward pass starts (under the lock: two threads may start at once)
             self._claim(me, layer_idx)
-        if layer_idx >= self.num_layers:
-            raise ValueError(f"TieredCache: layer {layer_idx} of a model with more layers than the "
-                             f"{self.num_layers} this cache was built for; build the cache with the model that uses it")
         if self.store is None:
+            _check_kv(key_states, value_states)
             self.store = self._open_store(key_states)
         else:
             g, shape = self.store.geometry, key_states.shape
             if shape[0] != g.batch or key_states.dtype != g.dtype or shape[1] != g.kv_heads or shape[3] != g.head_dim:
+                _check_kv(key_states, value_states)
                 self._reopen_for(key_states, layer_idx)
         store, bt = self.store, self.tier_config.block_tokens
         layer = self.layers[layer_idx]
@@ -1337,8 +1342,8 @@ class TieredCache(Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
         layer = self.layers[layer_idx]
-        if tokens_to_remove == 0 or layer.num_tokens == 0:
-            return
+        if layer.num_tokens == 0 or (tokens_to_remove == 0 and not layer.is_sliding):
+            return  # (crop(0) of a sliding layer trims it to its window, below)
         if layer.dropped:
             raise RuntimeError(f"crop: layer {layer_idx} dropped {layer.dropped} tokens for good (retention="
                                f"{self.tier_config.retention!r}), so it cannot roll back; assisted generation "
@@ -1362,6 +1367,14 @@ class TieredCache(Cache):
         for index in range((new_len + bt - 1) // bt, (layer.num_tokens + bt - 1) // bt):
             self.store.delete(self._key(layer_idx, index))
         layer.num_tokens = new_len
+        if layer.is_sliding:
+            # Back to what the next step can see, as DynamicCache's sliding layer trims itself
+            # in crop(): recording the past (assisted generation, prompt lookup) keeps every
+            # block only until the rollback, which never goes back past this crop. Kept
+            # instead, a sliding layer grew with every token of the run (a review: 18 blocks a
+            # layer after 60 tokens, where plain generation held 2), and a run that fit its
+            # budgets raised CapacityError.
+            self._free_before(layer, max(new_len - layer.sliding_window + 1, 0) // bt)
         state = self.retention_state.layers.get(layer_idx) if self.retention_state is not None else None
         if state is not None:
             state.crop(new_len)
@@ -1370,8 +1383,11 @@ class TieredCache(Cache):
             del self._chain[new_len // bt:]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: permute the batch rows of every block on every tier."""
+        """Beam search: permute the batch rows of every block on every tier. ``beam_idx``
+        gives, for each row, the row it now holds: as many integers as the cache has rows,
+        each in [0, rows) (the cache keeps the batch size it was filled with)."""
         if self.store is not None:
+            beam_idx = _row_index(beam_idx, self.store.geometry.batch)
             self.store.unpin(self._pinned)
             self._pinned = []
             self.store.reorder_rows(beam_idx)
@@ -1743,6 +1759,39 @@ class _Hook:
         return f"<tiercache hook {self.name} of {type(self.model).__name__}>"
 
 
+def _check_kv(keys: Any, values: Any) -> None:
+    """``update``'s K and V where they set the store's block shape (the first update, a new
+    batch size or dtype): floating-point tensors of one 4-D shape [batch, KV heads, tokens,
+    head dim]. A 3-D one was a ValueError from unpacking its shape, K and V of different
+    lengths a RuntimeError from a copy, and int64 ones were taken as a store of ints (a
+    review of direct ``update()`` calls)."""
+    for name, t in (("key_states", keys), ("value_states", values)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
+            what = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"TieredCache.update: {name} must be a floating-point tensor shaped [batch, KV heads, "
+                             f"tokens, head dim], got {what}")
+    if keys.shape != values.shape:
+        raise ValueError(f"TieredCache.update: key_states {tuple(keys.shape)} and value_states "
+                         f"{tuple(values.shape)} differ in shape")
+
+
+def _row_index(index: Any, rows: int) -> torch.Tensor:
+    """``reorder_cache``'s index, checked: a 1-D run of ``rows`` integers in [0, rows), as a
+    tensor. One of another length (DynamicCache changes its batch size with it) was a
+    RuntimeError from inside a copy, and a float one was truncated (a review)."""
+    what = (f"{type(index).__name__} {tuple(index.shape)} {index.dtype}" if isinstance(index, torch.Tensor)
+            else repr(index)[:80])
+    if isinstance(index, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in index):
+        index = torch.tensor(index, dtype=torch.long)
+    if not (isinstance(index, torch.Tensor) and index.dim() == 1 and index.numel() == rows
+            and not index.is_floating_point() and not index.is_complex() and index.dtype is not torch.bool):
+        raise ValueError(f"reorder_cache: expected {rows} integer row indices (a 1-D tensor, one per row of the "
+                         f"cache, which keeps the batch size it was filled with), got {what}")
+    if rows and not (0 <= int(index.min()) and int(index.max()) < rows):
+        raise ValueError(f"reorder_cache: row indices must lie in [0, {rows}), got {index.tolist()}")
+    return index
+
+
 _HOOK_LOCK = threading.RLock()  # installing and removing hooks, wrap()
 _OPEN_SCOPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> _tiering scopes open
 
@@ -1794,6 +1843,16 @@ def _prepare_cache_hook(self: Any, generation_config: Any, model_kwargs: dict, g
                         *args: Any, **kwargs: Any) -> Any:
     scope = _scope_of(self)  # a closed cache the caller passed: refused as transformers marks it
     mode = getattr(generation_mode, "value", generation_mode)
+    passed = next((model_kwargs[k] for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None), None)
+    if isinstance(passed, TieredCache) and passed._loaded_ids is not None and mode not in _PREFIX_MODES:
+        # Only the plain loops prefill from the cache's length (``_check_loaded_prompt``):
+        # assisted generation and prompt lookup feed the whole prompt again on top of the
+        # loaded KV (logits 7.5 off a fresh run, silently, in a review; DynamicCache filled
+        # by hand the same way is as wrong), beams expand the rows.
+        raise ValueError(f"this TieredCache holds the first {len(passed._loaded_ids)} tokens of a prompt, loaded by "
+                         f"load_prefix(), and generate() in mode {mode!r} does not continue from a cache's past "
+                         f"(only greedy and sampling do): call load_prefix() only before those, or reset() the "
+                         f"cache first (tiercache.wrap() loads a cached prefix where the mode allows it)")
     tiered = scope is not None and _tiers_the_call(self, generation_config, model_kwargs)
     if tiered and mode not in _TIERED_MODES:
         if mode not in _UNTIERED_SEEN:
