@@ -462,8 +462,9 @@ def run(argv: Optional[list] = None) -> int:
     if unknown:
         raise ValueError(f"--setups: unknown {unknown}; known: {', '.join(SETUPS)}, each tiered one also as "
                          f"SETUP@POLICY (an eviction policy)")
-    if any(_base(s) == "quest" for s in setups):  # the budget as the quest set-up uses it (quest when --selection
-        TierConfig(selection=args.selection if args.selection not in (None, "full") else "quest",  # is full)
+    if any(_base(s) == "quest" for s in setups):
+        # the budget checked as the quest set-up uses it (with quest when --selection is full)
+        TierConfig(selection=args.selection if args.selection not in (None, "full") else "quest",
                    selection_budget=args.selection_budget, block_tokens=args.block_tokens)
     elif budget_given:
         raise ValueError(f"--selection-budget: only the quest set-up reads it, and --setups {','.join(setups)} has "
