@@ -133,6 +133,18 @@ def layer_windows(model) -> list:
     return [kw.get("sliding_window") if t != "full_attention" else None for t, kw in zip(types, kwargs)]
 
 
+def assisted_read(windows: list) -> int:
+    """The most tokens one layer reads in a forward of assisted generation (``NEW`` new
+    tokens after a ``PROMPT``-token prompt). Past recording keeps a sliding layer's blocks
+    from one crop to the next (the draft tokens on top of the window), so each layer counts
+    as a full one reading this many. Where every layer slides, a forward reads at most the
+    prompt and the longest verification (the crops trim the rest); a full layer may read
+    the whole run and a draft more."""
+    if all(w is not None for w in windows):
+        return PROMPT + NEW + 1
+    return PROMPT + NEW + ASSISTANT_TOKENS + 8
+
+
 def working_set_blocks(windows: list, schedule: list, block_tokens: int = BT) -> int:
     """Blocks that one layer's attention reads at once, maxed over layers and forwards.
 
@@ -263,13 +275,8 @@ def run_mode(family: str, mode: str, tmp_path, *, block_tokens: int = BT, device
         decode = [1] * (half - 1) + [EXTRA + 1] + [1] * (half - 1)
     if "assisted" in features:
         kwargs["assistant_model"] = tiny_model(family, assistant=True)
-        # Past recording keeps a sliding layer's blocks from one crop to the next (the
-        # draft tokens on top of the window): bound every layer as a full one. Where every
-        # layer slides, a forward reads at most the prompt and the longest verification
-        # (the crops trim the rest); a full layer may read the whole run and a draft more.
-        slides = all(w is not None for w in windows)
         windows = [None] * len(windows)
-        prefill, decode = [PROMPT + NEW + 1 if slides else PROMPT + NEW + ASSISTANT_TOKENS + 8], []
+        prefill, decode = [assisted_read(layer_windows(model))], []
 
     device_blocks = working_set_blocks(windows, prefill + decode, block_tokens) + device_extra
     cfg = tight_config(model, tmp_path, batch=batch, device_blocks=device_blocks, host_blocks=host_blocks,

@@ -32,9 +32,9 @@ from tiercache.store import BlockStore  # noqa: E402
 from tiercache.table import CopyState, Tier  # noqa: E402
 
 from conftest import line_interrupter  # noqa: E402
-from test_hf_exactness import (ASSISTANT_TOKENS, BT, CHUNK, FAMILIES, NEW, PAD, PROMPT,  # noqa: E402
-                               assert_same, block_bytes, dynamic_cache_supports, generate, layer_windows,
-                               prompt_ids, registered, tiny_model, working_set_blocks)
+from test_hf_exactness import (BT, CHUNK, FAMILIES, NEW, PAD, PROMPT, assert_same, assisted_read,  # noqa: E402
+                               block_bytes, dynamic_cache_supports, generate, layer_windows, prompt_ids,
+                               registered, tiny_model, working_set_blocks)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -239,8 +239,8 @@ def test_fast_path_views_move_with_the_slots(monkeypatch):
 def _mixed_config(model, batch: int, mode: str) -> TierConfig:
     """CPU, device and host, no disk: the device holds one step's working set (the widest
     layer's blocks) and one block more; the host holds the rest."""
-    if "assisted" in mode:  # past recording keeps sliding layers whole until crop: as full
-        widest = -(-(PROMPT + NEW + ASSISTANT_TOKENS + 8) // BT)
+    if "assisted" in mode:  # every layer counted as a full one (``assisted_read``)
+        widest = -(-assisted_read(layer_windows(model)) // BT)
     else:
         widest = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
     bb = block_bytes(model, batch)
