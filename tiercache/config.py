@@ -122,8 +122,6 @@ def _retention_min_budget(name: str) -> int:
     return int(low)
 
 
-
-
 def _check_remote_address(url: str, scheme: str) -> None:
     """A redis:// or rediss:// URL's host, port and database index, checked here: a port
     that does not parse was accepted and then raised from the remote tier's writer thread
@@ -633,11 +631,7 @@ class TierConfig:
 
     @property
     def reuse_enabled(self) -> bool:
-        if self.retention is not None:
-            return False
-        if self.reuse is None:  # blocks too long for a record's token ids: off (True is refused)
-            return self.disk_enabled and self.block_tokens <= _max_reuse_block_tokens()
-        return self.reuse
+        return _prefix_cache_on(self.reuse, self.retention, self.disk_enabled, self.block_tokens)
 
     def replace(self, **changes) -> "TierConfig":
         """A copy with ``changes`` applied (and validated). A budget the copy leaves without
@@ -660,20 +654,28 @@ class TierConfig:
         return TierConfig(**values)
 
 
+def _prefix_cache_on(reuse: Optional[bool], retention: Optional[str], disk_on: bool, block_tokens: int) -> bool:
+    """``TierConfig.reuse_enabled`` from its inputs: never with a retention policy (the
+    prefix cache stores exact KV); with ``reuse=None``, wherever there is a disk tier and a
+    record's header holds a block's token ids (``reuse=True`` is refused otherwise)."""
+    if retention is not None:
+        return False
+    if reuse is None:
+        return disk_on and block_tokens <= _max_reuse_block_tokens()
+    return bool(reuse)
+
+
 def _reuse_off(values: dict) -> bool:
     """Whether a config of these field values (``TierConfig.replace``'s, before it checks
-    them) has no prefix cache, as ``reuse_enabled`` would say; False where a value is
-    invalid (the config's own check names it)."""
-    if values["retention"] is not None or values["reuse"] is False:
-        return True
-    if values["reuse"] is not None:
-        return False
+    them) has no prefix cache (``_prefix_cache_on``); False where a value is invalid (the
+    config's own check names it)."""
     try:
         disk_on = values["disk_dir"] is not None and parse_bytes(values["disk_budget"], "disk_budget") > 0
     except ValueError:
         return False
-    block_tokens = values["block_tokens"]
-    return not disk_on or (isinstance(block_tokens, int) and block_tokens > _max_reuse_block_tokens())
+    if not isinstance(values["block_tokens"], int):
+        return False
+    return not _prefix_cache_on(values["reuse"], values["retention"], disk_on, values["block_tokens"])
 
 
 def as_tier_config(config: Optional[TierConfig]) -> TierConfig:

@@ -1275,7 +1275,7 @@ class TieredCache(Cache):
                     values: torch.Tensor, planned: bool = False) -> tuple:
         """After a layer's blocks were read: scores hook, prefetch (unless ``planned``: the
         read already queued it), sliding frees, stall time."""
-        store, layer, bt = self.store, self.layers[layer_idx], self.tier_config.block_tokens
+        store, layer = self.store, self.layers[layer_idx]
         if self.wants_scores or self.trace is not None:
             setattr(keys, SCORES_ATTR, self._scores_hook(needed, offset))
         if not planned:
@@ -1283,7 +1283,7 @@ class TieredCache(Cache):
             if plan:
                 store.prefetch(plan, protect=needed, dst=store.attention_tier)
         if layer.is_sliding and not layer.record_past:
-            self._free_before(layer, max(layer.num_tokens - layer.sliding_window + 1, 0) // bt)
+            self._free_outside_window(layer)
         stall = store.take_stall()
         self.events.stall(stall)
         if self.trace is not None:
@@ -1317,6 +1317,11 @@ class TieredCache(Cache):
             store.unpin(pinned)
         for index in range(new, old):
             store.delete(self._key(layer_idx, index))
+
+    def _free_outside_window(self, layer: TieredLayer) -> None:
+        """Free a sliding layer's blocks that hold no token the next step can see."""
+        self._free_before(layer, max(layer.num_tokens - layer.sliding_window + 1, 0)
+                          // self.tier_config.block_tokens)
 
     def _free_before(self, layer: TieredLayer, first_block: int) -> None:
         for index in range(layer.first_block, first_block):
@@ -1374,7 +1379,7 @@ class TieredCache(Cache):
             # instead, a sliding layer grew with every token of the run (a review: 18 blocks a
             # layer after 60 tokens, where plain generation held 2), and a run that fit its
             # budgets raised CapacityError.
-            self._free_before(layer, max(new_len - layer.sliding_window + 1, 0) // bt)
+            self._free_outside_window(layer)
         state = self.retention_state.layers.get(layer_idx) if self.retention_state is not None else None
         if state is not None:
             state.crop(new_len)
