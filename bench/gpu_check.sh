@@ -16,7 +16,14 @@
 #   overhead tiercache bench overhead --device cuda --json (the store's Python per batch)
 #   suite    the rest of the test suite on this CUDA machine (not the `model` tests)
 # $STEPS (default: all seven) picks the steps to run, e.g. STEPS="env gputests io".
-# Exit status: the number of steps that failed.
+# $PACK: a folder made by bench/gpu_pack.sh (carried along: the GPU machine has no network).
+# Its wheels (tiercache's own and the dependencies the image lacks) are installed first into
+# a folder of the scratch space, put ahead on PYTHONPATH (log OUTDIR/install.log); without
+# MODEL_DIR, bench decode runs on a model made there from PACK/model-src with random weights.
+# Step limits are ceilings, not durations (the 2026-12-04 runs of env, gputests, decode and
+# both io steps took 155 s in all); a device call runs 600 s at most, so `suite`, the
+# longest, goes last, where a cut loses only it.
+# Exit status: the number of steps that failed (install and model count as steps).
 set -u
 STEPS=${STEPS:-env gputests decode io io_posix overhead suite}
 OUT=${1:?usage: gpu_check.sh OUTDIR [MODEL_DIR]}
@@ -25,6 +32,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 # absolute: the steps run in a scratch folder
 OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd) || exit 1
 if [ -n "$MODEL" ]; then MODEL=$(cd "$MODEL" && pwd) || exit 1; fi
+if [ -n "${PACK:-}" ]; then PACK=$(cd "$PACK" && pwd) || exit 1; fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tiercache-gpu-XXXXXX") || exit 1
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK" || exit 1
@@ -47,6 +55,24 @@ env_info() {
     df -hT "$WORK"; nproc; free -g
     python3 -c "from tiercache.disk import probe_direct_io, kvikio_status; print('O_DIRECT:', probe_direct_io('$WORK'), 'kvikio:', kvikio_status())"
 }
+if [ -n "${PACK:-}" ]; then
+    echo "== install (from $PACK)"
+    if python3 -m pip install --no-deps --no-index --target "$WORK/site" "$PACK"/wheels/*.whl \
+            >"$OUT/install.log" 2>&1; then
+        export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+        python3 -c "import tiercache, transformers, crc32c; print('tiercache from', tiercache.__file__, '| transformers', transformers.__version__)"
+    else
+        FAILED=$((FAILED + 1))
+        echo "== install failed:"; tail -n 20 "$OUT/install.log"
+    fi
+    case " $STEPS " in *" decode "*)  # a model to decode with, only if decode runs
+        if [ -z "$MODEL" ] && [ -d "$PACK/model-src" ]; then
+            MODEL="$WORK/model"
+            STEPS="$STEPS model"
+            step model 120 python3 -m tiercache.bench.random_model "$PACK/model-src" "$MODEL"
+        fi ;;
+    esac
+fi
 export WORK
 step env 30 bash -c "$(declare -f env_info); env_info"
 step gputests 90 python3 -m pytest "$REPO/tests/test_gpu.py" -v -rfEs --tb=short -p no:cacheprovider
