@@ -26,6 +26,9 @@ def test_pinned_host_pool_and_stream_moves_round_trip(tmp_path):
             assert torch.equal(store.get(k), v.cpu())
         assert store.stats()["moves"]["device->host"]["blocks"] > 0
         store.check()
+        # "cuda" is the device current at open, for good: its index is kept (a review: left
+        # bare, later index tensors went to whatever device a thread had current)
+        assert store.device == torch.device("cuda", torch.cuda.current_device())
 
 
 def test_the_pinned_host_pool_pins_exactly_its_budget_and_lets_go_on_close():

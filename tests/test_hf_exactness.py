@@ -695,6 +695,24 @@ def test_the_cache_api_names_a_wrong_argument(tmp_path):
         serve_metrics({})
 
 
+def test_a_layer_on_another_device_is_refused_by_name(tmp_path):
+    """A model split over devices (``device_map``): the store opens on the first layer's
+    device, and a later layer's K/V were copied across into that pool, so that attention on
+    the other device failed deep inside torch (a review of the CUDA paths). The first update
+    of a layer computing elsewhere is now a ValueError naming both devices, before that
+    layer stores anything. (CPU here: the other device is ``meta``.)"""
+    model = tiny_model("llama")
+    kv = torch.randn(1, 2, 3, 16)
+    with tiercache.TieredCache(model, tight_config(model, tmp_path, batch=1, device_blocks=4)) as cache:
+        cache.update(kv, kv, 0)
+        with pytest.raises(ValueError, match=r"layer 1 computes on meta, but the cache's device tier is on cpu.*"
+                                             r"split over devices \(device_map\) is not supported"):
+            cache.update(kv.to("meta"), kv.to("meta"), 1)
+        assert cache.layers[1].num_tokens == 0 and not cache.layers[1].is_initialized
+        keys, _ = cache.update(kv, kv, 1)  # the same layer on the right device goes on
+        assert torch.equal(keys, kv)
+
+
 def test_reorder_cache_names_an_index_that_is_not_one_per_row(tmp_path):
     """``reorder_cache`` with an index of another length (DynamicCache changes its batch size
     with one) was a RuntimeError from inside a copy, and a float index was truncated (a

@@ -926,6 +926,14 @@ class TieredCache(Cache):
                                  f"{self.num_layers} this cache was built for; build the cache with the model that "
                                  f"uses it")
             raise ValueError(f"TieredCache.update: layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
+        store = self.store
+        if store is not None and not self.layers[layer_idx].is_initialized and (
+                key_states.device != store.device and not _same_device(store.device, key_states.device)):
+            # A model split over devices (device_map): the blocks would be copied across into
+            # the first layer's device pool, and attention on this one fail deep inside (a review)
+            raise ValueError(f"TieredCache: layer {layer_idx} computes on {key_states.device}, but the cache's device "
+                             f"tier is on {store.device}, where the first layer computed; a model split over devices "
+                             f"(device_map) is not supported: put the whole model on one device")
         me = _thread_token()
         if layer_idx and self._forward[0] is me:  # on with this thread's forward pass
             self._forward = (me, layer_idx)

@@ -173,6 +173,10 @@ class BlockStore:
                              f"block_tokens={config.block_tokens}; give both the same")
         self.geometry = geometry
         self.device = torch.device(device if device is not None else (config.device or "cpu"))
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            # "cuda" means the device current now, for good: pools and later index tensors
+            # alike (left bare, a thread whose current device differs put them apart)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.events = events if events is not None else Events(config.eviction)
         self._cuda = self.device.type == "cuda"
         self._copy_jobs = max(1, min(config.io_workers, _usable_cores()))  # see _submit_all
