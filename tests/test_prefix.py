@@ -1479,6 +1479,79 @@ def test_a_prefix_disk_budget_below_one_block_is_said_at_open(tmp_path, reuse, c
     assert_same(reference(model, ids), out)
 
 
+def test_load_prefix_on_a_closed_cache_is_refused_before_anything_opens(tmp_path):
+    """``load_prefix`` on a closed TieredCache opened a store for it (I/O threads and a
+    session folder) and only then failed in the update, which refuses a closed cache; a
+    second ``close()`` did nothing, so they stayed for the rest of the process (a review).
+    It is refused first now, as ``update`` refuses, and nothing is left behind."""
+    import threading
+
+    model, ids = tiny_model(), prompt()
+    cfg = config(tmp_path)
+    run(model, ids, cfg)  # a warm prefix: the load would have blocks to read
+    threads = threading.active_count()
+    cache = TieredCache(model, cfg)
+    cache.close()
+    with pytest.raises(RuntimeError, match="TieredCache is closed"):
+        cache.load_prefix(ids)
+    cache.close()
+    assert cache.store is None and threading.active_count() <= threads
+    sessions = tmp_path / "kv" / "sessions"
+    assert not sessions.exists() or not any(sessions.iterdir())
+
+
+def test_a_run_with_too_small_a_disk_budget_leaves_the_saved_cache_as_it_was(tmp_path, caplog):
+    """A prefix cache filled under a large disk_budget, then a run whose budget holds less
+    than one block of every layer. That run said "prefix cache off for this run" but had
+    already opened the store, whose open cut the data file to its budget: the next run
+    with the large budget found the cache emptied and blamed a killed process (a review).
+    Now the budget is checked before the store opens: the data file keeps every byte and
+    the next run reuses the prompt as before."""
+    model, ids = tiny_model(), prompt()
+    big = dataclasses.replace(config(tmp_path), disk_budget="1MiB")
+    run(model, ids, big)
+    close_all()
+    (data,) = list((tmp_path / "kv").rglob("blocks.dat"))
+    before = data.read_bytes()
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, _ = run(model, ids, dataclasses.replace(big, disk_budget="16KiB"))
+    assert "prefix cache off" in caplog.text and "needs 3" in caplog.text
+    assert_same(reference(model, ids), out)
+    assert data.read_bytes() == before
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, stats = run(model, ids, big)
+    assert stats["reused_tokens"] > 0 and "damaged" not in caplog.text
+    assert_same(reference(model, ids), out)
+
+
+def test_a_smaller_disk_budget_keeps_the_first_whole_blocks_and_says_why(tmp_path, caplog):
+    """A prefix cache filled under one disk_budget and reopened under one that holds half
+    of its blocks. The open cut the data file at the budget's end, and a prefix block's
+    layers lie all over the file: every block lost a layer, all were dropped, and the
+    loss was blamed on a killed process (a review). Now whole blocks are kept, the first
+    ones of the prompt first, records past the end moved into the slots freed: the run
+    reuses the blocks that fit, exact, and the log says the budget dropped the others."""
+    model, ids = tiny_model(), prompt(length=6 * BT + 2)
+    big = dataclasses.replace(config(tmp_path), disk_budget="1MiB", reuse_host_budget="8KiB")
+    run(model, ids, big)
+    close_all()
+    _, stats = run(model, ids, big)
+    assert stats["reused_tokens"] == 6 * BT  # every full block before the last prompt token
+    close_all()
+    from tiercache.disk import DiskTier
+    from tiercache.tiers import BlockGeometry
+    record = DiskTier.record_size(BlockGeometry(1, 2, BT, 16, torch.float32))  # the tiny model's blocks
+    small = dataclasses.replace(big, disk_budget=3 * 3 * record + record)  # 3 blocks of 3 layers, and a slot
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tiercache"):
+        out, stats = run(model, ids, small)
+    assert stats["reused_tokens"] == 3 * BT
+    assert_same(reference(model, ids), out)
+    assert "held more saved blocks than disk_budget holds (10 blocks here)" in caplog.text
+    assert "a sequence's first blocks kept first), 9 kept" in caplog.text and "damaged" not in caplog.text
+
+
 def test_forwards_that_stop_half_way_leave_no_unfinished_block(tmp_path):
     """Four requests whose forward raises in layer 1 (an error, Ctrl-C) after layer 0 of a
     new block was stored. Those blocks, with one layer of three, were kept and evicted last:

@@ -774,7 +774,7 @@ def test_opening_a_sparse_data_file_reads_only_where_it_holds_data(tmp_path, geo
         assert len(store) == 12  # the far record is slot 0's key again: one of the two is kept
         for key, block in data.items():
             assert torch.equal(store.get(key), block)
-    assert "held 1 saved blocks past disk_budget" in caplog.text
+    assert "held 1 saved blocks past disk_budget's end (20 blocks here) that are copies of blocks kept" in caplog.text
 
 
 def test_checksums_computed_ahead_of_the_writers_are_the_records_own(tmp_path):
@@ -1056,7 +1056,11 @@ def test_a_smaller_disk_budget_cuts_the_records_past_it_and_they_never_come_back
     the small budget a block stored there was put again and deleted, and the third session
     (room again) served the old bytes of the deleted block (a review). Now the records past
     the budget are dropped at open, with a warning, and the data file is cut to the budget:
-    the deleted block stays deleted, the blocks within the budget stay exact."""
+    the deleted block stays deleted, the blocks kept stay exact. Which are kept: the first
+    four blocks of the sequence (the lowest block indices), wherever they lay in the file;
+    one of them lay past the smaller budget's end and was moved into a slot within it
+    (before, the cut went by file position: see
+    ``test_a_smaller_budget_keeps_whole_blocks_of_every_layer_first_ones_first``)."""
     def open_with(disk_blocks: int) -> BlockStore:
         return BlockStore(tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=2, disk_blocks=disk_blocks),
                           geometry)
@@ -1068,11 +1072,17 @@ def test_a_smaller_disk_budget_cuts_the_records_past_it_and_they_never_come_back
         store.flush()
         slot = {key: store.table.copy(key, Tier.DISK).slot for key in data}
     assert sorted(slot.values()) == list(range(8))
-    low = [key for key in data if slot[key] < 4]
-    far = next(key for key in data if slot[key] >= 4)
+    low = [BlockKey(0, 0, i) for i in range(4)]  # the sequence's first four blocks
+    far = BlockKey(0, 0, 7)
+    moved = sum(slot[key] >= 4 for key in low)
+    assert moved  # the put order leaves one of the first four past the smaller budget
     with caplog.at_level("WARNING", logger="tiercache"), open_with(4) as store:
-        assert "held 4 saved blocks past disk_budget (4 blocks here); they were dropped" in caplog.text
+        assert ("held more saved blocks than disk_budget holds (4 blocks here): 4 were dropped (whole groups of a "
+                "block's layers, a sequence's first blocks kept first), 4 kept") in caplog.text
+        assert f"{moved} saved blocks past disk_budget's end (4 blocks here) were moved into free slots" in caplog.text
         assert store.dropped_on_open == 4 and sorted(store.table.keys()) == sorted(low)
+        for key in low:
+            assert torch.equal(store.get(key), data[key])
         assert os.path.getsize(store.disk.path) <= 4 * store.disk.record_bytes
         store.put(far, torch.full(geometry.shape, 2.0))  # stored again with other bytes ...
         store.flush()
@@ -1082,6 +1092,39 @@ def test_a_smaller_disk_budget_cuts_the_records_past_it_and_they_never_come_back
         assert sorted(store.table.keys()) == sorted(low)
         for key in low:
             assert torch.equal(store.get(key), data[key])
+
+
+def test_a_smaller_budget_keeps_whole_blocks_of_every_layer_first_ones_first(tmp_path, geometry, caplog):
+    """Blocks 0-3 of a sequence, three layers each, written layer by layer: each block's
+    layers lie four slots apart. Reopened under a budget of 7 records, a cut at slot 7
+    kept block 0-3's layer 0 and 1 and some of layer 2 — not one block whole. Now the open
+    keeps whole groups, lowest block index first: blocks 0 and 1 (6 records, their layer 2
+    moved from past the end into slots freed by blocks 2 and 3), exact; the seventh slot
+    stays free rather than hold a third block's part; the file is cut to the budget."""
+    def open_with(disk_blocks: int) -> BlockStore:
+        return BlockStore(tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1, disk_blocks=disk_blocks),
+                          geometry)
+
+    g = torch.Generator().manual_seed(3)
+    data = {BlockKey(0, layer, index): torch.randn(geometry.shape, generator=g)
+            for layer in range(3) for index in range(4)}
+    with open_with(12) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+        slot = {key: store.table.copy(key, Tier.DISK).slot for key in data}
+    kept = [key for key in data if key.index < 2]
+    assert any(slot[key] >= 7 for key in kept)  # some of them lie past the smaller budget's end
+    with caplog.at_level("WARNING", logger="tiercache"), open_with(7) as store:
+        assert sorted(store.table.keys()) == sorted(kept)
+        for key in kept:
+            assert torch.equal(store.get(key), data[key])
+        assert store.dropped_on_open == 6 and store.table.num_free(Tier.DISK) >= 1
+        assert os.path.getsize(store.disk.path) <= 7 * store.disk.record_bytes
+        store.check()
+    assert "7 blocks here): 6 were dropped" in caplog.text and ", 6 kept" in caplog.text
+    with open_with(12) as store:  # what was dropped stays dropped; what was kept is there
+        assert sorted(store.table.keys()) == sorted(kept)
 
 
 def test_a_store_that_forgets_refuses_a_directory_of_saved_blocks(tmp_path, geometry):

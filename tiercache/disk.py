@@ -684,6 +684,24 @@ class DiskTier(RecordCodec):
             os.ftruncate(self._fd, end)
             self._allocated = min(self._allocated, end)
 
+    def move_record(self, src: int, dst: int) -> None:
+        """Copy the whole record in slot ``src`` to slot ``dst``, bytes as they are (a header
+        names its block, not its slot), leaving ``src`` as it was: an open under a smaller
+        budget moves records from past it into free slots within it (``sync`` then
+        ``cut_to_budget`` after)."""
+        size = self.record_bytes
+        data = os.pread(self._fd, size, src * size)
+        if len(data) != size:
+            raise OSError(errno.EIO, f"slot {src} holds {len(data)} of its record's {size} bytes")
+        view, offset = memoryview(data), dst * size
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def sync(self) -> None:
+        """Make what was written to the data file durable (``fdatasync``)."""
+        os.fdatasync(self._fd)
+
     def tombstone(self, slot: int) -> None:
         """Invalidate the record in ``slot`` (only needed when the tier persists)."""
         if self.persistent:

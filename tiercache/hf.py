@@ -510,6 +510,8 @@ class TieredCache(Cache):
         if input_ids.dim() != 2:
             raise ValueError(f"load_prefix: input_ids must be shaped [1, N] (as generate() takes them), got "
                              f"{tuple(input_ids.shape)}; for one sequence of ids, pass ids[None]")
+        if self.closed:  # before anything opens: a store opened here was never closed (a review)
+            raise RuntimeError(_CLOSED)
         if not self._reuse or input_ids.shape[0] != 1 or any(layer.num_tokens for layer in self.layers):
             return 0
         prefix = self._ensure_prefix()
@@ -813,6 +815,36 @@ class TieredCache(Cache):
         if not isinstance(dtype, torch.dtype):
             dtype = torch.get_default_dtype()
         return *self._kv_shape(), dtype
+
+    def min_capacity_blocks(self, prompt_tokens: int, new_tokens: int = 0) -> int:
+        """The fewest distinct blocks a run of one row of ``prompt_tokens`` plus
+        ``new_tokens`` decode steps holds at its end, over all layers: every stored token of
+        a full layer, a sliding layer's window (0 where a retention policy drops tokens).
+        Over every tier's slots, the run fails part way with ``CapacityError``; ``tiercache
+        generate`` compares it with ``capacity_blocks`` before the prefill (a review: a run
+        streamed half an answer, then failed naming what that step needed)."""
+        prompt_tokens = _count_arg("min_capacity_blocks", "prompt_tokens", prompt_tokens, 1)
+        new_tokens = _count_arg("min_capacity_blocks", "new_tokens", new_tokens, 0)
+        if self.retention_state is not None:
+            return 0
+        bt = self.tier_config.block_tokens
+        total = prompt_tokens + max(new_tokens - 1, 0)  # the last new token is never fed back
+        blocks = -(-total // bt)
+        return sum(min(blocks, -(-layer.sliding_window // bt)) if layer.is_sliding else blocks
+                   for layer in self.layers)
+
+    def capacity_blocks(self) -> int:
+        """Distinct blocks of one row the tiers hold together (each tier in its own unit:
+        device blocks, host slots, disk records), before the store opens too."""
+        if self.store is not None and self.store.geometry.batch == 1:
+            return self.store.capacity_blocks()
+        from tiercache.disk import DiskTier
+
+        kv_heads, head_dim, dtype, _ = self._geometry_of_model()
+        g = BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype)
+        cfg = self.tier_config
+        return (cfg.device_budget // g.block_bytes + (cfg.host_budget // g.padded_bytes if cfg.host_enabled else 0)
+                + (cfg.disk_budget // DiskTier.record_size(g) if cfg.disk_enabled else 0))
 
     def _widest_blocks(self, prompt_tokens: int, new_tokens: int, prefill_chunk: Optional[int],
                        loaded: int) -> Optional[int]:

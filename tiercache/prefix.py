@@ -422,14 +422,16 @@ class PrefixCache:
         except ValueError as exc:
             raise CacheDirError(str(exc)) from None
         self.events = Events(eviction)
-        self.store = BlockStore(store_cfg, geometry, disk_dir=self.directory, persistent=True,
-                                model_digest=digest, events=self.events)
-        if self.store.num_slots(Tier.DISK) < num_layers:  # no block could ever be kept whole
-            slots = self.store.num_slots(Tier.DISK)
-            self.store.close()
+        record_bytes = DiskTier.record_size(geometry)
+        slots = config.disk_budget // record_bytes
+        if slots < num_layers:  # no block could ever be kept whole; refused before the store opens,
+            # whose open cuts the data file to this budget: a run with the cache off for a too
+            # small budget emptied the cache a larger one had filled (a review)
             raise CacheDirError(f"disk_budget: the prefix cache under {root!r} holds {slots} records and one block "
                                 f"of this model needs {num_layers} (one per layer); raise disk_budget to at least "
-                                f"{num_layers * self.store.disk.record_bytes} bytes, or pass reuse=False")
+                                f"{num_layers * record_bytes} bytes, or pass reuse=False")
+        self.store = BlockStore(store_cfg, geometry, disk_dir=self.directory, persistent=True,
+                                model_digest=digest, events=self.events)
         self.admission = config.reuse_admission
         # First sightings remembered (admission "reused"): four times the blocks the disk
         # holds. Kept for good, they grew the index past the disk budget with every distinct
@@ -469,7 +471,7 @@ class PrefixCache:
         stored: dict = {}
         for key in self.store.table.keys():
             stored.setdefault((key.seq_id, key.index), set()).add(key.layer)
-        rows = self.index.rows()
+        rows = rows_before = self.index.rows()
         stale = [h for h, row in rows.items() if len(stored.get((h, row[1]), ())) < self.num_layers
                  and row[4] > 0]
         self.index.delete(stale)
@@ -498,7 +500,12 @@ class PrefixCache:
         added = len(recovered)
         self.dropped_incomplete = len(stale) + len(orphans)
         self.recovered = added
-        dropped = self.store.dropped_on_open + len(stale) + len(orphans)
+        # Blocks dropped because a smaller disk_budget holds fewer are not damage: the store
+        # warned of them (a review: they were blamed on a killed process)
+        cut = self.store.dropped_groups_for_budget
+        stale_cut = sum(1 for h in stale if (h, rows_before[h][1]) in cut)
+        dropped = (self.store.dropped_on_open - self.store.dropped_past_budget + len(stale) - stale_cut
+                   + len(orphans))
         if dropped:
             log.warning("prefix cache %s: dropped %d damaged or incomplete records on open (a process "
                         "was killed while writing, or the files were damaged); their tokens will be "

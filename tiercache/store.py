@@ -376,7 +376,11 @@ class BlockStore:
         doubtful = {key for key, slots in seen.items()  # past the budget too: any may be the current one
                     if len(slots) > 1 and not self.disk.records_agree(slots)}
         dropped = past = twice = 0
-        for slot, key, num_tokens, token_ids in records:
+        inside: list = []  # whole records within the budget, one per key: [(slot, key, num_tokens, token_ids)]
+        beyond: list = []  # the same past it (a file written under a larger budget)
+        kept: set = set()
+        for record in records:
+            slot, key = record[0], record[1]
             if key in doubtful:
                 twice += 1
                 if slot < self.disk.num_slots:
@@ -386,28 +390,108 @@ class BlockStore:
                     past += 1
                 continue
             if slot >= self.disk.num_slots:
-                past += key is not None
+                if key is not None:
+                    beyond.append(record)
                 continue
-            if key is None or key in self.table:  # a copy of a record adopted above: one of them is kept
+            if key is None or key in kept:  # a copy of a record kept above: one of them is kept
                 dropped += 1
                 if key is None:
                     self.events.integrity_error("disk")
                 self.disk.tombstone(slot)
                 continue
-            self.table.adopt(key, Tier.DISK, slot)
-            self.policies[Tier.DISK].insert(key)
-            self._tokens[key] = num_tokens
-            if token_ids:
-                self._token_ids[key] = token_ids
+            kept.add(key)
+            inside.append(record)
+        unique: list = []
+        copies = 0  # past the budget's end, copies of records kept
+        for record in beyond:
+            if record[1] in kept:  # a copy of a record kept (they agree): one of them is kept
+                copies += 1
+            else:
+                kept.add(record[1])
+                unique.append(record)
+        beyond = unique
+        self.dropped_groups_for_budget: set = set()  # (seq, index) of the blocks dropped for the budget
+        cut = 0
+        if beyond:  # more blocks than the budget holds: whole groups of them kept, the rest go
+            everything = inside + beyond
+            inside, beyond = self._fit_to_budget(inside, beyond)
+            kept_keys = {r[1] for r in inside + beyond}
+            for slot, key, *_ in everything:
+                if key not in kept_keys:
+                    self.dropped_groups_for_budget.add(_record_group(key))
+                    cut += 1
+                    if slot < self.disk.num_slots:
+                        self.disk.tombstone(slot)
+        for slot, key, num_tokens, token_ids in inside:
+            self._adopt_record(key, slot, num_tokens, token_ids)
+        moved = self._move_within_budget(beyond)
+        past += copies + cut + len(beyond) - moved
         self.disk.cut_to_budget()
         if twice:
             log.warning("tiercache: %s held %d differing records of %d blocks (a record whose invalidation "
                         "failed, then the block written again); all of them were dropped, since which one is "
                         "current cannot be told", self.disk.path, twice, len(doubtful))
-        if past:
-            log.warning("tiercache: %s held %d saved blocks past disk_budget (%d blocks here); they were dropped",
-                        self.disk.path, past, self.disk.num_slots)
+        if copies:
+            log.warning("tiercache: %s held %d saved blocks past disk_budget's end (%d blocks here) that are copies "
+                        "of blocks kept; they were dropped", self.disk.path, copies, self.disk.num_slots)
+        if cut:
+            log.warning("tiercache: %s held more saved blocks than disk_budget holds (%d blocks here): %d were "
+                        "dropped (whole groups of a block's layers, a sequence's first blocks kept first), %d "
+                        "kept", self.disk.path, self.disk.num_slots, cut, len(inside) + moved)
+        if moved:
+            log.warning("tiercache: %s: %d saved blocks past disk_budget's end (%d blocks here) were moved into free "
+                        "slots within it", self.disk.path, moved, self.disk.num_slots)
         self.dropped_on_open = dropped + past
+        self.dropped_past_budget = past
+
+    def _adopt_record(self, key: Hashable, slot: int, num_tokens: int, token_ids: bytes) -> None:
+        self.table.adopt(key, Tier.DISK, slot)
+        self.policies[Tier.DISK].insert(key)
+        self._tokens[key] = num_tokens
+        if token_ids:
+            self._token_ids[key] = token_ids
+
+    def _fit_to_budget(self, inside: list, beyond: list) -> tuple:
+        """Open, with more saved blocks than the budget holds (a smaller one than the file
+        was written under; records as ``_adopt_disk_records``' ``inside`` and ``beyond``):
+        which to keep. Whole groups — the layers of one block index of one sequence
+        (``_record_group``): a prefix block is of use only whole, and only with the blocks
+        before it — lowest block index first, then in file order, as many as fit. Returns
+        the records kept (within the budget, past it). A smaller budget used to
+        cut by file position: 12 prefix blocks, whose layers lay all over the file, all went
+        under a budget that holds 6 (a review)."""
+        groups: dict = {}  # group -> [records], in file order of their first record
+        for record in sorted(inside + beyond, key=lambda r: r[0]):
+            groups.setdefault(_record_group(record[1]), []).append(record)
+        order = sorted(groups, key=lambda g: (g[1] if len(g) == 2 else 0, groups[g][0][0]))
+        room, keep = self.disk.num_slots, set()
+        for group in order:
+            if len(groups[group]) <= room:
+                keep.add(group)
+                room -= len(groups[group])
+        limit = self.disk.num_slots
+        kept = [r for g in keep for r in groups[g]]
+        return [r for r in kept if r[0] < limit], [r for r in kept if r[0] >= limit]
+
+    def _move_within_budget(self, beyond: list) -> int:
+        """Open: move the records kept past the budget (``_fit_to_budget``) into free slots
+        within it, bytes as they are, and adopt them there; returns how many moved (the rest
+        go with ``cut_to_budget``). The copies are made durable before the cut, and a crash
+        between leaves two copies that agree, of which the next open keeps one."""
+        moved = 0
+        spots = self.table.free_slots(Tier.DISK)
+        try:
+            for slot, key, num_tokens, token_ids in sorted(beyond, key=lambda r: r[0]):
+                dst = next(spots)
+                self.disk.move_record(slot, dst)
+                self._adopt_record(key, dst, num_tokens, token_ids)
+                moved += 1
+        except OSError as exc:  # the rest are dropped, as before; those moved are kept
+            log.warning("tiercache: %s: moving saved blocks within disk_budget failed (%s); the rest are dropped",
+                        self.disk.path, exc.strerror or exc)
+        if moved:
+            self.disk.sync()  # before the cut takes the originals away
+        return moved
 
     # ---- queries ---------------------------------------------------------------------
     @property
@@ -3440,6 +3524,15 @@ def _copy_tokens(copy, dst, src, lo: int, hi: int, block_tokens: int, unit: int)
         copy(dst[:, whole_from:whole_to], src[:, whole_from:whole_to])
     if b < block_tokens * unit:
         copy(dst[:, last, :b], src[:, last, :b])
+
+
+def _record_group(key: Hashable) -> Hashable:
+    """The group a saved block belongs to when a smaller budget keeps whole groups
+    (``BlockStore._move_within_budget``): (sequence, block index) of a block key, whose
+    layers are of use together; any other key is a group of its own."""
+    if isinstance(key, tuple) and len(key) == 3:
+        return key[0], key[2]
+    return (key,)
 
 
 def _pieces(runs: list, most: int) -> list:

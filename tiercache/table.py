@@ -236,6 +236,12 @@ class BlockTable:
     def __len__(self) -> int:
         return sum(1 for e in self._blocks.values() if not e.deleted)
 
+    def free_slots(self, tier: Tier) -> Iterator[int]:
+        """The free slots of ``tier``, lowest first, looked up lazily (a slot taken while
+        this is walked is passed over)."""
+        slots = self._slots[tier]
+        return (slot for slot in range(slots.num_slots) if slots.is_free(slot))
+
     def keys(self) -> Iterator:
         return (k for k, e in self._blocks.items() if not e.deleted)
 
