@@ -101,6 +101,9 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
         raw_tool = default_raw_tool()
     if raw_tool not in ("fio", "dd"):
         raise ValueError(f"raw_tool: must be fio, dd or auto, got {raw_tool!r}")
+    if not shutil.which(raw_tool):  # else an ENOENT from the first run of it, after the store's writes (a review)
+        raise ValueError(f"raw_tool: {raw_tool} is not installed (not on PATH); install it, or use "
+                         f"{'dd' if raw_tool == 'fio' else 'fio'} or auto")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     geometry = BlockGeometry(1, KV_HEADS, block_tokens, HEAD_DIM, DTYPE)
     num_blocks = max(1, total_bytes // geometry.block_bytes)

@@ -105,7 +105,11 @@ def _print_summary(summary: dict, out_dir: str) -> None:
 def _resummarize(path: str, as_json: bool) -> int:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            text = f.read()
+    except OSError as exc:  # a missing file was "not a policies.json from this benchmark" (a review)
+        raise ValueError(f"--summarize: cannot read {path!r}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
         results = data["results"]
         fractions = {(r["trace"], r["budget_bytes"]): r["budget_fraction"] for r in results if "budget_fraction" in r}
         # inside the check: a `compare --json` report (no budget fractions) or a row with a

@@ -222,7 +222,11 @@ def test_a_record_still_being_written_is_waited_for(make_store, geometry):
 
 def test_async_calls_refuse_what_the_store_refuses(make_store, geometry):
     """One key given where a list is expected is a TypeError, as for the store; a read after
-    close is refused as every call is."""
+    close is refused as every call is. Anything but a store to wrap is a TypeError at once
+    (``AsyncStore(None)`` was taken, and its first call an AttributeError from inside)."""
+    for bad in (None, "kv", {}):
+        with pytest.raises(TypeError, match="AsyncStore: expected a tiercache BlockStore, got "):
+            AsyncStore(bad)
     store = make_store(device_blocks=1, host_blocks=1)
     key = BlockKey(0, 0, 0)
     store.put(key, torch.randn(geometry.shape))

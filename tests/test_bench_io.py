@@ -69,6 +69,22 @@ def test_measure_io_refuses_a_directory_that_does_not_exist(tmp_path):
         measure_io(str(tmp_path), block_tokens=16, total_bytes=1 << 60, workers=2, raw_tool="dd", rounds=2)
 
 
+def test_a_raw_tool_that_is_not_installed_is_named_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """``bench io --raw-tool fio`` on a machine without fio wrote the store's blocks, then
+    failed with ``[Errno 2] No such file or directory: 'fio'`` and exit status 1, as for a
+    failing disk (a review). A tool that is not on PATH is now bad input: named, exit 2,
+    nothing written."""
+    from tiercache.bench.io import run
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
+    for tool in ("fio", "dd"):
+        with pytest.raises(ValueError, match=f"^raw_tool: {tool} is not installed"):
+            measure_io(str(tmp_path), block_tokens=16, total_bytes=2 << 20, workers=2, raw_tool=tool, rounds=2)
+        assert list(tmp_path.iterdir()) == []
+        assert run(["--raw-tool", tool, "--dir", str(tmp_path), "--size", "2MiB", "--block-tokens", "16"]) == 2
+        assert f"raw_tool: {tool} is not installed (not on PATH)" in capsys.readouterr().err
+
+
 def test_run_json_prints_one_object(tmp_path, capsys):
     assert run(["--json", "--size", "4MiB", "--dir", str(tmp_path), "--block-tokens", "64", "--workers", "2"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -327,6 +327,11 @@ def test_bench_policies_summarize_refuses_other_json_in_one_line(content, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith(f"tiercache: error: --summarize: {str(path)!r} is not a policies.json")
     assert err.count("\n") == 1
+    # a missing file is said to be missing, not "not a policies.json" (a review)
+    assert main(["bench", "policies", "--summarize", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    missing = str(tmp_path / "none.json")
+    assert err == f"tiercache: error: --summarize: cannot read {missing!r}: No such file or directory\n"
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line_from_stdin_or_a_file(tmp_path):
@@ -617,6 +622,63 @@ def run_tiny(model: str, *args: str) -> subprocess.CompletedProcess:
     return cli("generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "1", "--quiet", *args)
 
 
+def test_generate_refuses_a_run_its_tiers_cannot_hold_before_any_answer(tiny_model, tmp_path):
+    """Budgets whose tiers hold fewer blocks than the whole run needs, though the device
+    holds what the prefill needs: the run streamed part of its answer, then failed naming
+    what that one step needed (120 blocks, where the run needed 150), with no newline after
+    the half answer (a review). Now it is refused before the prefill, naming the whole run's
+    blocks and what the tiers hold: exit 2, nothing on stdout."""
+    from tiercache import TierConfig, TieredCache
+    from tiercache.models import load_model
+
+    model, tokenizer = load_model(tiny_model, device="cpu")
+    probe = TierConfig(device_budget="1MiB", host_budget=0, block_tokens=4)
+    from tiercache.generation import encode_prompt
+
+    num_prompt = encode_prompt(tokenizer, "hi", True)["input_ids"].shape[1]
+    with TieredCache(model, probe) as cache:
+        need = cache.min_capacity_blocks(num_prompt, 40)
+        device = cache.min_device_budget(num_prompt, 40, 512)  # the whole run's, on the device
+        block = cache.min_device_budget(num_prompt, 0, 512) // -(-num_prompt // 4)
+    assert need * block > device  # the prefill fits the device; the run does not
+    proc = cli("generate", "--model", tiny_model, "--prompt", "hi", "--max-new-tokens", "40", "--quiet",
+               "--device-budget", str(device), "--host-budget", "0", "--block-tokens", "4")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert (f"tiercache: error: the KV cache of this run needs {need} blocks (a prompt of {num_prompt} tokens and 40 "
+            f"new ones, in blocks of 4 tokens, every layer) but the tiers hold {device // block}") in proc.stderr
+    proc = cli("generate", "--model", tiny_model, "--prompt", "hi", "--max-new-tokens", "40", "--quiet",
+               "--device-budget", str(device), "--host-budget", "1MiB", "--block-tokens", "4")
+    assert proc.returncode == 0, proc.stderr  # room on the host: the same run goes
+
+
+def test_an_error_after_part_of_the_answer_starts_its_own_line(tiny_model):
+    """A run that fails after some of its answer was streamed (here: the cache's update
+    raises at the fourth decode step) ends the half-printed line before the error comes."""
+    import io
+
+    from tiercache import TierConfig, TieredCache
+    from tiercache.generation import generate_text
+    from tiercache.models import load_model
+
+    model, tokenizer = load_model(tiny_model, device="cpu")
+    calls = []
+    real = TieredCache.update
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 5 * len(self.layers):
+            raise RuntimeError("the disk went away")
+        return real(self, *args, **kwargs)
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TieredCache, "update", failing)
+        with pytest.raises(RuntimeError, match="the disk went away"):
+            generate_text("hi", TierConfig(device_budget="1MiB", host_budget=0, block_tokens=4), model=model,
+                          tokenizer=tokenizer, max_new_tokens=20, stream=out, progress=False)
+    assert out.getvalue().strip() and out.getvalue().endswith("\n")
+
+
 def test_a_metrics_textfile_behind_a_link_stays_a_link_and_a_fifo_is_refused_up_front(tiny_model, tmp_path):
     """``--metrics-textfile`` renamed its temporary file over whatever the path named: a
     symlink became a plain file (the file it pointed to, the one node_exporter reads, was
@@ -787,6 +849,22 @@ def test_a_prompt_that_never_ends_is_refused_past_64_mib_from_a_file_or_stdin(tm
         f.truncate(64 << 20)  # NUL bytes: UTF-8 text, and not blank
     assert main(["generate", "--prompt-file", str(whole), "--model", str(tmp_path / "no-model")]) == 2
     assert capsys.readouterr().err.startswith("tiercache: error: --model: ")
+
+
+@pytest.mark.model
+def test_demo_with_more_records_than_the_model_has_positions_says_how_many_fit(capsys):
+    """``demo --records 400`` (allowed: up to 400 distinct names) makes a prompt of ~14k
+    tokens for a model of 8192 positions: the error came after "answer:" was printed and
+    told the user to shorten the prompt or --max-new-tokens, which the demo has neither of
+    (a review). Now it names --records and the most that fit, before any answer."""
+    from tiercache.cli import main
+
+    assert main(["demo", "--records", "400"]) == 2
+    out, err = capsys.readouterr()
+    assert "answer:" not in out
+    match = re.search(r"tiercache: error: records \(--records\): 400 records make a prompt of (\d+) tokens, and "
+                      r"with the 24-token answer that is more than the model's 8192 positions; use at most (\d+)", err)
+    assert match and int(match.group(1)) > 8192 and 100 < int(match.group(2)) < 400, err
 
 
 def test_demo_refuses_a_disk_dir_that_is_a_file_before_the_model_loads(tmp_path, capsys):

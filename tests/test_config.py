@@ -244,7 +244,7 @@ def test_a_prefetch_plug_in_cannot_hide_under_auto():
     ("disk_budget", "0.0001KB", "disk_budget: '0.0001KB' is 0.1 bytes, not a whole number of bytes; use 1 byte"),
     ("device_budget", "307.2B", "device_budget: '307.2B' is 307.2 bytes, not a whole number of bytes; use 307 or "
                                 "308 bytes"),
-    ("host_budget", "0." + "0" * 44 + "1KiB", "is less than one byte, not a whole number of bytes; use 1 byte"),
+    ("host_budget", "0." + "0" * 64 + "1KiB", "is less than one byte, not a whole number of bytes; use 1 byte"),
 ])
 def test_a_nonzero_size_never_comes_out_as_zero_bytes(field, text, message, tmp_path):
     """A fractional size was computed in float and cut to an int without a word: "0.0004KiB"
@@ -259,7 +259,7 @@ def test_a_nonzero_size_never_comes_out_as_zero_bytes(field, text, message, tmp_
 
 @pytest.mark.parametrize("text,expected", [
     ("1.3GiB", 1395864371), ("0.3KiB", 307), ("1.0000001MiB", 1048576), ("0.8GiB", 858993459),
-    ("1." + "0" * 44 + "1GiB", 1 << 30), ("1." + "9" * 50 + "KiB", 2047),  # past 40 places: far below a byte
+    ("1." + "0" * 64 + "1GiB", 1 << 30), ("1." + "9" * 70 + "KiB", 2047),  # past 60 places: far below a byte
 ])
 def test_a_size_in_a_unit_drops_the_part_of_a_byte(text, expected):
     """A budget is a ceiling: "1.3GiB" is 1395864371.2 bytes, and 1395864371 are taken, as
@@ -271,12 +271,15 @@ def test_a_size_in_a_unit_drops_the_part_of_a_byte(text, expected):
 @pytest.mark.parametrize("text,expected", [
     ("1.5GiB", 3 << 29), ("0.5KiB", 512), ("1.25 MiB", 5 << 18), ("2.50KiB", 2560), ("0.001KB", 1),
     ("1.5kb", 1500), ("0.0", 0), ("-0", 0), ("1.000000000000000000000000000000000000000000000000KiB", 1024),
-    ("1048576TiB", 1 << 60),
+    ("1048576TiB", 1 << 60), ("1EiB", 1 << 60), ("1024PiB", 1 << 60), ("0.5EiB", 1 << 59), ("2P", 1 << 51),
+    ("1.5PB", 15 * 10 ** 14), ("1EB", 10 ** 18),
+    ("0.000000000000000000867361737988403547205962240695953369140625EiB", 1),  # 2**-60 EiB: 60 places
 ])
 def test_fractional_sizes_that_are_whole_bytes_stay_accepted(text, expected):
     """The README's "1.5GiB" and every fraction that is exact in its unit are taken as
     before, now computed without float (trailing zeros, a 0 with a sign, the largest
-    budget)."""
+    budget). Up to EiB, the unit the limit is stated in ("1EiB" was a parse error while
+    the message for "2EiB" said "at most 1 EiB"; a review)."""
     assert parse_bytes(text, "host_budget") == expected
     assert TierConfig(host_budget=text).host_budget == expected
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -72,11 +73,20 @@ def test_a_model_folder_with_a_truncated_weight_file_is_one_line(tmp_path):
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
+    # No tokenizer yet: named first, on one line, before any weights load (a review: it came
+    # after them, cut to "Couldn't instantiate the backend tokenizer from one of: ")
+    with pytest.raises(ModelNotFoundError, match=r"cannot load a model from .*: its tokenizer: Couldn't "
+                                                 r"instantiate the backend tokenizer from one of: .+ \(a model "
+                                                 r"folder needs its tokenizer files too") as err:
+        load_model(str(tmp_path / "m"), device="cpu")
+    assert "\n" not in str(err.value)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
+        shutil.copy(os.path.join(ensure_converted(), name), tmp_path / "m")
     weights = tmp_path / "m" / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
     with pytest.raises(ModelNotFoundError, match="cannot load a model from") as err:
         load_model(str(tmp_path / "m"), device="cpu")
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "tokenizer" not in str(err.value)
     proc = cli("generate", "--prompt", "hi", "--model", str(tmp_path / "m"), timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "cannot load a model from" in proc.stderr

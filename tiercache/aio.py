@@ -104,6 +104,8 @@ class AsyncStore:
     """
 
     def __init__(self, store: BlockStore) -> None:
+        if not isinstance(store, BlockStore):  # else an AttributeError at the first call (a review)
+            raise TypeError(f"AsyncStore: expected a tiercache BlockStore, got {type(store).__name__}")
         self.store = store
 
     async def _call(self, fn: Callable, *args, settle: Optional[Callable] = None):

@@ -18,10 +18,10 @@ Budget = Union[int, str]
 
 _UNITS = {
     "": 1, "b": 1,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-    "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
-}
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50, "eib": 1 << 60,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50, "e": 1 << 60,
+    "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4, "pb": 1000 ** 5, "eb": 1000 ** 6,
+}  # up to EiB: the limit below is stated in it (and "1EiB" was a parse error; a review)
 # The largest budget taken, in bytes: 1 EiB. More than any machine can address (x86-64 and
 # arm64 map at most 2**57 bytes, 128 PiB, with 5-level page tables), and far enough below
 # 2**63 - 1, the largest size a C int64 / off_t / ssize_t holds, that the pool sizes and file
@@ -31,9 +31,9 @@ MAX_BUDGET = 1 << 60
 _MAX_BUDGET_TEXT = "1 EiB (2**60 bytes)"
 _MAX_BUDGET_DIGITS = len(str(MAX_BUDGET))  # a whole part with more digits is past MAX_BUDGET in any unit
 # A fractional part with more significant digits is whole bytes in no unit: a unit holds at
-# most 2**40 (TiB) or 10**12 (TB), which clear at most 40 decimal places. In a unit, the
+# most 2**60 (EiB) or 10**18 (EB), which clear at most 60 decimal places. In a unit, the
 # digits past them are far below a byte (dropped); in bytes, they are refused.
-_MAX_FRACTION_DIGITS = 40
+_MAX_FRACTION_DIGITS = 60
 # sign, whole part, fractional part, unit
 _BUDGET_RE = re.compile(r"^\s*(-?)([0-9]+)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$")
 DIRECT_IO_MODES = ("auto", "on", "off")

@@ -48,8 +48,21 @@ def run_demo(records: int = 40, disk_dir: Optional[str] = None, max_new_tokens: 
     # 40 records behind ~1,500 tokens of notes: ~2,800 tokens, a haystack this 135M-parameter
     # model still answers (with 80 records and no notes it already fails, with any cache).
     prompt, truth, who = make_haystack(records, seed=1, filler_lines=40)
-    num_tokens = encode_prompt(tokenizer, prompt, chat=True)["input_ids"].shape[1]
+
+    def tokens_of(n: int) -> int:
+        return encode_prompt(tokenizer, make_haystack(n, seed=1, filler_lines=40)[0], chat=True)["input_ids"].shape[1]
+
+    num_tokens = tokens_of(records)
     text = model.config.get_text_config(decoder=True)
+    positions = getattr(text, "max_position_embeddings", None)
+    if positions and num_tokens + max_new_tokens > positions:  # said after the answer had begun (a review)
+        lo, hi = 1, records  # the most records that fit, by bisection (a tokenization each)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if tokens_of(mid) + max_new_tokens <= positions else (lo, mid - 1)
+        raise ValueError(f"records (--records): {records} records make a prompt of {num_tokens} tokens, and with "
+                         f"the {max_new_tokens}-token answer that is more than the model's {positions} positions; "
+                         f"use at most {lo}")
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_bytes = 2 * text.num_key_value_heads * head_dim * 4 * text.num_hidden_layers * (num_tokens + max_new_tokens)
     block_tokens = 256

@@ -80,6 +80,15 @@ def _check_device_budget(cache: Any, config: TierConfig, num_prompt: int, max_ne
             f"device_budget={format_bytes(config.device_budget)} is less than attention needs resident for this "
             f"prompt of {num_prompt} tokens: minimum device_budget = {need} bytes ({format_bytes(need)}) for its "
             f"prefill, {whole} bytes ({format_bytes(whole)}) with {max_new_tokens} new tokens")
+    need, room = cache.min_capacity_blocks(num_prompt, max_new_tokens), cache.capacity_blocks()
+    if need > room:  # else it failed part way, after some of the answer was printed (a review)
+        disk = (f"disk_budget={format_bytes(config.disk_budget)}" if config.disk_enabled
+                else "no disk tier" if config.disk_dir is None else "disk_budget=0")
+        raise CapacityError(
+            f"the KV cache of this run needs {need} blocks (a prompt of {num_prompt} tokens and {max_new_tokens} "
+            f"new ones, in blocks of {config.block_tokens} tokens, every layer) but the tiers hold {room} "
+            f"(device_budget={format_bytes(config.device_budget)}, host_budget={format_bytes(config.host_budget)}, "
+            f"{disk}); raise a budget, or lower --max-new-tokens")
 
 
 def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] = None,
@@ -120,7 +129,14 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
     streamer = None
     if stream is not None:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        streamer.on_finalized_text = lambda text, stream_end=False: (stream.write(text), stream.flush())
+        streamed: list = []  # whether any text went out: an error after it starts on a line of its own
+
+        def on_text(text: str, stream_end: bool = False) -> None:
+            if text:
+                streamed[:] = [True]
+            stream.write(text)
+            stream.flush()
+        streamer.on_finalized_text = on_text
     trace, writer = trace_out, None
     if isinstance(trace_out, (str, os.PathLike)):
         from tiercache.lab.trace import TraceWriter
@@ -161,10 +177,19 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
         # use_cache=False, kept from training, fed the whole sequence to the cache at every
         # step). The generate() of before wrap(): a wrapped one would make a cache of its own.
         generate = _inner_generate(model)
-        with _tiering(model, make, before_prefill), torch.inference_mode():
-            out = generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                           num_return_sequences=1, use_cache=True, return_dict_in_generate=False, streamer=streamer,
-                           pad_token_id=pad, **kwargs)
+        try:
+            with _tiering(model, make, before_prefill), torch.inference_mode():
+                out = generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                               num_return_sequences=1, use_cache=True, return_dict_in_generate=False,
+                               streamer=streamer, pad_token_id=pad, **kwargs)
+        except Exception:
+            if stream is not None and streamed:  # the part of the answer printed ends its line, and the
+                try:                              # error that follows starts its own (a review)
+                    stream.write("\n")
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            raise
         if not handed:
             raise RuntimeError(f"tiercache generate: {type(model).__name__}.generate() made no cache of its own, "
                                f"so nothing ran on the tiers")

@@ -258,14 +258,26 @@ def load_model(path: Optional[str] = None, device: Optional[str] = None, dtype: 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     from safetensors import SafetensorError
 
+    # The tokenizer first: it loads in a moment, and a folder without one failed only after
+    # the weights had loaded, with transformers' list of what it tried cut to its first line
+    # ("Couldn't instantiate the backend tokenizer from one of: "; a review)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot load a model from {path!r}: its tokenizer: {_one_line(exc)} (a model "
+                                 f"folder needs its tokenizer files too, e.g. tokenizer.json and "
+                                 f"tokenizer_config.json)") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weight file
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise ModelNotFoundError(f"cannot load a model from {path!r}: {first}") from None
+        raise ModelNotFoundError(f"cannot load a model from {path!r}: {_one_line(exc)}") from None
     return model.to(device).eval(), tokenizer
+
+
+def _one_line(exc: BaseException, most: int = 400) -> str:
+    """``exc``'s message on one line (its lines joined), at most ``most`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def check_token_ids(model: Any, ids: Any, source: str = "the tokenizer") -> None:
