@@ -93,7 +93,8 @@ def kvikio_status() -> tuple:
     try:
         import kvikio
     except Exception as exc:  # noqa: BLE001 - ImportError, or OSError from its shared libraries
-        return False, f"kvikio does not import ({type(exc).__name__}: {exc}); install it with pip install 'tiercache[gds]'"
+        return False, (f"kvikio does not import ({type(exc).__name__}: {exc}); install it with pip install "
+                       f"'tiercache[gds]' (CUDA 12) or 'tiercache[gds-cu13]' (CUDA 13)")
     return True, str(getattr(kvikio, "__version__", "?"))
 
 
