@@ -713,6 +713,32 @@ def test_a_layer_on_another_device_is_refused_by_name(tmp_path):
         assert torch.equal(keys, kv)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("prompt_len", [3, 9])
+def test_min_capacity_blocks_is_exactly_what_a_whole_run_needs(family, prompt_len):
+    """``min_capacity_blocks``, which ``tiercache generate`` compares with what the tiers
+    hold before the prefill: with exactly that many blocks the run goes, with one fewer it
+    fails. It counted a sliding layer's window as ceil(W / block) blocks, but a window that
+    straddles a block edge spans one more, and such runs passed the check and failed in a
+    decode step, after part of the answer was printed (a review)."""
+    model, new = tiny_model(family), 12
+    ids = torch.randint(2, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    probe = TierConfig(device_budget="1MiB", host_budget=0, block_tokens=BT)
+    with tiercache.TieredCache(model, probe) as cache:
+        need = cache.min_capacity_blocks(prompt_len, new)
+        device = -(-cache.min_device_budget(prompt_len, new) // (block_bytes(model, 1, BT)))
+    assert 0 < device < need
+    for host, fits in ((need - device, True), (need - device - 1, False)):
+        cfg = TierConfig(device_budget=device * block_bytes(model, 1, BT), host_budget=host * 4096, block_tokens=BT)
+        with tiercache.TieredCache(model, cfg) as cache:
+            assert cache.capacity_blocks() == device + host
+            if fits:
+                generate(model, ids, cache=cache, max_new_tokens=new)
+                continue
+            with pytest.raises(CapacityError, match="nothing was written"):
+                generate(model, ids, cache=cache, max_new_tokens=new)
+
+
 def test_reorder_cache_names_an_index_that_is_not_one_per_row(tmp_path):
     """``reorder_cache`` with an index of another length (DynamicCache changes its batch size
     with one) was a RuntimeError from inside a copy, and a float index was truncated (a

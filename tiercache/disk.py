@@ -685,16 +685,21 @@ class DiskTier(RecordCodec):
             os.ftruncate(self._fd, end)
             self._allocated = min(self._allocated, end)
 
-    def move_record(self, src: int, dst: int) -> None:
-        """Copy the whole record in slot ``src`` to slot ``dst``, bytes as they are (a header
-        names its block, not its slot), leaving ``src`` as it was: an open under a smaller
-        budget moves records from past it into free slots within it (``sync`` then
-        ``cut_to_budget`` after)."""
-        size = self.record_bytes
-        data = os.pread(self._fd, size, src * size)
-        if len(data) != size:
-            raise OSError(errno.EIO, f"slot {src} holds {len(data)} of its record's {size} bytes")
-        view, offset = memoryview(data), dst * size
+    def copy_record_part(self, src: int, dst: int, header: bool) -> None:
+        """Copy the payload (``header`` False) or the header (True) of the record in slot
+        ``src`` to slot ``dst``, bytes as they are (a header names its block, not its slot),
+        leaving ``src`` as it was. An open under a smaller budget moves records from past it
+        into free slots within it: every payload first, ``sync``, then every header,
+        ``sync``, then ``cut_to_budget``. A copy cut short is then a slot with no valid
+        header, or one whose payload is whole: written in one go, header first, a torn
+        payload under a whole header agreed with the original (same header) and the
+        original was cut away (a review)."""
+        size, start = self.record_bytes, (0 if header else HEADER_BYTES)
+        length = HEADER_BYTES if header else size - HEADER_BYTES
+        data = os.pread(self._fd, length, src * size + start)
+        if len(data) != length:
+            raise OSError(errno.EIO, f"slot {src} holds {len(data)} of its record's {length} bytes there")
+        view, offset = memoryview(data), dst * size + start
         while view:
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written

@@ -829,9 +829,17 @@ class TieredCache(Cache):
             return 0
         bt = self.tier_config.block_tokens
         total = prompt_tokens + max(new_tokens - 1, 0)  # the last new token is never fed back
-        blocks = -(-total // bt)
-        return sum(min(blocks, -(-layer.sliding_window // bt)) if layer.is_sliding else blocks
-                   for layer in self.layers)
+        windows = [layer.sliding_window if layer.is_sliding else None for layer in self.layers]
+
+        def held(stored: int, after: int) -> int:  # blocks of every layer at a step (``_check_capacity``)
+            return sum((after + bt - 1) // bt - _visible_start(stored, w) // bt for w in windows)
+        # The decode steps: full layers grow to the last; a sliding layer's window spans one
+        # block more where it straddles a block edge, which recurs every block past the
+        # window, so the last window + 2 blocks of steps hold the widest. (Not the prefill:
+        # run in chunks it holds fewer, and a failure there comes before any answer.)
+        span = max([w for w in windows if w is not None], default=0) + 2 * bt
+        steps = range(max(prompt_tokens, total - span), total)
+        return max((held(s, s + 1) for s in steps), default=held(prompt_tokens - 1, prompt_tokens))
 
     def capacity_blocks(self) -> int:
         """Distinct blocks of one row the tiers hold together (each tier in its own unit:

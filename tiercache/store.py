@@ -464,8 +464,14 @@ class BlockStore:
         for record in sorted(inside + beyond, key=lambda r: r[0]):
             groups.setdefault(_record_group(record[1]), []).append(record)
         order = sorted(groups, key=lambda g: (g[1] if len(g) == 2 else 0, groups[g][0][0]))
+        # A block missing layers (an open like this one cut short by a crash, after it erased
+        # a dropped block's records within the budget but before the cut took those past it;
+        # or damage) is of no use: only groups as large as the largest are kept (a review)
+        whole = max((len(records) for group, records in groups.items() if len(group) == 2), default=0)
         room, keep = self.disk.num_slots, set()
         for group in order:
+            if len(group) == 2 and len(groups[group]) < whole:
+                continue
             if len(groups[group]) <= room:
                 keep.add(group)
                 room -= len(groups[group])
@@ -476,21 +482,29 @@ class BlockStore:
     def _move_within_budget(self, beyond: list) -> int:
         """Open: move the records kept past the budget (``_fit_to_budget``) into free slots
         within it, bytes as they are, and adopt them there; returns how many moved (the rest
-        go with ``cut_to_budget``). The copies are made durable before the cut, and a crash
-        between leaves two copies that agree, of which the next open keeps one."""
-        moved = 0
+        go with ``cut_to_budget``). Every payload is written and made durable before any
+        header (``DiskTier.copy_record_part``), and the headers before the cut: a crash at
+        any point leaves either no valid copy in the slot or two copies that agree, of
+        which the next open keeps one. If the disk fails, none is kept."""
         spots = self.table.free_slots(Tier.DISK)
+        plan = [(record, next(spots)) for record in sorted(beyond, key=lambda r: r[0])]
+        moved = 0
         try:
-            for slot, key, num_tokens, token_ids in sorted(beyond, key=lambda r: r[0]):
-                dst = next(spots)
-                self.disk.move_record(slot, dst)
+            for header in (False, True):  # payloads, durable, then headers (``copy_record_part``)
+                for (slot, *_), dst in plan:
+                    self.disk.copy_record_part(slot, dst, header)
+                self.disk.sync()
+            for (_, key, num_tokens, token_ids), dst in plan:
                 self._adopt_record(key, dst, num_tokens, token_ids)
                 moved += 1
-        except OSError as exc:  # the rest are dropped, as before; those moved are kept
-            log.warning("tiercache: %s: moving saved blocks within disk_budget failed (%s); the rest are dropped",
+        except OSError as exc:  # none is adopted: the originals go with the cut, as before this
+            log.warning("tiercache: %s: moving saved blocks within disk_budget failed (%s); they are dropped",
                         self.disk.path, exc.strerror or exc)
-        if moved:
-            self.disk.sync()  # before the cut takes the originals away
+            for _, dst in plan:  # a copy whose header landed must not come back at the next open
+                try:
+                    self.disk.tombstone(dst)
+                except OSError:
+                    pass
         return moved
 
     # ---- queries ---------------------------------------------------------------------
