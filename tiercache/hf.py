@@ -1368,8 +1368,7 @@ class TieredCache(Cache):
 
     def _free_outside_window(self, layer: TieredLayer) -> None:
         """Free a sliding layer's blocks that hold no token the next step can see."""
-        self._free_before(layer, max(layer.num_tokens - layer.sliding_window + 1, 0)
-                          // self.tier_config.block_tokens)
+        self._free_before(layer, layer.visible_start() // self.tier_config.block_tokens)
 
     def _free_before(self, layer: TieredLayer, first_block: int) -> None:
         for index in range(layer.first_block, first_block):

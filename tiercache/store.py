@@ -3542,7 +3542,7 @@ def _copy_tokens(copy, dst, src, lo: int, hi: int, block_tokens: int, unit: int)
 
 def _record_group(key: Hashable) -> Hashable:
     """The group a saved block belongs to when a smaller budget keeps whole groups
-    (``BlockStore._move_within_budget``): (sequence, block index) of a block key, whose
+    (``BlockStore._fit_to_budget``): (sequence, block index) of a block key, whose
     layers are of use together; any other key is a group of its own."""
     if isinstance(key, tuple) and len(key) == 3:
         return key[0], key[2]
