@@ -49,6 +49,9 @@ def test_budgets_are_stored_as_int_bytes_and_config_is_frozen(tmp_path):
     # torch cannot parse failed at the first generate(), 1 passed for True
     ("shared_dir", "no", "shared_dir: must be True or False"),
     ("device", "bogus", "device: expected a torch device such as 'cpu' or 'cuda:0', got 'bogus'"),
+    # a store on meta took every put and stored nothing; on mps it failed inside torch (a review)
+    ("device", "meta", "device: 'meta' holds no data; tiercache keeps its tiers on 'cpu' or a 'cuda' device"),
+    ("device", "mps", "device: 'mps' is not supported; tiercache keeps its tiers on 'cpu' or a 'cuda' device"),
     ("attend_in_place", 1, "attend_in_place: must be True or False"),
     ("reuse", 1, "reuse: must be True or False, or None"),
 ])

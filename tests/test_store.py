@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tiercache import BlockCorruptedError, BlockKey, CacheDirError, CapacityError, Tier, TierConfig, TierIOError
+from tiercache.config import format_bytes
 from tiercache.disk import DATA_NAME, HEADER_BYTES, DiskTier
 from tiercache.policies import EVICTION_POLICIES
 from tiercache.store import BlockStore, _MoveFuture
@@ -1394,6 +1395,42 @@ def test_a_file_that_is_not_ours_is_refused_untouched(tmp_path, geometry, strang
             assert torch.equal(store.get(BlockKey(0, 0, 1)), blocks(big, 2)[BlockKey(0, 0, 1)])
 
 
+@pytest.mark.parametrize("damage", ["magic", "cut in the header"])
+@pytest.mark.parametrize("deleted", [0, 2])
+def test_a_file_whose_only_live_record_is_damaged_opens_without_it(tmp_path, geometry, damage, deleted):
+    """The data file's one live record (the only one, or the one left after two deletes) has
+    a flipped bit in its magic, or the file was cut inside its header. The store opens, drops
+    the record with a count, and takes new blocks. Both were refused as "not a tiercache data
+    file" (another program's), and the directory could not be used until cleared by hand (a
+    review): a header that passes its checksum once the magic is put back, or that starts
+    with the magic, is one of ours."""
+    cfg = tiny_config(tmp_path, geometry, device_blocks=1, host_blocks=1)
+    data = blocks(geometry, 1 + deleted)
+    keys = list(data)
+    with BlockStore(cfg, geometry) as store:
+        for key, block in data.items():
+            store.put(key, block)
+        store.flush()
+        for key in keys[:deleted]:
+            store.delete(key)
+        victim = keys[-1]
+        slot = store.table.copy(victim, Tier.DISK).slot
+        record = store.disk.record_bytes
+    path = os.path.join(cfg.disk_dir, DATA_NAME)
+    if damage == "magic":
+        _flip(path, slot * record + 3)
+    else:
+        os.truncate(path, slot * record + 50)
+    with BlockStore(cfg, geometry) as store:
+        assert victim not in store and len(store) == 0
+        assert store.dropped_on_open == 1 and store.stats()["integrity_errors"] == 1
+        fresh = blocks(geometry, 1)[BlockKey(0, 0, 0)]
+        store.put(BlockKey(5, 0, 0), fresh)
+        store.flush()
+    with BlockStore(cfg, geometry) as store:
+        assert torch.equal(store.get(BlockKey(5, 0, 0)), fresh)
+
+
 def _flushed(cfg, geometry, n: int) -> dict:
     """``n`` random blocks put and given disk copies by a store that is closed again."""
     data = blocks(geometry, n)
@@ -1440,7 +1477,7 @@ def test_a_block_lost_to_a_failed_check_in_a_prefetch_is_named_so_when_read(tmp_
         store.put(victim, data[victim])
         assert torch.equal(store.get(victim), data[victim])
         store.delete(victim)
-        with pytest.raises(BlockCorruptedError, match=r"is not in the cache \(lost or deleted\)"):
+        with pytest.raises(KeyError, match=r"index=1\)"):  # deleted: as get() and promote() say
             store.ensure_device([victim])
 
 
@@ -1465,14 +1502,21 @@ def test_truncated_data_file_loses_only_the_cut_records(tmp_path, geometry):
 
 
 def test_live_data_beyond_every_tier_raise_capacity_error_before_loss(make_store, geometry):
-    """1 + 1 + 2 slots: the fifth block raises CapacityError naming the budgets; the four
-    stored blocks are intact."""
+    """1 + 1 + 2 slots: the fifth block raises CapacityError naming the budgets and the blocks
+    each holds (the host's slots padded to whole pages: the message said "KV in all" of fewer
+    bytes than host_budget alone, with no word of why); the four stored blocks are intact."""
     store = make_store(device_blocks=1, host_blocks=1, disk_blocks=2, persistent=False)  # 4 blocks, 2 on disk
     data = blocks(geometry, 5)
     keys = list(data)
     for key in keys[:4]:
         store.put(key, data[key])
-    with pytest.raises(CapacityError, match="device_budget"):
+    padded = (f", each padded to {format_bytes(geometry.padded_bytes)}"
+              if geometry.padded_bytes != geometry.block_bytes else "")
+    with pytest.raises(CapacityError, match=re.escape(
+            f"live KV data exceed every tier: 4 blocks stored and 1 more needed "
+            f"({format_bytes(5 * geometry.block_bytes)} of KV in all) with device_budget=") + r".*\(holds 1 blocks of "
+            + re.escape(f"{format_bytes(geometry.block_bytes)}), host_budget=") + r".*"
+            + re.escape(f"(holds 1 blocks{padded}), disk_budget=") + r".*\(holds 2 blocks"):
         store.put(keys[4], data[keys[4]])
     for key in keys[:4]:
         assert torch.equal(store.get(key), data[key])
@@ -3744,6 +3788,48 @@ def test_ctrl_c_on_a_thread_helping_another_batch_leaves_the_owner_no_wait(make_
     assert all(Tier.DEVICE in store.tiers_of(k) for k in keys)
     monkeypatch.undo()
     assert_all_come_up_exact(store, data)
+
+
+def test_put_takes_a_tier_by_name_or_number_and_refuses_others(make_store, geometry):
+    """``put(tier=...)`` took only ``Tier.HOST``: "host" and 1 put the block on the device,
+    and so did "bogus", 7 and ``Tier.DISK``, without a word (a review). A tier is named as
+    everywhere else now; the disk is reached by demotion, and a name of no tier is refused.
+    A never-stored key in ``ensure_device`` is a KeyError, as in get() and promote() (it
+    said BlockCorruptedError, "lost or deleted", blaming corruption)."""
+    store = make_store()
+    data = blocks(geometry, 4)
+    keys = list(data)
+    for key, tier in zip(keys, (Tier.HOST, "host", 1, None)):
+        store.put(key, data[key], tier=tier)
+    assert [store.tiers_of(k) for k in keys] == [[Tier.HOST]] * 3 + [[Tier.DEVICE]]
+    other = BlockKey(7, 0, 0)
+    for bad, why in (("bogus", r"put: tier: expected a Tier \(device, host, disk\), got 'bogus'"),
+                     (7, "put: tier: expected a Tier"), (Tier.DISK, "put: tier=disk: .* by demotion"),
+                     ("disk", "put: tier=disk")):
+        with pytest.raises(ValueError, match=why):
+            store.put(other, data[keys[0]], tier=bad)
+        assert other not in store
+    for key in keys:
+        assert torch.equal(store.get(key), data[key])
+    with pytest.raises(KeyError, match=r"BlockKey\(seq=9, layer=9, index=9\)"):
+        store.ensure_device([BlockKey(9, 9, 9)])
+    store.check()
+
+
+def test_a_store_on_a_device_that_cannot_hold_its_tiers_is_refused_by_name(tmp_path, geometry):
+    """``BlockStore(device=...)`` on ``meta`` opened, took every put and stored nothing (each
+    read then failed deep inside torch); ``cuda`` on a torch without CUDA failed in torch's
+    own assertion; ``mps`` was said to be short of memory ("lower device_budget"). Each is a
+    ValueError naming the device now, before anything is opened."""
+    cfg = tiny_config(tmp_path, geometry, device_blocks=2, host_blocks=2)
+    cases = [("meta", "device: 'meta' holds no data"), ("mps", "device: 'mps' is not supported")]
+    if not torch.cuda.is_available():
+        cases.append(("cuda", "device: 'cuda', but (this torch is built without CUDA|no CUDA device is visible)"))
+    for device, why in cases:
+        with pytest.raises(ValueError, match=why):
+            BlockStore(cfg, geometry, device=device)
+    with BlockStore(cfg, geometry, device="cpu") as store:  # the directory was not left locked
+        store.put(BlockKey(0, 0, 0), blocks(geometry, 1)[BlockKey(0, 0, 0)])
 
 
 def test_tiers_by_name_and_keys_as_lists_or_a_clear_error(make_store, geometry):

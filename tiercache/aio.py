@@ -154,7 +154,8 @@ class AsyncStore:
 
     async def ensure_device(self, keys: Iterable[Hashable], pin: bool = False) -> float:
         """``BlockStore.ensure_device`` (unpinned unless ``pin``; the store's default pins).
-        As there, an unknown key raises ``BlockCorruptedError`` ("not in the cache").
+        As there, a key the store does not hold is a ``KeyError`` (``BlockCorruptedError``
+        if it was lost to a failed integrity check).
         Cancelled, it pins nothing: pins it made before the cancellation reached it are
         undone (the caller, never told they were made, could not unpin them)."""
         keys = _key_list(keys, "ensure_device")

@@ -80,6 +80,29 @@ def _secret_option(name: str) -> bool:
     return "password" in unquote(name).lower()
 
 
+def check_store_device(device, field: str = "device") -> None:
+    """Refuse a device the tiers cannot live on, by name: the pools are plain tensors on a
+    CPU, or on a CUDA device with copy streams. A ``meta`` store took every put and stored
+    nothing (each later read failed deep inside torch), and ``cuda`` on a torch built
+    without CUDA failed in torch's own assertion (a review)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise ValueError(f"{field}: {str(device)!r}, but {why}; use 'cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{field}: {str(device)!r}, but this machine has {torch.cuda.device_count()} "
+                             f"CUDA device(s)")
+        return
+    what = "holds no data" if device.type == "meta" else "is not supported"
+    raise ValueError(f"{field}: {str(device)!r} {what}; tiercache keeps its tiers on 'cpu' or a 'cuda' device")
+
+
 def _max_reuse_block_tokens() -> int:
     """The longest block the prefix cache can store: a record's header holds its token ids."""
     from tiercache.disk import RecordCodec
@@ -451,10 +474,12 @@ class TierConfig:
             import torch
 
             try:
-                object.__setattr__(self, "device", str(torch.device(self.device)))
+                parsed = torch.device(self.device)
             except (RuntimeError, TypeError, ValueError) as exc:
                 raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got {self.device!r} "
                                  f"({str(exc).splitlines()[0][:120]})") from None
+            check_store_device(parsed)
+            object.__setattr__(self, "device", str(parsed))
         object.__setattr__(self, "reuse_host_budget", parse_bytes(self.reuse_host_budget, "reuse_host_budget"))
         if self.reuse is not None:
             self._check_bool("reuse", ", or None (auto)")

@@ -228,6 +228,15 @@ def probe_direct_io(directory: str) -> bool:
             pass
 
 
+def _damaged_magic(head: bytes) -> bool:
+    """Whether ``head``, a whole header that lacks the record magic, passes its checksum with
+    the magic put back: a record of ours whose first bytes were damaged."""
+    if len(head) < _HEADER.size + 4:
+        return False
+    (crc,) = _CRC.unpack(head[_HEADER.size:_HEADER.size + 4])
+    return crc32c.crc32c(MAGIC + head[4:_HEADER.size]) == crc
+
+
 def _addr(mv: memoryview) -> int:
     """The address of a memoryview's first byte."""
     import ctypes
@@ -743,7 +752,14 @@ class DiskTier(RecordCodec):
             if not any(head[:_HEADER.size + 4]):  # never written (zeros), past the end, or a tombstone
                 continue
             if len(head) < _HEADER.size + 4 or head[:4] != MAGIC:  # damaged, or not a record at all
-                yield (slot, None, NOT_A_RECORD, None) if with_token_ids else (slot, None, NOT_A_RECORD)
+                # One of ours, damaged, when it starts with the magic (a file cut short in a
+                # header) or when it passes the header checksum with the magic put back (a flip
+                # in the magic): counted as damage, not as a stranger's bytes, so that a file
+                # whose only live record was hit opens without it (a review: it was refused as
+                # "another program's file", and the directory could not be used).
+                ours = head[:4] == MAGIC or _damaged_magic(head)
+                num = 0 if ours else NOT_A_RECORD
+                yield (slot, None, num, None) if with_token_ids else (slot, None, num)
                 continue
             mv = memoryview(head + bytes(HEADER_BYTES - len(head)))
             try:

@@ -22,7 +22,7 @@ from typing import Any, Hashable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from tiercache.config import TierConfig, as_tier_config, format_bytes
+from tiercache.config import TierConfig, as_tier_config, check_store_device, format_bytes
 from tiercache.disk import NOT_A_RECORD, DiskTier, RecordCodec, RecordError, resolve_disk_io
 from tiercache.errors import BlockCorruptedError, CacheDirError, CapacityError, TierCacheError, TierIOError
 from tiercache.events import Events
@@ -173,6 +173,7 @@ class BlockStore:
                              f"block_tokens={config.block_tokens}; give both the same")
         self.geometry = geometry
         self.device = torch.device(device if device is not None else (config.device or "cpu"))
+        check_store_device(self.device)
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             # "cuda" means the device current now, for good: pools and later index tensors
             # alike (left bare, a thread whose current device differs put them apart)
@@ -561,8 +562,9 @@ class BlockStore:
     @_starts_work
     def put(self, key: Hashable, block: torch.Tensor, num_tokens: Optional[int] = None,
             token_ids: bytes = b"", tier: Optional[Tier] = None) -> None:
-        """Store a new block (``[2, B, H, T, D]``) on the device tier (or on ``tier=Tier.HOST``
-        when the store has a host tier), evicting as needed.
+        """Store a new block (``[2, B, H, T, D]``) on the device tier (or on ``tier=Tier.HOST``,
+        "host" or 1, when the store has a host tier), evicting as needed; ``tier`` names no
+        other tier (the disk is reached by demotion: a ValueError).
 
         ``token_ids`` (``DiskTier.pack_token_ids``) travel with the block into its disk
         record header, so a reopened store knows which tokens it holds (``token_ids_of``).
@@ -573,6 +575,11 @@ class BlockStore:
         valid checksum, and the block read back as another block's, found by a helper.)
         """
         self._check_put(key, block, num_tokens, token_ids)
+        if tier is not None:  # a name or a number as promote() takes them; it went to the device
+            tier = as_tier(tier, "put: tier")  # whatever it named, silently (a review)
+            if tier is Tier.DISK:
+                raise ValueError("put: tier=disk: a block is stored on the device or the host tier and "
+                                 "reaches the disk by demotion (demote, flush)")
         if key in self:  # another copy with other bytes would make its copies disagree
             raise ValueError(f"block {key!r} is already stored; delete it first")
         block = block.to(self.geometry.dtype)
@@ -1232,7 +1239,7 @@ class BlockStore:
                         for key in keys:
                             entry = get(key)
                             if entry is None:
-                                raise self._missing(key)
+                                raise self._unknown(key)
                             copies = entry.copies
                             c = copies.get(device)
                             if c is not None and c.state is ready:
@@ -1702,7 +1709,7 @@ class BlockStore:
                 for key in keys:
                     entry = self.table.get(key)
                     if entry is None:
-                        raise self._missing(key)
+                        raise self._unknown(key)
                     tier = next((t for t in (Tier.DEVICE, Tier.HOST) if self.table.is_ready(key, t)), None)
                     first = key not in counted
                     counted.add(key)
@@ -2741,15 +2748,20 @@ class BlockStore:
                     f"{' and '.join(t.label for t in below)} tier{'s have' if len(below) > 1 else ' has'} room; "
                     f"{advice}, or raise {tier.label}_budget "
                     f"(now {format_bytes(getattr(self.config, f'{tier.label}_budget'))}); nothing was overwritten")
-        cfg = self.config
-        parts = [f"device_budget={format_bytes(cfg.device_budget)}"]
+        # Each tier's blocks, not only its budget: a host slot is padded to whole pages, so
+        # "5.2 KiB in all" next to host_budget=64KiB read as a contradiction (a review).
+        cfg, g = self.config, self.geometry
+        parts = [f"device_budget={format_bytes(cfg.device_budget)} (holds {self.table.num_slots(Tier.DEVICE)} "
+                 f"blocks of {format_bytes(g.block_bytes)})"]
         if Tier.HOST in self.tiers:
-            parts.append(f"host_budget={format_bytes(cfg.host_budget)}")
+            padded = f", each padded to {format_bytes(g.padded_bytes)}" if g.padded_bytes != g.block_bytes else ""
+            parts.append(f"host_budget={format_bytes(cfg.host_budget)} (holds {self.table.num_slots(Tier.HOST)} "
+                         f"blocks{padded})")
         if Tier.DISK in self.tiers:
             parts.append(self.disk_budget_text())
-        needed = (len(self.table) + num_new) * self.geometry.block_bytes
+        needed = (len(self.table) + num_new) * g.block_bytes
         return (f"live KV data exceed every tier: {len(self.table)} blocks stored and {num_new} more needed "
-                f"({format_bytes(needed)} in all) with {', '.join(parts)}; nothing was overwritten")
+                f"({format_bytes(needed)} of KV in all) with {', '.join(parts)}; nothing was overwritten")
 
     def _wait_moves(self, moves: list, raise_io: bool = False) -> float:
         """Start the prepared ``moves`` that are not running yet and wait for all of them.
