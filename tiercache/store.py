@@ -1207,7 +1207,7 @@ class BlockStore:
 
     @_starts_work
     def ensure_device(self, keys: list, pin: bool = True, ahead: Sequence[Hashable] = (),
-                      _into: Optional[list] = None) -> float:
+                      _into: Optional[list] = None, _count: bool = True) -> float:
         """Make every block of ``keys`` READY on the device and pin it; returns seconds waited.
 
         ``ahead``: blocks to prefetch to the device once the fetches of ``keys`` are queued
@@ -1216,13 +1216,16 @@ class BlockStore:
 
         ``_into`` (the package's own callers): an empty list that gets the entries pinned, for
         ``_unpin_entries`` to undo exactly these pins. By key, ``unpin`` took the pin of another
-        thread that had deleted a key, stored it anew and pinned it meanwhile (a review)."""
+        thread that had deleted a key, stored it anew and pinned it meanwhile (a review).
+        ``_count=False``: no hit and no prefetch outcome is counted (a layer's tail block,
+        brought up to be written, is counted by the read of the layer that follows: it was
+        counted twice, one hit a layer for nearly every decode step, a review)."""
         keys = list(dict.fromkeys(_key_list(keys, "ensure_device")))  # once each: a key given twice is pinned once
         protect = set(keys)
         # entries: a key deleted and stored anew meanwhile names a block not pinned here
         pinned: list = [] if _into is None else _into
         pinned_keys: set = set()  # their keys, for lookups (a batch may hold hundreds of keys)
-        first = True  # the first pass over keys: hits and prefetch outcomes are counted in it
+        first = _count  # the first pass over keys: hits and prefetch outcomes are counted in it
         stall = 0.0
         io_failures = 0
         get, device, ready = self.table.get, Tier.DEVICE, CopyState.READY
@@ -1576,7 +1579,9 @@ class BlockStore:
             used = 0
             if prefetched and prefetched.pop(write_key, None) is not None:
                 used += 1
-            hits = {device: 1}  # write_key's, as ensure_device counts it
+            # write_key's hit, as ensure_device counts it, unless the read holds it too (it
+            # always does in a decode step: counted twice, a review)
+            hits = {} if write_key in keys else {device: 1}
             for key, tier in zip(keys, where):
                 policies[tier].touch(key)
                 hits[tier] = hits.get(tier, 0) + 1
