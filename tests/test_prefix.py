@@ -2121,6 +2121,37 @@ def test_prompt_counting_covers_embeddings_and_a_callers_cache(tmp_path):
     assert (stats["prefill_tokens"], stats["decode_tokens"]) == (PROMPT, NEW - 1), stats
 
 
+@pytest.mark.parametrize("mode", ["assisted", "prompt lookup"])
+def test_tokens_after_the_prompt_are_decode_in_verification_forwards(tmp_path, mode):
+    """Assisted generation and prompt lookup verify several drafted tokens in one forward.
+    Under wrap(), where the prompt's length is known, each such forward counted as prefill:
+    31 prefill tokens for a 10-token prompt (a review). The prompt is prefill now, and every
+    token written after it is decode, drafted tokens a verification rejects included. After
+    the call, a caller's own cache goes back to counting by forward length."""
+    ids = prompt(length=10)
+    kwargs = dict(GEN, max_new_tokens=12)
+    kwargs.pop("do_sample", None)
+    if mode == "assisted":
+        draft = tiny_model()
+        kwargs["assistant_model"] = draft
+    else:
+        kwargs["prompt_lookup_num_tokens"] = 3
+    wrapped = tiercache.wrap(tiny_model(), config(tmp_path))
+    with torch.no_grad():
+        out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    stats = wrapped.tiercache_last.stats()
+    written = stats["prefill_tokens"] + stats["decode_tokens"]
+    assert stats["prefill_tokens"] == 10, stats
+    assert written >= out.sequences.shape[-1] - 1 and stats["decode_tokens"] >= 11, stats
+    with TieredCache(wrapped, config(tmp_path / "own")) as cache, torch.no_grad():
+        wrapped.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        assert not cache._prompt_known
+        more = torch.randint(2, 100, (1, 3))
+        wrapped(more, cache=cache)  # a forward of its own after the call: three tokens, prefill
+        stats = cache.stats()
+    assert (stats["prefill_tokens"], stats["decode_tokens"]) == (10 + 3, NEW - 1), stats
+
+
 def test_blocks_too_long_for_a_records_token_ids_turn_the_prefix_cache_off(tmp_path):
     """A record's header holds its block's token ids, at most ``MAX_TOKEN_IDS`` (1333).
     ``block_tokens=2048`` with a disk_dir (the prefix cache on by default) failed

@@ -350,6 +350,7 @@ class TieredCache(Cache):
         self._generation_mode: Optional[str] = None  # set by wrap()'s hooks (_prepare_cache_hook)
         self._prefill_seen = False  # wrap()'s hooks: the first prefill came (_prefill_hook)
         self._prompt_pending = 0  # prompt tokens generate() is about to compute (_prefill_hook)
+        self._prompt_known = False  # the hook told the prompt's length for this generate() call
         self._hook = None
         if self._reuse:  # the hook holds the cache weakly: an unclosed cache can still be collected
             ref = weakref.ref(self)
@@ -999,13 +1000,18 @@ class TieredCache(Cache):
                 self._forward = (None, -1)
                 raise
             if not self._injecting:  # tokens loaded from the prefix cache are not computed
-                # A one-token forward is a decode step, unless generate() said prompt tokens
-                # are still to come (_prefill_hook): the last one after a loaded prefix, or
-                # prompt chunks of one token, counted as decode (a review).
-                prompt = min(q, self._prompt_pending)
-                self._prompt_pending -= prompt
-                prefill = q if q > 1 else prompt
-                self.events.tokens(prefill=prefill, decode=0 if prefill else 1)
+                # Where generate() told the prompt's length (_prefill_hook: wrap(), the CLI),
+                # its tokens are prefill however they are fed (the last one after a loaded
+                # prefix, chunks of one token), and every token after them is decode: a
+                # verification forward of assisted generation or prompt lookup (its drafted
+                # tokens included) counted as prefill (two reviews). Else a forward of more
+                # than one token is prefill, one token decode.
+                if self._prompt_known:
+                    prefill = min(q, self._prompt_pending)
+                    self._prompt_pending -= prefill
+                else:
+                    prefill = q if q > 1 else 0
+                self.events.tokens(prefill=prefill, decode=q - prefill)
             self._step += 1
             self._step_tokens = q
         store.note_compute()
@@ -1502,6 +1508,7 @@ class TieredCache(Cache):
         self._chain = []
         self._prompt_checked()  # nothing loaded any more: any prompt goes
         self._prompt_pending = 0
+        self._prompt_known = False
         self._probe_step = None  # the hook may have been installed since (install(model), as warned)
         # a new request: a block it computes again is a new sighting (reuse_admission="reused"
         # stored nothing in a cache reused through reset(), its first answer kept for good)
@@ -1943,6 +1950,7 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
         fed = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else (
             input_ids.shape[1] if input_ids.dim() == 2 else 0)
         cache._prompt_pending = max(0, fed - cache.get_seq_length())
+        cache._prompt_known = True  # until this generate() returns (_tiered_generate)
         cache._check_loaded_prompt(input_ids, model_kwargs, generation_config)  # after the caller's load_prefix()
         if ours and scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
@@ -2005,12 +2013,22 @@ def _tiered_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``generate()`` of a wrapped model: the model's own, on a TieredCache wherever it would
     make a cache of its own (see ``_tiering``). The caches are closed when it returns."""
     call = _inner_generate(self)
+    # The prompt's length, for counting tokens (``update``): the plain loops and beams tell
+    # it again in ``_prefill`` (after a loaded prefix); assisted generation and prompt lookup
+    # never call that, and their first forward holds the prompt and the drafted tokens.
+    prompt = _prompt_length(args, kwargs)
+    passed = [c for c in (kwargs.get("cache"), kwargs.get("past_key_values")) if isinstance(c, TieredCache)]
 
     def make() -> "TieredCache":
         cache = TieredCache(self, self._tiercache_config)
         self.tiercache_last = cache
+        if prompt is not None:
+            cache._prompt_pending, cache._prompt_known = prompt, True
         return cache
 
+    if prompt is not None:
+        for cache in passed:
+            cache._prompt_pending, cache._prompt_known = max(0, prompt - cache.get_seq_length()), True
     with _tiering(self, make) as scope:
         try:
             return call(*args, **kwargs)
@@ -2020,9 +2038,23 @@ def _tiered_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
             self.tiercache_last = scope.made[0] if scope.made else None
             for cache in scope.made:
                 cache.close()
+            for cache in passed:  # a forward after this call is counted by its length
+                cache._prompt_known, cache._prompt_pending = False, 0
 
 
 _HOOKS["generate"] = _tiered_generate
+
+
+def _prompt_length(args: tuple, kwargs: dict) -> Optional[int]:
+    """The prompt's length in a ``generate()`` call's arguments (embeddings first, as
+    transformers takes them for a decoder), or None where it does not say."""
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+        return embeds.shape[1]
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return ids.shape[1]
+    return None
 
 
 def wrap(model: Any, config: Optional[TierConfig] = None) -> Any:

@@ -135,7 +135,7 @@ class CacheMetrics(Collector):
                      ["outcome"], [((o,), n) for o, n in s["prefetch"].items()]),
             _counter("tiercache_prefill_tokens_total", "Prompt tokens written to the cache", [],
                      [((), s.get("prefill_tokens", 0))]),
-            _counter("tiercache_decode_tokens_total", "Generated tokens written to the cache", [],
+            _counter("tiercache_decode_tokens_total", "Tokens written to the cache after the prompt", [],
                      [((), s.get("decode_tokens", 0))]),
             _counter("tiercache_reused_tokens_total", "Prompt tokens loaded from the prefix cache instead of computed",
                      [], [((), s.get("reused_tokens", 0))]),
