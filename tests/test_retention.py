@@ -335,6 +335,32 @@ def test_assisted_generation_refuses_rollback_after_drops(tmp_path):
             cache.crop(-2)
 
 
+def test_a_refused_rollback_crops_no_layer(tmp_path):
+    """Gemma2 (a sliding layer before a full one) recording its past, as assisted generation
+    does, with a retention policy that cut the full layers: ``crop(-2)`` is refused, and no
+    layer is cropped. The sliding layer was cropped first and the full one then refused, so
+    the layers disagreed on their length (13, 11, 13) and later forwards failed inside torch
+    or attended to a rejected draft token (a review). The cache then goes on as if no crop
+    had been asked for: its next tokens are those of a run that never asked."""
+    model = tiny_model("gemma2")
+    outs = []
+    for ask in (True, False):
+        cfg = tight_config(model, tmp_path / str(ask), batch=1, device_blocks=12, retention="streaming",
+                           retention_budget=BUDGET)
+        with TieredCache(model, cfg) as cache:
+            for layer in cache.layers:
+                layer.activate_past_recording()
+            first = generate(model, prompt_ids(), cache=cache, max_new_tokens=4)
+            lengths = [layer.num_tokens for layer in cache.layers]
+            assert any(layer.dropped for layer in cache.layers) and not cache.layers[0].dropped
+            if ask:
+                with pytest.raises(RuntimeError, match="layer 1 dropped .* cannot roll back"):
+                    cache.crop(-2)
+                assert [layer.num_tokens for layer in cache.layers] == lengths
+            outs.append(generate(model, first.sequences, cache=cache, max_new_tokens=3).sequences)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_wrap_installs_retention(tmp_path):
     """tiercache.wrap(model, cfg) with a retention policy: plain generate() drops tokens."""
     import copy

@@ -1396,16 +1396,44 @@ class TieredCache(Cache):
         if self.retention_state is not None:
             self.retention_state.drop(layer_idx)
 
-    def _crop_layer(self, layer_idx: int, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: int) -> None:
+        """``Cache.crop``, all layers or none: each layer that cannot roll back is found before
+        any is cropped. Refused half way (a sliding layer cropped, then a full one that
+        retention cut refusing), the layers disagreed on their length, and the next forward
+        failed inside torch or ran on a rejected draft token (a review)."""
+        for layer_idx in range(len(self.layers)):
+            refusal = self._crop_refusal(layer_idx, tokens_to_remove)
+            if refusal is not None:
+                raise refusal
+        super().crop(tokens_to_remove)
+
+    def _crop_refusal(self, layer_idx: int, tokens_to_remove: int) -> Optional[Exception]:
+        """Why layer ``layer_idx`` cannot be cropped by ``tokens_to_remove``, or None."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+            return TypeError(f"crop: expected an int number of tokens, got {tokens_to_remove!r}")
         if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+            return ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        layer = self.layers[layer_idx]
+        if layer.num_tokens == 0 or (tokens_to_remove == 0 and not layer.is_sliding):
+            return None
+        if layer.dropped:
+            return RuntimeError(f"crop: layer {layer_idx} dropped {layer.dropped} tokens for good (retention="
+                                f"{self.tier_config.retention!r}), so it cannot roll back; assisted generation "
+                                f"and other rollbacks need a lossless cache")
+        bt = self.tier_config.block_tokens
+        new_len = max(layer.num_tokens + tokens_to_remove, 0)
+        if layer.is_sliding and new_len < layer.first_block * bt + (layer.sliding_window - 1) and layer.first_block:
+            return RuntimeError("crop: the sliding-window layer already dropped the tokens needed to roll back "
+                                "(call activate_past_recording() first, as assisted generation does)")
+        return None
+
+    def _crop_layer(self, layer_idx: int, tokens_to_remove: int) -> None:
+        refusal = self._crop_refusal(layer_idx, tokens_to_remove)  # (crop() checked every layer first)
+        if refusal is not None:
+            raise refusal
         layer = self.layers[layer_idx]
         if layer.num_tokens == 0 or (tokens_to_remove == 0 and not layer.is_sliding):
             return  # (crop(0) of a sliding layer trims it to its window, below)
-        if layer.dropped:
-            raise RuntimeError(f"crop: layer {layer_idx} dropped {layer.dropped} tokens for good (retention="
-                               f"{self.tier_config.retention!r}), so it cannot roll back; assisted generation "
-                               f"and other rollbacks need a lossless cache")
         retention = self.retention_state
         if (layer_idx == 0 and retention is not None and retention.policy.prompt_only and not retention.compactions
                 and not getattr(self, "_warned_uncut", False)
@@ -1417,9 +1445,6 @@ class TieredCache(Cache):
                         self.tier_config.retention)
         bt = self.tier_config.block_tokens
         new_len = max(layer.num_tokens + tokens_to_remove, 0)
-        if layer.is_sliding and new_len < layer.first_block * bt + (layer.sliding_window - 1) and layer.first_block:
-            raise RuntimeError("crop: the sliding-window layer already dropped the tokens needed to roll back "
-                               "(call activate_past_recording() first, as assisted generation does)")
         self.store.unpin(self._pinned)
         self._pinned = []
         for index in range((new_len + bt - 1) // bt, (layer.num_tokens + bt - 1) // bt):
