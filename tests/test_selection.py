@@ -475,3 +475,29 @@ def test_a_cache_made_before_the_hook_selects_once_the_hook_is_installed(tmp_pat
         cache.reset()
         generate(model, prompt_ids(), cache=cache, max_new_tokens=4)
         assert cache.attention_stats()["selection"]["layer_steps"] > 0
+
+
+def test_a_prompt_token_computed_alone_reads_every_page(tmp_path):
+    """Quest chooses pages for decode steps; a prompt reads everything. The prompt's last
+    token, computed by a forward of its own (the token left after a loaded prefix, or a
+    one-token last chunk), went through page selection as a decode step: a warm prefix
+    cache and ``prefill_chunk_size=8`` each gave other tokens than a cold run of the same
+    call (first logits 1.9 and 4.8 apart; a review). Under wrap(), where the prompt's
+    length is known, all three give the same tokens now, and the page-selecting steps are
+    the decode steps alone."""
+    import copy
+
+    model = tiny_model("llama")
+    ids = prompt_ids(length=41)  # 10 blocks of 4 tokens and one token
+    quest = dict(batch=1, device_blocks=24, selection="quest", selection_budget=12)
+    wrapped = tiercache.wrap(copy.deepcopy(model), tight_config(model, tmp_path / "prefix", **quest))
+    cold = generate(wrapped, ids, max_new_tokens=NEW)
+    warm = generate(wrapped, ids, max_new_tokens=NEW)
+    assert wrapped.tiercache_last.stats()["reused_tokens"] == 40
+    chunked_model = tiercache.wrap(copy.deepcopy(model), tight_config(model, tmp_path / "chunks", reuse=False, **quest))
+    chunked = generate(chunked_model, ids, max_new_tokens=NEW, prefill_chunk_size=8)
+    steps = chunked_model.tiercache_last.attention_stats()["selection"]["layer_steps"]
+    for out in (warm, chunked):
+        assert torch.equal(out.sequences, cold.sequences)
+        assert max((a - b).abs().max().item() for a, b in zip(out.logits, cold.logits)) < 1e-4
+    assert steps == 3 * (NEW - 1)  # three full-attention layers, one step per decoded token but the first

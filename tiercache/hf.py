@@ -351,6 +351,7 @@ class TieredCache(Cache):
         self._prefill_seen = False  # wrap()'s hooks: the first prefill came (_prefill_hook)
         self._prompt_pending = 0  # prompt tokens generate() is about to compute (_prefill_hook)
         self._prompt_known = False  # the hook told the prompt's length for this generate() call
+        self._prompt_forward = False  # this forward computes prompt tokens (update, at layer 0)
         self._hook = None
         if self._reuse:  # the hook holds the cache weakly: an unclosed cache can still be collected
             ref = weakref.ref(self)
@@ -1012,6 +1013,7 @@ class TieredCache(Cache):
                 else:
                     prefill = q if q > 1 else 0
                 self.events.tokens(prefill=prefill, decode=q - prefill)
+                self._prompt_forward = prefill > 0  # quest reads every page for it (_selects)
             self._step += 1
             self._step_tokens = q
         store.note_compute()
@@ -1279,9 +1281,12 @@ class TieredCache(Cache):
 
     def _selects(self, layer: TieredLayer, query_length: int) -> bool:
         """Quest applies to decode steps (one query token) of full-attention layers, once the
-        hook has shown it sees this cache's keys (``_check_hook``)."""
+        hook has shown it sees this cache's keys (``_check_hook``). Not to a prompt token
+        computed alone (the last one after a loaded prefix, or a one-token last chunk), where
+        the prompt's length is known: it chose pages for it, so a warm prefix cache or the
+        chunk size changed the answer (a review); a prompt reads everything."""
         return (self.selection_state is not None and query_length == 1 and not layer.is_sliding
-                and self._hook_seen and self._routed())
+                and not self._prompt_forward and self._hook_seen and self._routed())
 
     def _check_hook(self) -> None:
         """At a forward's first layer, before anything is written: selection and retention
