@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Optional
 
-from tiercache.cli import WORKER_ERROR, doc_summary, model_positions, work_dir, worker_failure
+from tiercache.cli import WORKER_ERROR, Parser, doc_summary, model_positions, work_dir, worker_failure
 
 SELECTION_BUDGET = 4096  # --selection-budget's default (TierConfig's)
 SETUPS = ("dynamic", "fits", "host", "disk", "quest", "host_inplace", "disk_inplace", "hf_offload")
@@ -365,7 +365,7 @@ def _raw_disk_next_to(setup: str, caches: dict, workdir: str, num_bytes: int):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiercache bench decode", description=doc_summary(__doc__))
+    p = Parser(prog="tiercache bench decode", description=doc_summary(__doc__))
     p.add_argument("--context", type=int, default=8192, help="prompt tokens, at most the model's positions "
                    "(default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per set-up and round "

@@ -13,7 +13,6 @@ The report is one row per fault: how many times it was injected and each outcome
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import json
@@ -23,11 +22,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from typing import Callable, Optional
 
-from tiercache.cli import doc_summary, split_list, work_dir
+from tiercache.cli import Parser, doc_summary, split_list, work_dir
 
 BT = 4
 PROMPT = 30
@@ -289,7 +287,7 @@ def inject(kind: str, model, seed: int, workdir: str) -> tuple:
 
 
 def run(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="tiercache bench faults", description=doc_summary(__doc__))
+    p = Parser(prog="tiercache bench faults", description=doc_summary(__doc__))
     p.add_argument("--repeat", type=int, default=20, help="injections per fault (default %(default)s)")
     p.add_argument("--faults", default=None, help="comma list (default: all): " + "; ".join(FAULTS))
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir)")

@@ -51,7 +51,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from tiercache.cli import work_dir
+from tiercache.cli import Parser, work_dir
 from tiercache.config import DISK_IO_BACKENDS, TierConfig, format_bytes, parse_bytes
 from tiercache.disk import DiskTier
 from tiercache.store import BlockStore
@@ -533,7 +533,7 @@ def _table(rows: list, default_tokens: int) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     defaults = TierConfig()
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="tiercache bench io",
         description="Disk-tier writes/reads against fio (or dd) with the same request size, and "
                     "host<->device moves against a plain torch copy. Rates in GB/s (1e9 B/s).")

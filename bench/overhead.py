@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from tiercache.bench.io import _put_random_blocks
-from tiercache.cli import doc_summary, int_list
+from tiercache.cli import Parser, doc_summary, int_list
 from tiercache.config import TierConfig, format_bytes, parse_bytes
 from tiercache.metrics import CacheMetrics
 from tiercache.store import BlockStore
@@ -128,7 +128,7 @@ def _physical_memory() -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiercache bench overhead", description=doc_summary(__doc__))
+    p = Parser(prog="tiercache bench overhead", description=doc_summary(__doc__))
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--repeat", type=int, default=8, help="passes over every batch size (default %(default)s)")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)),

@@ -13,14 +13,13 @@ attention reads device and host blocks where they lie.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 from typing import Optional
 
-from tiercache.cli import CLIError, doc_summary, int_list, require_extra, split_list, work_dir
+from tiercache.cli import CLIError, Parser, doc_summary, int_list, require_extra, split_list, work_dir
 
 FRACTIONS = (0.1, 0.25, 0.4, 0.55, 0.75, 0.9)
 BANDS = (("small", 0.0, 0.3), ("medium", 0.3, 0.6), ("large", 0.6, 1.01))
@@ -125,7 +124,7 @@ def _resummarize(path: str, as_json: bool) -> int:
 
 
 def run(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="tiercache bench policies", description=doc_summary(__doc__))
+    p = Parser(prog="tiercache bench policies", description=doc_summary(__doc__))
     p.add_argument("--contexts", default="2048,8192", help="prompt lengths in tokens (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps per trace (default %(default)s)")
     p.add_argument("--block-tokens", type=int, default=256, help="block size of the traces (default %(default)s)")

@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from tiercache.cli import WORKER_ERROR, doc_summary, model_positions, work_dir, worker_failure
+from tiercache.cli import WORKER_ERROR, Parser, doc_summary, model_positions, work_dir, worker_failure
 
 POSITION_MARGIN = 8  # tokens left below the model's positions
 
@@ -396,7 +396,7 @@ def format_report(r: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiercache bench prefix", description=doc_summary(__doc__))
+    p = Parser(prog="tiercache bench prefix", description=doc_summary(__doc__))
     p.add_argument("--context", type=int, default=8192, help="prompt tokens, at most the model's positions "
                    f"minus {POSITION_MARGIN} (default %(default)s)")
     p.add_argument("--turns", type=int, default=5, help="conversation turns; 0 skips the conversation "

@@ -48,6 +48,10 @@ def cli(*args, input_text=None, timeout=600):
     (["--metrics-port", "0", "--metrics-addr", ""], "metrics addr: an empty address"),
     (["--metrics-linger", "inf"], "--metrics-linger: seconds in [0, 86400]"),  # an OverflowError after the run
     (["--metrics-linger", "-5"], "--metrics-linger: seconds in [0, 86400]"),
+    # argparse's own refusals printed its 21-line usage first (a review)
+    (["--block-tokens", "abc"], "tiercache generate: error: argument --block-tokens: invalid int value: 'abc' "
+                                "(see tiercache generate --help)"),
+    (["--direct-io", "maybe"], "argument --direct-io: invalid choice: 'maybe'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     if message.startswith("disk_io: 'kvikio'"):
@@ -906,3 +910,36 @@ def test_a_tokenizer_of_another_model_is_named_not_an_index_error(tmp_path):
     assert "Traceback" not in proc.stderr
     assert re.search(r"tiercache: error: the tokenizer gave token id \d+, but the model has embeddings for ids "
                      r"0\.\.99 only: the tokenizer does not belong to this model", proc.stderr), proc.stderr
+
+
+def test_a_disk_budget_under_one_block_is_one_error_not_a_warning_first(tiny_model, tmp_path):
+    """``--disk-budget 10``: a warning that the prefix cache is off ("pass reuse=False", a
+    Python argument the command line has no flag for) came before the error that the budget
+    holds no block (a review). Only the error now."""
+    proc = run_tiny(tiny_model, "--disk-dir", str(tmp_path / "kv"), "--disk-budget", "10")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tiercache: error: disk_budget: 10 bytes (10 B) is smaller than one block")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_answer_line_ends_before_lingering_metrics_and_a_loaded_prefix_is_named(tiny_model, tmp_path):
+    """Two runs of one prompt on one disk_dir, stdout and stderr on one stream as on a
+    terminal. "metrics: serving 1 s more" was written onto the answer's line; it starts its
+    own now, and the answer is followed by one newline. The second run loads the prompt's
+    whole blocks from the prefix cache: its table said "prefill: 16 tokens ... (5.0 tok/s)",
+    six times slower-looking than the cold run that computed them all (a review); it names
+    the tokens loaded, and its rate counts them."""
+    args = [sys.executable, "-m", "tiercache.cli", "generate", "--model", tiny_model, "--prompt", "hello " * 40,
+            "--max-new-tokens", "3", "--block-tokens", "16", "--disk-dir", str(tmp_path / "kv"),
+            "--disk-budget", "64MiB", "--prefill-chunk", "8"]
+    lingering = subprocess.run(args + ["--metrics-port", "0", "--metrics-linger", "0.2"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert lingering.returncode == 0, lingering.stdout
+    assert "\nmetrics: serving 0.2 s more\n" in lingering.stdout, lingering.stdout
+    warm = cli(*args[3:], "--stats-json", str(tmp_path / "s.json"))
+    assert warm.returncode == 0, warm.stderr
+    assert warm.stdout.endswith("\n") and not warm.stdout.endswith("\n\n")
+    stats = json.loads((tmp_path / "s.json").read_text())["stats"]
+    assert stats["reused_tokens"] > 0
+    line = next(x for x in warm.stderr.splitlines() if x.startswith("prefill:"))
+    assert line.startswith(f"prefill: {stats['prefill_tokens']} computed + {stats['reused_tokens']} loaded tokens in")

@@ -643,3 +643,35 @@ def test_auto_prefetch_reads_no_deeper_than_the_buffers_and_only_where_reads_str
     with torch.no_grad(), TieredCache(model, cfg) as cache:
         model(ids, cache=cache, use_cache=True)
         assert (cache.prefetch_name, cache.prefetch_policy.depth) == (name, depth)
+
+
+def test_reads_ahead_left_at_the_end_of_a_run_are_counted_before_close(tmp_path):
+    """A decode step reads the next step's first layers ahead. At the end of a run those are
+    never used, and were counted as unused only at ``close()``, after ``tiercache generate``
+    had printed and saved its stats ("unused: 0" while 94 blocks read ahead went unused; a
+    review). ``drop_read_ahead()`` counts them when the run ends (the CLI calls it before
+    its snapshot): the prefetch outcomes then cover every read ahead, and close() adds
+    nothing. A step after it reads what it needs again, exact."""
+    model = _llama()
+    ids = torch.randint(2, 64, (1, 48), generator=torch.Generator().manual_seed(0))
+    ref = transformers.DynamicCache(config=model.config)
+    with torch.no_grad(), _tiered(model, tmp_path, device_blocks=16, host_blocks=8) as cache:
+        model(ids, cache=cache, use_cache=True)
+        nxt = model(ids, cache=ref, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            out = model(nxt, cache=cache, use_cache=True).logits
+            want = model(nxt, cache=ref, use_cache=True).logits
+            nxt = want[:, -1:].argmax(-1)
+        assert (out - want).abs().max().item() == 0.0
+        before = cache.stats()["prefetch"]
+        dropped = cache.store.drop_read_ahead()
+        assert dropped > 0, "the last step read nothing ahead: the scenario did not happen"
+        at_end = cache.stats()["prefetch"]
+        assert at_end["unused"] == before["unused"] + dropped
+        assert cache.store.drop_read_ahead() == 0  # once
+        out = model(nxt, cache=cache, use_cache=True).logits
+        want = model(nxt, cache=ref, use_cache=True).logits
+        assert (out - want).abs().max().item() == 0.0
+        cache.store.drop_read_ahead()
+        settled = cache.stats()["prefetch"]
+    assert cache.stats()["prefetch"] == settled  # close() had nothing left to count

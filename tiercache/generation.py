@@ -194,6 +194,7 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
             raise RuntimeError(f"tiercache generate: {type(model).__name__}.generate() made no cache of its own, "
                                f"so nothing ran on the tiers")
         t_end = time.perf_counter()
+        cache.store.drop_read_ahead()  # the run is over: what was read ahead for a next step is unused
         stats = cache.stats()
         attention = cache.attention_stats()
         if on_done is not None:

@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from tiercache.config import AUTO, TierConfig, as_tier_config, format_bytes
-from tiercache.disk import ensure_private_dir, in_forked_children, remove_stale_sessions
+from tiercache.disk import DiskTier, ensure_private_dir, in_forked_children, remove_stale_sessions
 from tiercache.errors import CapacityError, TierCacheError, TierIOError, UnsupportedModelError
 from tiercache.events import Events
 from tiercache.guard import as_plan, is_plugin, plan_breach, plugin_answer
@@ -474,6 +474,12 @@ class TieredCache(Cache):
 
         if geometry.batch != 1:
             return None
+        if not self.tier_config.reuse and self.tier_config.disk_budget < DiskTier.record_size(geometry):
+            # not one block fits: the store's open refuses the budget, with the one message
+            # (a warning that the prefix cache is off, with advice for the Python API, came
+            # first, a review)
+            self._reuse = False
+            return None
         try:
             digest = model_digest(self._model, geometry.dtype)  # kept per model while its weights stay
             return open_prefix_cache(self.tier_config.disk_dir, self.tier_config, geometry, digest,
@@ -848,7 +854,6 @@ class TieredCache(Cache):
         device blocks, host slots, disk records), before the store opens too."""
         if self.store is not None and self.store.geometry.batch == 1:
             return self.store.capacity_blocks()
-        from tiercache.disk import DiskTier
 
         kv_heads, head_dim, dtype, _ = self._geometry_of_model()
         g = BlockGeometry(1, kv_heads, self.tier_config.block_tokens, head_dim, dtype)

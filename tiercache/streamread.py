@@ -148,22 +148,24 @@ class DiskStreams:
             have = self._bufs[b] = ((flat[0], flat[1]), owner, [None] * capacity)
         return have[0]
 
-    def _drop(self, groups: list) -> None:
-        """These planned reads will not be used: counted as unused prefetches."""
+    def _drop(self, groups: list) -> int:
+        """These planned reads will not be used: counted as unused prefetches (how many)."""
         unused = sum(len(group.reads) for group in groups)
         if unused:
             self.store.events.prefetch("unused", unused)
+        return unused
 
-    def _drop_pending(self) -> None:
+    def _drop_pending(self) -> int:
         pending, self._pending = self._pending, {}
-        self._drop(list(pending.values()))
+        return self._drop(list(pending.values()))
 
-    def forget(self) -> None:
-        """Before blocks' disk records change in place (``reorder_rows``): no read in flight,
-        and nothing read so far is used."""
+    def forget(self) -> int:
+        """Before blocks' disk records change in place (``reorder_rows``), or at the end of
+        a run (``BlockStore.drop_read_ahead``): no read in flight, and nothing read so far is
+        used; returns the reads dropped."""
         for b in range(len(self._busy)):
             self._settle(b)
-        self._drop_pending()
+        return self._drop_pending()
 
     def close(self) -> None:
         """After the store's I/O threads have stopped (every queued read has run)."""
