@@ -501,3 +501,23 @@ def test_a_prompt_token_computed_alone_reads_every_page(tmp_path):
         assert torch.equal(out.sequences, cold.sequences)
         assert max((a - b).abs().max().item() for a, b in zip(out.logits, cold.logits)) < 1e-4
     assert steps == 3 * (NEW - 1)  # three full-attention layers, one step per decoded token but the first
+
+
+def test_selection_or_retention_on_a_model_whose_every_layer_slides_says_it_does_nothing(tmp_path, caplog):
+    """Mistral here slides on every layer; quest and retention apply to full-attention layers
+    only, so the config was taken and nothing was ever selected or dropped, without a word (a
+    review). A warning says so when the cache is made; a model with a full layer gets none."""
+    import logging
+
+    for family, config in (("mistral", dict(selection="quest", selection_budget=12)),
+                           ("mistral", dict(retention="h2o", retention_budget=8)),
+                           ("llama", dict(selection="quest", selection_budget=12))):
+        model = tiny_model(family)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tiercache"):
+            with TieredCache(model, tight_config(model, tmp_path / family, batch=1, device_blocks=24, **config)):
+                pass
+        warned = "every layer of this model slides" in caplog.text
+        assert warned == (family == "mistral"), (family, config, caplog.text)
+        if warned:
+            assert repr(config.get("selection", config.get("retention"))) in caplog.text

@@ -280,6 +280,13 @@ class TieredCache(Cache):
         self._pending_read: Optional[tuple] = None  # (keys, t_us) awaiting the attention hook's scores
         self._pending_scores: Optional[dict] = None
         self.selection_state, self.retention_state = self._make_selection_and_retention()
+        if (self.selection_state is not None or self.retention_state is not None) and all(
+                layer.is_sliding for layer in self.layers):  # accepted, then did nothing, silently (a review)
+            log.warning("tiercache: every layer of this model slides (a window of %s tokens): selection and "
+                        "retention apply to full-attention layers only, so %s=%r does nothing here",
+                        self.layers[0].sliding_window, *(("selection", self.tier_config.selection)
+                                                         if self.selection_state is not None
+                                                         else ("retention", self.tier_config.retention)))
         if (self.retention_state is not None or self.selection_state is not None) and _uses_alibi(text):
             # ALiBi biases attention by the distance between positions, in the float mask.
             # Retention's compaction changes those distances (Falcon sized its mask from the
