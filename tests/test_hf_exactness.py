@@ -1333,7 +1333,20 @@ def _cross_attention_mllama():  # its cross-attention layers' cache holds the im
                                          num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1])
 
 
+def _kv_head_dims_mimo():  # keys of 16 dims, values of 128 (it failed at the first update before)
+    if not hasattr(transformers, "MiMoV2FlashConfig"):
+        pytest.skip("this transformers release has no MiMo-V2-Flash")
+    return transformers.MiMoV2FlashConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, v_head_dim=32)
+
+
+def _refeeding_mpt():  # given a cache, transformers' MPT feeds every token again at each step
+    return transformers.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=256)
+
+
 UNSUPPORTED = {
+    "mimo_v2_flash": (_kv_head_dims_mimo, "keys and values of different head dims (head_dim=16, v_head_dim=32)"),
+    "mpt": (_refeeding_mpt, "transformers' MPT feeds every token again at each decode step when a cache is passed"),
     "gemma4-head-dims": (_per_layer_head_dim_gemma4, "layers of different KV shapes (head_dim, num_key_value_heads: "
                                                      "(16, 2), (32, 2))"),
     "gemma4-shared-kv": (_shared_kv_gemma4, "layers that reuse another layer's KV cache (num_kv_shared_layers=2)"),

@@ -177,6 +177,22 @@ def check_supported(config: Any) -> Any:
         raise UnsupportedModelError(f"{arch}: layers of different KV shapes (head_dim, num_key_value_heads: "
                                     f"{', '.join(map(str, sorted(shapes, key=str)))}) are not supported; "
                                     f"tiercache's blocks have one shape for every layer")
+    try:  # (a heterogeneous config raises for a per-layer field read globally: judged above)
+        k_dim, v_dim = getattr(text, "head_dim", None), getattr(text, "v_head_dim", None)
+    except AttributeError:
+        k_dim = v_dim = None
+    if isinstance(v_dim, int) and isinstance(k_dim, int) and v_dim != k_dim:
+        # MiMo-V2-Flash: refused by name here, not at its first update ("differ in shape")
+        raise UnsupportedModelError(f"{arch}: keys and values of different head dims (head_dim={k_dim}, "
+                                    f"v_head_dim={v_dim}) are not supported; tiercache's blocks hold K and V "
+                                    f"of one shape")
+    if getattr(text, "model_type", None) == "mpt" or getattr(config, "model_type", None) == "mpt":
+        # transformers' MPT, given a cache, feeds the whole sequence again at every decode step
+        # (a DynamicCache passed in grows by the sequence a step, 40 + 5 tokens made it 210, and
+        # the logits differ from generate() without one by 0.014; a sweep of the model types)
+        raise UnsupportedModelError(f"{arch}: transformers' MPT feeds every token again at each decode step when a "
+                                    f"cache is passed (DynamicCache too: the cache grows by the whole sequence a "
+                                    f"step and the logits go wrong), so no cache passed to it can be exact")
     cross = getattr(text, "cross_attention_layers", None)
     if cross:  # Mllama: the image's K/V sit in those layers' cache, which a model reads directly
         raise UnsupportedModelError(f"{arch}: cross-attention layers (cross_attention_layers={list(cross)}) are not "
