@@ -943,3 +943,20 @@ def test_the_answer_line_ends_before_lingering_metrics_and_a_loaded_prefix_is_na
     assert stats["reused_tokens"] > 0
     line = next(x for x in warm.stderr.splitlines() if x.startswith("prefill:"))
     assert line.startswith(f"prefill: {stats['prefill_tokens']} computed + {stats['reused_tokens']} loaded tokens in")
+
+
+def test_progress_into_a_log_is_lines_and_shows_the_decode(tiny_model, tmp_path):
+    """stderr into a file or a pipe (a log): the prefill bar was redrawn with carriage
+    returns into it, and the decode showed no progress at all (the issue asks for both; a
+    review). Now a line per prefill chunk and per tenth of the decode, no carriage return,
+    and the answer on stdout is the answer alone."""
+    proc = cli("generate", "--model", tiny_model, "--prompt", "hello " * 20, "--max-new-tokens", "20",
+               "--prefill-chunk", "8", "--block-tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    prefill = [x for x in lines if x.startswith("prefill [")]
+    decode = [x for x in lines if x.startswith("decode [")]
+    assert len(prefill) >= 3 and prefill[-1].endswith(" tokens") and "[" + "#" * 30 + "]" in prefill[-1]
+    assert 2 <= len(decode) <= 11 and "decode [" + "#" * 30 + "] 20/20 tokens" in decode[-1], decode
+    assert "decode [" not in proc.stdout and "prefill [" not in proc.stdout

@@ -38,14 +38,24 @@ def check_length(model: Any, num_prompt_tokens: int, max_new_tokens: int) -> Non
 
 
 class _Progress:
-    """Prefill and decode progress on stderr, fed by the cache's token events."""
+    """Prefill and decode progress on stderr, fed by the cache's token events.
 
-    def __init__(self, prefill_total: int, decode_total: int, enabled: bool) -> None:
-        self.enabled = enabled
+    On a terminal, a bar redrawn in place (``\\r``); elsewhere (a log file, a pipe) a line
+    per prefill chunk and per tenth of the decode, without carriage returns (a review: a
+    log filled with redrawn bars). The decode's progress only where the streamed answer
+    does not go to the same terminal (there the answer itself shows it, and a bar redrawn
+    on its line would tear it): stdout redirected, say, or no stream at all."""
+
+    def __init__(self, prefill_total: int, decode_total: int, enabled: bool, tty: bool = False,
+                 decode_shown: bool = True, out: Optional[IO[str]] = None) -> None:
+        self.enabled, self.tty, self.decode_shown = enabled, tty, decode_shown
+        self.out = out if out is not None else sys.stderr
         self.prefill_total, self.decode_total = prefill_total, decode_total
         self.prefilled = self.decoded = 0
         self.t_start = time.perf_counter()
         self.t_first_decode: Optional[float] = None
+        self._open_line = False  # a bar drawn in place without its newline yet
+        self._decode_tenth = 0
 
     def __call__(self, kind: str, fields: dict) -> None:
         if kind != "tokens":
@@ -54,13 +64,47 @@ class _Progress:
         if fields["decode"] and self.t_first_decode is None:
             self.t_first_decode = time.perf_counter()
         self.decoded += fields["decode"]
-        if self.enabled and fields["prefill"]:
-            done = self.prefilled / max(self.prefill_total, 1)
-            bar = "#" * int(30 * done)
-            sys.stderr.write(f"\rprefill [{bar:<30}] {self.prefilled}/{self.prefill_total} tokens")
-            if self.prefilled >= self.prefill_total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+        if not self.enabled:
+            return
+        if fields["prefill"]:
+            self._draw("prefill", self.prefilled, self.prefill_total, "")
+        elif fields["decode"] and self.decode_shown:
+            # new tokens so far: the first came out of the prefill's forward, and each decode
+            # forward writes the one before the token it makes
+            total, done = max(self.decode_total, 1), min(self.decoded + 1, max(self.decode_total, 1))
+            tenth = 10 * done // total
+            if self.tty or tenth > self._decode_tenth or done >= total:
+                self._decode_tenth = tenth
+                seconds = time.perf_counter() - self.t_first_decode
+                rate = f" ({(self.decoded - 1) / seconds:.2f} tok/s)" if self.decoded > 1 and seconds > 0 else ""
+                self._draw("decode", done, total, rate)
+
+    def _draw(self, what: str, done: int, total: int, tail: str) -> None:
+        bar = "#" * int(30 * min(done / max(total, 1), 1.0))
+        text = f"{what} [{bar:<30}] {done}/{total} tokens{tail}"
+        if self.tty:
+            self.out.write(f"\r{text}")
+            self._open_line = done < total
+            if not self._open_line:
+                self.out.write("\n")
+        else:  # a prefill chunk, or a tenth of the decode (``__call__``)
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def finish(self) -> None:
+        """The run ended (at its last token, or before: an end-of-sequence token): a bar drawn
+        in place gets its newline."""
+        if self._open_line:
+            self.out.write("\n")
+            self.out.flush()
+            self._open_line = False
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _check_device_budget(cache: Any, config: TierConfig, num_prompt: int, max_new_tokens: int,
@@ -125,7 +169,9 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
     check_length(model, num_prompt, max_new_tokens)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
-    meter = _Progress(num_prompt, max_new_tokens, progress)
+    tty = _isatty(sys.stderr)
+    meter = _Progress(num_prompt, max_new_tokens, progress, tty=tty,
+                      decode_shown=stream is None or not (tty and _isatty(stream)))
     streamer = None
     if stream is not None:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -190,6 +236,8 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
                 except (OSError, ValueError):
                     pass
             raise
+        finally:
+            meter.finish()
         if not handed:
             raise RuntimeError(f"tiercache generate: {type(model).__name__}.generate() made no cache of its own, "
                                f"so nothing ran on the tiers")
