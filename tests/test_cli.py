@@ -946,10 +946,11 @@ def test_the_answer_line_ends_before_lingering_metrics_and_a_loaded_prefix_is_na
 
 
 def test_progress_into_a_log_is_lines_and_shows_the_decode(tiny_model, tmp_path):
-    """stderr into a file or a pipe (a log): the prefill bar was redrawn with carriage
+    """stderr into a file or a pipe of its own (a log): the prefill bar was redrawn with carriage
     returns into it, and the decode showed no progress at all (the issue asks for both; a
     review). Now a line per prefill chunk and per tenth of the decode, no carriage return,
-    and the answer on stdout is the answer alone."""
+    and the answer on stdout is the answer alone. With both on one pipe (``2>&1``) the
+    decode's lines are left out: they would tear the answer's line."""
     proc = cli("generate", "--model", tiny_model, "--prompt", "hello " * 20, "--max-new-tokens", "20",
                "--prefill-chunk", "8", "--block-tokens", "16")
     assert proc.returncode == 0, proc.stderr
@@ -960,3 +961,9 @@ def test_progress_into_a_log_is_lines_and_shows_the_decode(tiny_model, tmp_path)
     assert len(prefill) >= 3 and prefill[-1].endswith(" tokens") and "[" + "#" * 30 + "]" in prefill[-1]
     assert 2 <= len(decode) <= 11 and "decode [" + "#" * 30 + "] 20/20 tokens" in decode[-1], decode
     assert "decode [" not in proc.stdout and "prefill [" not in proc.stdout
+
+    merged = subprocess.run([sys.executable, "-m", "tiercache.cli", "generate", "--model", tiny_model, "--prompt",
+                             "hello " * 20, "--max-new-tokens", "20", "--block-tokens", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert merged.returncode == 0 and "decode [" not in merged.stdout  # 2>&1: the answer's line stays whole
+    assert proc.stdout.strip() in merged.stdout

@@ -43,8 +43,9 @@ class _Progress:
     On a terminal, a bar redrawn in place (``\\r``); elsewhere (a log file, a pipe) a line
     per prefill chunk and per tenth of the decode, without carriage returns (a review: a
     log filled with redrawn bars). The decode's progress only where the streamed answer
-    does not go to the same terminal (there the answer itself shows it, and a bar redrawn
-    on its line would tear it): stdout redirected, say, or no stream at all."""
+    does not go where stderr goes (one terminal, or one log with ``2>&1``: there the answer
+    itself shows it, and progress lines would tear it): stdout redirected, say, or no
+    stream at all."""
 
     def __init__(self, prefill_total: int, decode_total: int, enabled: bool, tty: bool = False,
                  decode_shown: bool = True, out: Optional[IO[str]] = None) -> None:
@@ -105,6 +106,16 @@ def _isatty(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
         return False
+
+
+def _same_target(a: Any, b: Any) -> bool:
+    """Whether two streams write to one file, pipe or terminal (stdout and stderr both to a
+    terminal, or ``2>&1`` into one log): progress lines there would tear the answer's."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, ValueError, OSError):  # not files (io.StringIO): a terminal is a guess
+        return _isatty(a) and _isatty(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _check_device_budget(cache: Any, config: TierConfig, num_prompt: int, max_new_tokens: int,
@@ -171,7 +182,7 @@ def generate_text(prompt: str, config: TierConfig, *, model_path: Optional[str] 
     inputs = {k: v.to(device) for k, v in inputs.items()}
     tty = _isatty(sys.stderr)
     meter = _Progress(num_prompt, max_new_tokens, progress, tty=tty,
-                      decode_shown=stream is None or not (tty and _isatty(stream)))
+                      decode_shown=stream is None or not _same_target(stream, sys.stderr))
     streamer = None
     if stream is not None:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
