@@ -1065,7 +1065,7 @@ class TieredCache(Cache):
         write_keys = []
         if start % bt:  # a partly filled tail block
             tail = self._key(layer_idx, start // bt)
-            store.ensure_device([tail], _count=False)  # the layer's read below counts it
+            store.ensure_device([tail], _once=True)  # counted here; the layer's read below skips it
             self._pinned.append(tail)
             store.begin_write(tail)
             write_keys.append(tail)

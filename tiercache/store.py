@@ -239,6 +239,7 @@ class BlockStore:
             self._tokens: dict = {}  # key -> tokens written (for disk headers)
             self._token_ids: dict = {}  # key -> packed token ids (prefix-cache blocks)
             self._prefetched: dict = {}  # key -> tier a prefetch brought it to
+            self._counted_once: set = set()  # keys whose hit the layer's next read must not count again
             self._evicted_down: set = set()  # demotions an eviction started: written further down after
             self._np_pools: Optional[tuple] = None  # see _byte_pools
             self._gather_buf: Optional[tuple] = None  # see _gather_mixed(reuse=True)
@@ -1207,7 +1208,7 @@ class BlockStore:
 
     @_starts_work
     def ensure_device(self, keys: list, pin: bool = True, ahead: Sequence[Hashable] = (),
-                      _into: Optional[list] = None, _count: bool = True) -> float:
+                      _into: Optional[list] = None, _once: bool = False) -> float:
         """Make every block of ``keys`` READY on the device and pin it; returns seconds waited.
 
         ``ahead``: blocks to prefetch to the device once the fetches of ``keys`` are queued
@@ -1217,15 +1218,21 @@ class BlockStore:
         ``_into`` (the package's own callers): an empty list that gets the entries pinned, for
         ``_unpin_entries`` to undo exactly these pins. By key, ``unpin`` took the pin of another
         thread that had deleted a key, stored it anew and pinned it meanwhile (a review).
-        ``_count=False``: no hit and no prefetch outcome is counted (a layer's tail block,
-        brought up to be written, is counted by the read of the layer that follows: it was
-        counted twice, one hit a layer for nearly every decode step, a review)."""
+        ``_once=True`` (a layer's tail block, brought up to be written): its hit and prefetch
+        outcome are counted here, on the tier it was found on, and the next read of the
+        layer (``ensure_device``, ``_hold_in_memory``) does not count them again. It was
+        counted twice, one hit a layer for nearly every decode step; then, counted by the
+        read alone, as a device hit where it had come up from the host or the disk (two
+        reviews)."""
         keys = list(dict.fromkeys(_key_list(keys, "ensure_device")))  # once each: a key given twice is pinned once
         protect = set(keys)
         # entries: a key deleted and stored anew meanwhile names a block not pinned here
         pinned: list = [] if _into is None else _into
         pinned_keys: set = set()  # their keys, for lookups (a batch may hold hundreds of keys)
-        first = _count  # the first pass over keys: hits and prefetch outcomes are counted in it
+        first = True  # the first pass over keys: hits and prefetch outcomes are counted in it
+        once = self._counted_once  # keys a tail's ensure_device(_once=True) counted already
+        if once and not _once:
+            self._counted_once = set()
         stall = 0.0
         io_failures = 0
         get, device, ready = self.table.get, Tier.DEVICE, CopyState.READY
@@ -1245,16 +1252,17 @@ class BlockStore:
                                 raise self._unknown(key)
                             copies = entry.copies
                             c = copies.get(device)
+                            count = first and not (once and not _once and key in once)
                             if c is not None and c.state is ready:
                                 if key not in pinned_keys:
                                     fresh.append(key)
-                                if first:
+                                if count:
                                     hits[0] += 1
                                     if self._prefetched and self._prefetched.pop(key, None) is not None:
                                         self.events.prefetch("used")
                             elif c is not None:  # FILLING: a prefetch is on its way
                                 waits.append(self._future(self._to_device[key]))
-                                if first and self._prefetched and self._prefetched.pop(key, None) is not None:
+                                if count and self._prefetched and self._prefetched.pop(key, None) is not None:
                                     self.events.prefetch("late")
                                     hits[0] += 1
                             else:
@@ -1268,12 +1276,14 @@ class BlockStore:
                                 else:
                                     waits.extend(self._inflight_for(key))
                                     continue
-                                if first:
+                                if count:
                                     hits[found[0]] += 1
                                 missing.append((key, found))
                     finally:  # counted even if a later key is unknown, as prefetch outcomes are
                         for tier, n in zip(_TIER_LABELS, hits):
                             self.events.hit(tier, n)
+                    if first and _once:
+                        self._counted_once = set(keys)
                     first = False
                     self.policies[device].touch_many(fresh)  # a read is a use
                     if pin or missing or waits:
@@ -1582,6 +1592,7 @@ class BlockStore:
             # write_key's hit, as ensure_device counts it, unless the read holds it too (it
             # always does in a decode step: counted twice, a review)
             hits = {} if write_key in keys else {device: 1}
+            self._counted_once = set()  # (nothing an earlier update's tail left is counted here)
             for key, tier in zip(keys, where):
                 policies[tier].touch(key)
                 hits[tier] = hits.get(tier, 0) + 1
@@ -1705,6 +1716,8 @@ class BlockStore:
         caller's cleanup lets them go whatever point a Ctrl-C lands at (even as this returns);
         an interrupt inside lets go of what it took."""
         counted: set = set()
+        if self._counted_once:  # a tail block counted as it came up to be written (ensure_device)
+            counted, self._counted_once = self._counted_once, set()
         stall = 0.0
         io_failures = 0
         since: list = []  # see _wait_out_readers
