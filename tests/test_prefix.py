@@ -2152,6 +2152,33 @@ def test_tokens_after_the_prompt_are_decode_in_verification_forwards(tmp_path, m
     assert (stats["prefill_tokens"], stats["decode_tokens"]) == (10 + 3, NEW - 1), stats
 
 
+@pytest.mark.parametrize("form", ["whole prompt", "new ids + whole mask"])
+def test_counting_after_load_prefix_on_a_model_not_wrapped_stays_per_call(tmp_path, form):
+    """``load_prefix()`` puts the prefill hook on a model that is not wrapped. The hook told
+    the cache the prompt's length and nothing took it back: after the first generate() every
+    later forward counted as decode (a second turn's 11 prompt tokens, a plain 4-token
+    forward; a review). And a prompt given as only its new ids under a mask over the whole
+    sequence counted as nothing at all. Now the prompt's length holds for its prefill only,
+    and the new-ids form counts its ids as prefill."""
+    model, a = tiny_model(), prompt()
+    run(model, a, config(tmp_path))  # publishes A's blocks
+    with TieredCache(model, config(tmp_path)) as cache, torch.no_grad():
+        n = cache.load_prefix(a)
+        ids = a if form == "whole prompt" else a[:, n:]
+        out = model.generate(ids, attention_mask=torch.ones_like(a), cache=cache, **GEN)
+        first = cache.stats()
+        assert (first["reused_tokens"], first["prefill_tokens"], first["decode_tokens"]) == (n, PROMPT - n, NEW - 1)
+        assert not cache._prompt_known
+        seq = torch.cat([a, out.sequences[:, ids.shape[1]:], prompt(seed=5, length=10)], dim=1)
+        model.generate(seq, attention_mask=torch.ones_like(seq), cache=cache, **GEN)
+        second = cache.stats()
+        assert second["prefill_tokens"] - first["prefill_tokens"] == 11  # the last new token and 10 more
+        assert second["decode_tokens"] - first["decode_tokens"] == NEW - 1
+        model(prompt(seed=6, length=4), past_key_values=cache)  # a forward of its own: prefill by its length
+        third = cache.stats()
+    assert (third["prefill_tokens"] - second["prefill_tokens"], third["decode_tokens"]) == (4, second["decode_tokens"])
+
+
 def test_blocks_too_long_for_a_records_token_ids_turn_the_prefix_cache_off(tmp_path):
     """A record's header holds its block's token ids, at most ``MAX_TOKEN_IDS`` (1333).
     ``block_tokens=2048`` with a disk_dir (the prefix cache on by default) failed

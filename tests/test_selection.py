@@ -509,6 +509,9 @@ def test_selection_or_retention_on_a_model_whose_every_layer_slides_says_it_does
     review). A warning says so when the cache is made; a model with a full layer gets none."""
     import logging
 
+    from tiercache.hf import _ALL_SLIDING_SEEN
+
+    _ALL_SLIDING_SEEN.clear()
     for family, config in (("mistral", dict(selection="quest", selection_budget=12)),
                            ("mistral", dict(retention="h2o", retention_budget=8)),
                            ("llama", dict(selection="quest", selection_budget=12))):
@@ -521,3 +524,8 @@ def test_selection_or_retention_on_a_model_whose_every_layer_slides_says_it_does
         assert warned == (family == "mistral"), (family, config, caplog.text)
         if warned:
             assert repr(config.get("selection", config.get("retention"))) in caplog.text
+            caplog.clear()  # once per model type and setting: wrap() makes a cache per call
+            with caplog.at_level(logging.WARNING, logger="tiercache"):
+                with TieredCache(model, tight_config(model, tmp_path / "again", batch=1, device_blocks=24, **config)):
+                    pass
+            assert "every layer of this model slides" not in caplog.text

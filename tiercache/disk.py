@@ -758,6 +758,11 @@ class DiskTier(RecordCodec):
                 # whose only live record was hit opens without it (a review: it was refused as
                 # "another program's file", and the directory could not be used).
                 ours = head[:4] == MAGIC or _damaged_magic(head)
+                if ours and len(head) >= _HEADER.size + 4:
+                    # a whole header: of this model and block shape? A foreign one is refused as
+                    # an intact one is (a review: a store of another shape opened such a file
+                    # and wrote over its other records)
+                    self._refuse_foreign(MAGIC + head[4:])
                 num = 0 if ours else NOT_A_RECORD
                 yield (slot, None, num, None) if with_token_ids else (slot, None, num)
                 continue
@@ -766,12 +771,25 @@ class DiskTier(RecordCodec):
                 key, num_tokens, _ = self.decode_header(mv)
                 ids = self.decode_token_ids(mv) if with_token_ids else None
             except ForeignRecordError as exc:
-                raise CacheDirError(f"disk_dir: {self.directory!r} holds records {exc}; nothing was changed "
-                                    f"(use another directory, or clear this one)") from None
+                raise self._foreign(exc) from None
             except RecordError:
                 yield (slot, None, 0, None) if with_token_ids else (slot, None, 0)
                 continue
             yield (slot, key, num_tokens, ids) if with_token_ids else (slot, key, num_tokens)
+
+    def _foreign(self, exc: Exception) -> CacheDirError:
+        return CacheDirError(f"disk_dir: {self.directory!r} holds records {exc}; nothing was changed "
+                             f"(use another directory, or clear this one)")
+
+    def _refuse_foreign(self, head: bytes) -> None:
+        """Raise ``CacheDirError`` if ``head``, a whole header, is a record of another format,
+        model or block shape; a damaged one of ours passes."""
+        try:
+            self.decode_header(memoryview(head + bytes(max(0, HEADER_BYTES - len(head)))))
+        except ForeignRecordError as exc:
+            raise self._foreign(exc) from None
+        except RecordError:
+            pass
 
     def _slots_with_data(self, last: int) -> list:
         """The slots below ``last`` whose header lies in a part of the file that holds data:

@@ -252,6 +252,9 @@ def _kv_shapes_per_layer(text: Any) -> set:
     return {(getattr(layer, "head_dim", None), getattr(layer, "num_key_value_heads", None)) for layer in layers}
 
 
+_ALL_SLIDING_SEEN: set = set()  # (model type, setting) warned of doing nothing (TieredCache)
+
+
 class TieredCache(Cache):
     """A ``transformers.Cache`` that keeps the KV cache in blocks across device, host and disk.
 
@@ -298,11 +301,15 @@ class TieredCache(Cache):
         self.selection_state, self.retention_state = self._make_selection_and_retention()
         if (self.selection_state is not None or self.retention_state is not None) and all(
                 layer.is_sliding for layer in self.layers):  # accepted, then did nothing, silently (a review)
-            log.warning("tiercache: every layer of this model slides (a window of %s tokens): selection and "
-                        "retention apply to full-attention layers only, so %s=%r does nothing here",
-                        self.layers[0].sliding_window, *(("selection", self.tier_config.selection)
-                                                         if self.selection_state is not None
-                                                         else ("retention", self.tier_config.retention)))
+            asked = " and ".join(f"{name}={value!r}" for name, value, state in (
+                ("selection", self.tier_config.selection, self.selection_state),
+                ("retention", self.tier_config.retention, self.retention_state)) if state is not None)
+            seen = (getattr(text, "model_type", None), asked)
+            if seen not in _ALL_SLIDING_SEEN:  # once per model type and setting (wrap(): a cache per call)
+                _ALL_SLIDING_SEEN.add(seen)
+                log.warning("tiercache: every layer of this model slides (a window of %s tokens): selection and "
+                            "retention apply to full-attention layers only, so %s does nothing here",
+                            self.layers[0].sliding_window, asked)
         if (self.retention_state is not None or self.selection_state is not None) and _uses_alibi(text):
             # ALiBi biases attention by the distance between positions, in the float mask.
             # Retention's compaction changes those distances (Falcon sized its mask from the
@@ -2007,12 +2014,34 @@ def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, mo
         embeds = model_kwargs.get("inputs_embeds")
         fed = embeds.shape[1] if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else (
             input_ids.shape[1] if input_ids.dim() == 2 else 0)
-        cache._prompt_pending = max(0, fed - cache.get_seq_length())
-        cache._prompt_known = True  # until this generate() returns (_tiered_generate)
+        cache._prompt_pending = _prompt_to_compute(fed, model_kwargs, generation_config, cache.get_seq_length())
+        cache._prompt_known = True  # for this prefill only (below)
         cache._check_loaded_prompt(input_ids, model_kwargs, generation_config)  # after the caller's load_prefix()
         if ours and scope.on_prefill is not None:
             scope.on_prefill(cache, input_ids, generation_config, loaded)
+        try:
+            return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        finally:
+            # the prompt is computed; later forwards are counted by their length again. Left set,
+            # a caller's cache (after load_prefix(), on a model not wrapped) counted every
+            # later forward as decode, and quest selected pages for one-token prompt chunks (a
+            # review). The decode steps of these loops are one token each: decode either way.
+            cache._prompt_known, cache._prompt_pending = False, 0
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+
+def _prompt_to_compute(fed: int, model_kwargs: dict, generation_config: Any, cached: int) -> int:
+    """The prompt tokens a prefill of ``fed`` tokens will compute on a cache holding
+    ``cached``: all of them where the mask or the positions cover a past before them (only
+    the new ids passed, as transformers takes them on a cache with a past), else those past
+    the cache's length (transformers slices the whole prompt by it). The new-ids form
+    counted as nothing (a review: a second turn's 5 prompt tokens went to decode)."""
+    spans = [t.shape[-1] for t in (model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+             if isinstance(t, torch.Tensor) and t.dim() == 2]
+    spans.append(getattr(generation_config, "_mask_length", -1))
+    if max(spans) > fed:
+        return fed
+    return max(0, fed - cached)
 
 
 _HOOKS["prefill"] = _prefill_hook
@@ -2086,7 +2115,8 @@ def _tiered_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
 
     if prompt is not None:
         for cache in passed:
-            cache._prompt_pending, cache._prompt_known = max(0, prompt - cache.get_seq_length()), True
+            cache._prompt_pending, cache._prompt_known = _prompt_to_compute(
+                prompt, kwargs, kwargs.get("generation_config"), cache.get_seq_length()), True
     with _tiering(self, make) as scope:
         try:
             return call(*args, **kwargs)

@@ -2779,12 +2779,15 @@ class BlockStore:
         # Each tier's blocks, not only its budget: a host slot is padded to whole pages, so
         # "5.2 KiB in all" next to host_budget=64KiB read as a contradiction (a review).
         cfg, g = self.config, self.geometry
-        parts = [f"device_budget={format_bytes(cfg.device_budget)} (holds {self.table.num_slots(Tier.DEVICE)} "
-                 f"blocks of {format_bytes(g.block_bytes)})"]
+        def holds(tier: Tier) -> str:
+            n = self.table.num_slots(tier)
+            return f"holds {n} block{'' if n == 1 else 's'}"
+
+        parts = [f"device_budget={format_bytes(cfg.device_budget)} ({holds(Tier.DEVICE)} of "
+                 f"{format_bytes(g.block_bytes)})"]
         if Tier.HOST in self.tiers:
             padded = f", each padded to {format_bytes(g.padded_bytes)}" if g.padded_bytes != g.block_bytes else ""
-            parts.append(f"host_budget={format_bytes(cfg.host_budget)} (holds {self.table.num_slots(Tier.HOST)} "
-                         f"blocks{padded})")
+            parts.append(f"host_budget={format_bytes(cfg.host_budget)} ({holds(Tier.HOST)}{padded})")
         if Tier.DISK in self.tiers:
             parts.append(self.disk_budget_text())
         needed = (len(self.table) + num_new) * g.block_bytes
