@@ -2174,7 +2174,7 @@ def test_counting_after_load_prefix_on_a_model_not_wrapped_stays_per_call(tmp_pa
         second = cache.stats()
         assert second["prefill_tokens"] - first["prefill_tokens"] == 11  # the last new token and 10 more
         assert second["decode_tokens"] - first["decode_tokens"] == NEW - 1
-        model(prompt(seed=6, length=4), past_key_values=cache)  # a forward of its own: prefill by its length
+        model(prompt(seed=6, length=4), cache=cache)  # a forward of its own: prefill by its length
         third = cache.stats()
     assert (third["prefill_tokens"] - second["prefill_tokens"], third["decode_tokens"]) == (4, second["decode_tokens"])
 
