@@ -967,3 +967,18 @@ def test_progress_into_a_log_is_lines_and_shows_the_decode(tiny_model, tmp_path)
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert merged.returncode == 0 and "decode [" not in merged.stdout  # 2>&1: the answer's line stays whole
     assert proc.stdout.strip() in merged.stdout
+
+
+@pytest.mark.model
+def test_the_demo_in_one_log_keeps_its_answer_on_the_answer_line(tmp_path):
+    """``make demo`` with stdout and stderr into one log (as fresh-check and CI keep it):
+    the answer's label, written before the run, landed on the first progress line, and the
+    answer stood on a line of its own. The label now comes with the answer's first text."""
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "demo", "--records", "40",
+                           "--disk-dir", str(tmp_path / "kv")],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    answer = [x for x in lines if x.startswith("answer:")]
+    assert len(answer) == 1 and "prefill [" not in answer[0] and len(answer[0]) > len("answer:   "), proc.stdout
+    assert lines.index(answer[0]) > max(i for i, x in enumerate(lines) if x.startswith("prefill ["))

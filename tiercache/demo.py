@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import sys
 import tempfile
-from typing import Optional
+from typing import IO, Optional
 
 from tiercache.config import TierConfig, format_bytes
 
@@ -73,9 +73,10 @@ def run_demo(records: int = 40, disk_dir: Optional[str] = None, max_new_tokens: 
               f"device {format_bytes(cfg.device_budget)} + host {format_bytes(cfg.host_budget)} + disk",
               file=sys.stderr)
         print(f"question: What is the locker code of {who}?", file=sys.stderr)
-        sys.stdout.write("answer:   ")
+        answer = _Labelled(sys.stdout, "answer:   ")  # after the prefill's progress lines, not among them
         result = generate_text(prompt, cfg, model=model, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
-                               stream=sys.stdout, progress=True)
+                               stream=answer, progress=True)
+        answer.write("")
     print()
     stats = result["stats"]
     found = truth in result["text"]
@@ -85,3 +86,27 @@ def run_demo(records: int = 40, disk_dir: Optional[str] = None, max_new_tokens: 
           f"disk {stats['tiers']['disk']['blocks']}; moved {moved}; stall {stats['stall_seconds']:.2f} s; "
           f"prefill {result['seconds']['prefill']:.1f} s, decode {result['seconds']['decode']:.1f} s")
     return 0
+
+
+class _Labelled:
+    """``stream`` with ``label`` written before its first text: the answer's label comes
+    after the prefill's progress (on stderr), so that in one log (``2>&1``) the label stays
+    with the answer; written before the run, it ended up on the first progress line."""
+
+    def __init__(self, stream: IO[str], label: str) -> None:
+        self.stream, self.label, self.started = stream, label, False
+
+    def write(self, text: str) -> int:
+        if not self.started:
+            self.started = True
+            self.stream.write(self.label)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
