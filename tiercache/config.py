@@ -9,10 +9,13 @@ import re
 import tempfile
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES, SELECTION_POLICIES
+
+if TYPE_CHECKING:  # torch is imported where a device is checked, not with the config
+    import torch
 
 Budget = Union[int, str]
 
@@ -80,7 +83,7 @@ def _secret_option(name: str) -> bool:
     return "password" in unquote(name).lower()
 
 
-def check_store_device(device, field: str = "device") -> None:
+def check_store_device(device: Union["torch.device", str], field: str = "device") -> None:
     """Refuse a device the tiers cannot live on, by name: the pools are plain tensors on a
     CPU, or on a CUDA device with copy streams. A ``meta`` store took every put and stored
     nothing (each later read failed deep inside torch), and ``cuda`` on a torch built
