@@ -658,13 +658,7 @@ class TieredCache(Cache):
         if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1):
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(what.format(n=n) + f"was given input_ids of shape {shape}; {advice} (one row)")
-        # the length of the whole sequence, from the mask or the positions generate() made from it
-        spans = [t.shape[-1] for t in (model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
-                 if isinstance(t, torch.Tensor) and t.dim() == 2]
-        # transformers drops a mask of ones before the prefill and keeps only its length there
-        # (a model that takes no position_ids, BLOOM's, has nothing else to say it)
-        spans.append(getattr(generation_config, "_mask_length", -1))
-        total = max(spans, default=input_ids.shape[1])
+        total = _sequence_length(model_kwargs, generation_config)
         if total > input_ids.shape[1]:
             past = total - input_ids.shape[1]  # the ids are what follows a past of this length
             if past != n:
@@ -2036,12 +2030,20 @@ def _prompt_to_compute(fed: int, model_kwargs: dict, generation_config: Any, cac
     the new ids passed, as transformers takes them on a cache with a past), else those past
     the cache's length (transformers slices the whole prompt by it). The new-ids form
     counted as nothing (a review: a second turn's 5 prompt tokens went to decode)."""
+    if _sequence_length(model_kwargs, generation_config) > fed:
+        return fed
+    return max(0, fed - cached)
+
+
+def _sequence_length(model_kwargs: dict, generation_config: Any) -> int:
+    """The whole sequence's length as generate() says it: the mask's, the positions' it made
+    from the mask, or, where transformers dropped a mask of ones before the prefill, the
+    length it kept (a model that takes no position_ids, BLOOM's, has nothing else to say
+    it); -1 where none says."""
     spans = [t.shape[-1] for t in (model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
              if isinstance(t, torch.Tensor) and t.dim() == 2]
     spans.append(getattr(generation_config, "_mask_length", -1))
-    if max(spans) > fed:
-        return fed
-    return max(0, fed - cached)
+    return max(spans)
 
 
 _HOOKS["prefill"] = _prefill_hook
