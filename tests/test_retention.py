@@ -438,3 +438,37 @@ def test_a_plugin_retention_policy_that_cannot_be_used_is_named_by_the_config(at
     with registered(registry, "broken", broken):
         with pytest.raises(ValueError, match=re.escape(f"retention: the policy 'broken' {message}")):
             tiercache.TierConfig(retention="broken")
+
+
+@pytest.mark.parametrize("chunk", [9, 3, 4])  # last chunks of 1, 1 and 2 tokens; snapkv's window is 3
+def test_snapkv_observes_the_prompt_window_across_chunks(chunk, tmp_path):
+    """Scenario: a wrapped model computes a 10-token prompt in chunks whose last one is
+    shorter than snapkv's observation window (3 tokens at this budget). SnapKV scores the
+    prompt's last 3 tokens however the prompt was cut: the kept tokens, and so the
+    answer, are those of the prompt computed at once. Before, a one-token last chunk
+    cut the prompt with the chunk before's window (and left the last token out of it),
+    and a two-token one scored with 2 rows instead of 3."""
+    import copy
+
+    from test_hf_exactness import assert_same
+
+    model = copy.deepcopy(tiny_model("llama"))
+    assert make_retention("snapkv").window_for(BUDGET) == 3
+    runs = {}
+    for name, size in (("whole", None), ("chunked", chunk)):
+        tiercache.wrap(model, tight_config(model, tmp_path / name, batch=1, device_blocks=12, retention="snapkv",
+                                           retention_budget=BUDGET))
+        kwargs = {} if size is None else {"prefill_chunk_size": size}
+        out = generate(model, prompt_ids(), max_new_tokens=3, **kwargs)
+        state = model.tiercache_last.retention_state
+        assert state.compactions > 0, f"{name}: snapkv never cut the prompt"
+        runs[name] = (out, {i: state.positions(i).clone() for i in state.layers})
+    (whole, kept_whole), (chunked, kept_chunked) = runs["whole"], runs["chunked"]
+    assert kept_whole.keys() == kept_chunked.keys()
+    for layer_idx in kept_whole:
+        assert torch.equal(kept_whole[layer_idx], kept_chunked[layer_idx]), (
+            f"layer {layer_idx}: kept {kept_chunked[layer_idx].tolist()} with chunks of {chunk}, "
+            f"{kept_whole[layer_idx].tolist()} with the prompt at once")
+    assert_same(whole, chunked, f"chunks of {chunk}")
+    assert all(state.window is None for state in model.tiercache_last.retention_state.layers.values()), \
+        "the prompt's window rows are let go once decoding starts"

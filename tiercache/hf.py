@@ -98,7 +98,7 @@ class TieredLayer(CacheLayerMixin):
         if retention is not None and retention.applies(self):
             # Compacted: the stored tokens, then the new ones at their absolute indices
             # (tiercache.retention explains why the offset makes the mask right).
-            retention.settle(query_length)
+            retention.settle(query_length, self._cache._prompt_coming())
             stored = self.num_tokens - self.dropped
             return stored + query_length, self.num_tokens - stored
         start = self.visible_start()
@@ -632,6 +632,11 @@ class TieredCache(Cache):
         if hold is not None and hold.detach() is not None:  # once: the hooks go if nothing else holds them
             _release_hooks(self._model)
 
+    def _prompt_coming(self) -> Optional[bool]:
+        """Before a forward's layer-0 update (its mask's sizes): whether it computes prompt
+        tokens, where generate() told the prompt's length (``_prefill_hook``); else None."""
+        return self._prompt_pending > 0 if self._prompt_known else None
+
     def _check_loaded_prompt(self, input_ids: Any, model_kwargs: Optional[dict] = None,
                              generation_config: Any = None) -> None:
         """generate()'s prefill on this cache, after ``load_prefix``: its prompt must start
@@ -1058,7 +1063,8 @@ class TieredCache(Cache):
             self._check_hook()
         retention = self.retention_state
         if retention is not None and layer_idx == 0:
-            retention.settle(q)  # snapkv: the prompt ended (a no-op if get_mask_sizes did it)
+            # snapkv: the prompt ended (a no-op if get_mask_sizes did it)
+            retention.settle(q, self._prompt_forward if self._prompt_known else None)
 
         base = layer.dropped  # tokens a retention policy dropped: stored index = absolute - base
         start, end = layer.num_tokens - base, layer.num_tokens - base + q

@@ -13,8 +13,13 @@ right:
   padding token stays hidden), per KV head;
 - after attention the hook recomputes the attention weights the policy scores tokens by
   (SDPA does not return them; long prompts are scored a chunk of rows at a time) and the
-  layer is compacted to the budget. SnapKV decides at the end of a multi-token forward and
+  layer is compacted to the budget. SnapKV decides at the end of each prompt forward and
   compacts when the next forward is a decode step (a following prompt chunk cancels it).
+  Its observation window is the prompt's last ``window`` tokens however the prompt was cut
+  into chunks: each layer keeps the queries (and visibility) of the last window rows of
+  the chunk before, so that a short last chunk (one token, two) scores with the whole
+  window, as the prompt computed at once does. Where generate() told the prompt's length
+  (``wrap()``), a one-token chunk is prompt; else a forward of one token is a decode step.
 
 Sliding-window layers keep their window and are not touched.
 """
@@ -40,6 +45,9 @@ class LayerState:
         self.valid: Optional[torch.Tensor] = None  # False: a padding token
         self.scores: Optional[torch.Tensor] = None  # the policy's scores (float), when it keeps any
         self.pending: Optional[torch.Tensor] = None  # snapkv: indices to keep once the prompt ended
+        # snapkv: the queries [B, Hq, <=w, D] and visibility [B|1, 1|Hq, <=w, N] of the last
+        # window rows of the prompt computed so far (``RetentionState._observed``)
+        self.window: Optional[tuple] = None
 
     def append(self, start: int, batch: int, heads: int, q: int, device: torch.device) -> None:
         pos = torch.arange(start, start + q, device=device).view(1, 1, q).expand(batch, heads, q)
@@ -55,6 +63,7 @@ class LayerState:
         if self.scores is not None:
             self.scores = self.scores.gather(-1, index)
         self.pending = None
+        self.window = None
 
     def crop(self, stored: int) -> None:
         """The layer's tokens from ``stored`` on were removed (before any was dropped: stored
@@ -67,12 +76,16 @@ class LayerState:
                 setattr(self, name, t[..., :stored])
         if self.pending is not None and bool((self.pending >= stored).any()):
             self.pending = None
+        self.window = None  # rows of a prompt whose end was cut off
 
     def reorder(self, rows: torch.Tensor) -> None:
         for name in ("positions", "valid", "scores", "pending"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
+        if self.window is not None:
+            self.window = tuple(t if t.shape[0] == 1 else t.index_select(0, rows.to(t.device))
+                                for t in self.window)
 
 
 class RetentionPlan:
@@ -137,14 +150,19 @@ class RetentionState:
         state = self.layers.get(layer_idx)
         return None if state is None else state.positions
 
-    def settle(self, query_length: int) -> None:
+    def settle(self, query_length: int, prompt: Optional[bool] = None) -> None:
         """At the start of a forward: apply pending snapkv compactions if it is a decode step,
-        forget them if more prompt arrives. (Assisted generation's every forward checks
-        several candidate tokens, so it never cuts: ``TieredCache`` warns at its first crop.)"""
+        forget them if more prompt arrives. ``prompt``: whether the forward computes prompt
+        tokens, where generate() told the prompt's length (``TieredCache._prompt_coming``);
+        None where it did not: a forward of one token is then a decode step. (Assisted
+        generation's every forward checks several candidate tokens, so it never cuts:
+        ``TieredCache`` warns at its first crop.)"""
         for layer_idx, state in self.layers.items():
+            if state.window is not None and (prompt is False or (prompt is None and query_length == 1)):
+                state.window = None  # the prompt ended: its rows are not needed
             if state.pending is None:
                 continue
-            if query_length != 1:
+            if query_length != 1 or prompt:
                 state.pending = None
                 continue
             layer = self.cache.layers[layer_idx]
@@ -161,12 +179,18 @@ class RetentionState:
         rows = {"none": None, "all": slice(0, q_len), "last": slice(q_len - 1, q_len),
                 "window": slice(max(q_len - policy.window_for(budget), 0), q_len) if q_len > 1 and hasattr(
                     policy, "window_for") else None}[policy.score_rows]
-        if policy.prompt_only and (q_len == 1 or n <= budget):
+        if policy.prompt_only and not self.cache._prompt_forward:
+            return
+        vis = plan.vis
+        if policy.prompt_only and policy.score_rows == "window":
+            query, vis = self._observed(state, query, vis, policy.window_for(budget), n)
+            rows = slice(max(query.shape[2] - policy.window_for(budget), 0), query.shape[2])
+        if policy.prompt_only and n <= budget:
             return
         scores = None
         if rows is not None:
             with torch.no_grad():
-                mass = attention_mass(query, key, plan.vis, scaling, softcap, rows)
+                mass = attention_mass(query, key, vis, scaling, softcap, rows)
             previous = state.scores if policy.score_rows == "all" else None
             scores = state.scores = self._combine(previous, mass)
         if n <= budget:
@@ -177,6 +201,25 @@ class RetentionState:
             state.pending = index
             return
         self.compact(plan.layer_idx, index, key, value)
+
+    @staticmethod
+    def _observed(state: LayerState, query: torch.Tensor, vis: torch.Tensor, window: int, n: int) -> tuple:
+        """A prompt forward's query rows and their visibility, after the rows of the prompt
+        before it that the observation window still reaches (their keys are all stored: a
+        prompt_only policy drops nothing before the prompt ends); the last ``window`` of
+        them are kept for the next chunk. An earlier row sees none of the keys stored
+        after it (attention is causal), hence the False columns it gets."""
+        q_len = query.shape[2]
+        before = state.window
+        if before is not None and q_len < window:
+            q0, v0 = before
+            q0, v0 = q0[:, :, q_len - window:], v0[:, :, q_len - window:]
+            v0 = torch.nn.functional.pad(v0, (0, n - v0.shape[-1]), value=False)
+            shape = (max(v0.shape[0], vis.shape[0]), max(v0.shape[1], vis.shape[1]))
+            vis = torch.cat([v0.expand(*shape, -1, -1), vis.expand(*shape, -1, -1)], 2)
+            query = torch.cat([q0.to(query.dtype), query], 2)
+        state.window = (query[:, :, -window:].detach(), vis[:, :, -window:])
+        return query, vis
 
     def _combine(self, previous: Optional[torch.Tensor], mass: torch.Tensor) -> torch.Tensor:
         """The policy's ``combine``; a plug-in's exception named (``tiercache.guard``)."""
