@@ -1227,3 +1227,46 @@ def test_a_prefix_cache_that_fails_to_open_closes_its_remote_tier(tmp_path, mode
             break
         time.sleep(0.05)
     assert not left
+
+
+@needs_binary
+def test_a_server_out_of_memory_never_lists_a_block_with_records_missing(tmp_path, server, monkeypatch):
+    """Scenario: the server is full (maxmemory, noeviction) while blocks are published with
+    remote_budget. It refuses some records of a batch and takes others. Before, the
+    batch's manifests and listings went in the same pipeline after the refused records: a
+    block was listed with a record missing, counted against the budget, and every reader
+    stopped its prefix there for good (a review; blocks_written said fewer than were
+    listed). Now the manifests go only once every record of the batch was taken: every
+    block listed is whole, the count is what the server lists, and after close no
+    reservation or record of a block that was not listed is left."""
+    import tiercache.remote as remote
+
+    monkeypatch.setattr(remote, "RETRY_SECONDS", 0.05)  # try again soon after each refusal
+    client = server.client()
+    tier = _remote_tier(tmp_path, server.url, remote_budget="1GiB")
+    record = tier.record_bytes
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", str(int(client.info("memory")["used_memory"]) + 40 * record))
+    blocks = []
+    try:
+        for seed in range(24):  # ~4 records a block, ~100 in all: the server takes ~40
+            chain_blocks = _chain(4, seed=seed)
+            blocks += chain_blocks
+            _publish(tier, chain_blocks)
+            time.sleep(0.06)
+        stats = tier.stats()
+    finally:
+        tier.close()
+    assert stats["errors"]["server"] >= 1 and stats["writes_dropped"] >= 1, "the server never refused a write"
+    listed = {int(m, 16) for m in client.zrange(tier.lru_key, 0, -1)}
+    manifests = [b for b in blocks if client.exists(tier.manifest_key(b.h))]
+    assert manifests, "nothing was written before the server filled up"
+    assert {b.h for b in manifests} == listed
+    assert stats["blocks_written"] == len(manifests)
+    for b in manifests:
+        missing = [layer for layer in range(_LAYERS) if not client.exists(tier.record_key(b.h, layer))]
+        assert not missing, f"block {b.index} is listed with records of layers {missing} missing"
+    assert client.zcard(tier.res_key) == 0, "reservations of blocks never listed were left counted"
+    strays = [b for b in blocks if b.h not in listed and any(client.exists(tier.record_key(b.h, layer))
+                                                              for layer in range(_LAYERS))]
+    assert not strays, f"{len(strays)} blocks that were never listed left records on the server"

@@ -438,17 +438,32 @@ class RemoteTier:
         try:
             self._release_own(client, release)
             items = self._reserve(client, items)
-            pipe = client.pipeline(transaction=False)
+            # The records go first, in a pipeline of their own, and the manifests only once
+            # every record was taken. In one pipeline, a server out of memory (maxmemory,
+            # noeviction) refused some records and took the manifests after them: the
+            # blocks were listed with records missing, counted against the budget, and
+            # every reader stopped its prefix there for good (a review).
+            records = client.pipeline(transaction=False)
             wrote_records = wrote_blocks = 0
-            listed: list = []
             for kind, block, layer, kv in items:
                 if kind == "record":
                     key = BlockKey(block.h, layer, block.index)
                     payload = memoryview(kv.contiguous().view(-1).view(torch.uint8).numpy())
                     record = self.codec.encode(key, payload, self.codec.geometry.block_tokens, block.token_ids)
-                    pipe.set(self.record_key(block.h, layer), record)
+                    records.set(self.record_key(block.h, layer), record)
                     wrote_records += 1
-                elif kind == "manifest":  # after the block's records: a reader that sees it finds them
+            if wrote_records:
+                failed = [r for r in records.execute(raise_on_error=False) if isinstance(r, BaseException)]
+                if failed:  # the batch is dropped: its blocks are not listed, their records released
+                    raise failed[0]
+            pipe = client.pipeline(transaction=False)
+            listed: list = []
+            manifest_at: dict = {}  # block -> the index of its manifest's SET in the pipeline
+            for kind, block, layer, kv in items:
+                if kind == "record":
+                    continue
+                if kind == "manifest":  # after the block's records: a reader that sees it finds them
+                    manifest_at[block.h] = len(pipe)
                     pipe.set(self.manifest_key(block.h), self.encode_manifest(block))
                     if self.budget is not None:  # listed, then no longer being written: counted once
                         pipe.zadd(self.lru_key, {f"{block.h:016x}": self._score(block)})
@@ -463,12 +478,27 @@ class RemoteTier:
                 if sending:
                     pipe.zadd(self.res_key, sending, xx=True)
             results = pipe.execute(raise_on_error=False)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed and (self.budget is None or not all(_wrong_type(r) for r in failed)):
+                # Refused in part (out of memory): a block whose manifest and listing went in
+                # is written, whole, and counted so; a manifest that went in unlisted goes
+                # again, so that the block's release (it is dropped below) takes its records.
+                def took(i: int) -> bool:
+                    return not isinstance(results[i], BaseException)
+                written = {h for h, i in manifest_at.items() if took(i) and (self.budget is None or took(i + 1))}
+                unlisted = [self.manifest_key(h) for h, i in manifest_at.items() if took(i) and h not in written]
+                self._unlisted.difference_update(written)
+                self._in_place.difference_update(written)
+                self._count(bytes_written=self.record_bytes * sum(
+                    1 for kind, block, _, _ in items if kind == "record" and block.h in written),
+                    blocks_written=len(written))
+                batch = [it for it in batch if it[0] != "record" or it[1].h not in written]
+                if unlisted:
+                    client.delete(*unlisted)
+                raise failed[0]
             self._unlisted.difference_update(listed)
             self._in_place.difference_update(listed)
-            failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:  # only the budget's sorted sets can meet a wrong type: the records went in
-                if self.budget is None or not all(_wrong_type(r) for r in failed):
-                    raise failed[0]
+            if failed:  # only the budget's sorted sets can meet a wrong type: the manifests went in
                 self._repair_budget(client, failed[0], [block for kind, block, _, _ in items if kind == "manifest"])
             if listed and self.budget is not None:
                 # A block listed when this batch began (not counted again) may have been
@@ -745,11 +775,40 @@ class RemoteTier:
             self._writer.join(timeout=max(1.0, 2 * self.timeout))
         with self._client_lock:
             client, self._client = self._client, None
+        self._release_at_close(client)
         if client is not None:
             try:
                 client.close()
             except Exception:  # noqa: BLE001
                 pass
+
+    def _release_at_close(self, client: Any) -> None:
+        """The reservations whose release waited for a next batch (``_release_later``: the
+        server was down, or had just refused a batch, when their publish stopped) are taken
+        back once more, if the server answers. Left, they counted against every worker's
+        remote_budget until one cleared them as stale, ten minutes on: a batch refused for
+        lack of memory left its blocks' reservations so (a review)."""
+        later = [h for h in self._release_later if h in self._unlisted or h in self._in_place]
+        self._release_later = set()
+        if not later or (self._writer is not None and self._writer.is_alive()):
+            return
+        own = client is None
+        try:
+            if own:
+                client = self._connect()
+            self._release_own(client, later)
+        except Exception as exc:  # noqa: BLE001 - stale in the end: another worker clears them
+            with self._lock:
+                self._errors[classify(exc)] += 1
+            log.warning("remote tier %s: %d block reservation(s) not taken back at close (%s); other "
+                        "workers clear them as stale after %.0f s", redact_url(self.url), len(later), exc,
+                        STALE_RESERVATION_S)
+        finally:
+            if own and client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001
+                    pass
 
 
 def _wrong_type(value: object) -> bool:
