@@ -237,6 +237,8 @@ def test_replay_refuses_a_device_smaller_than_one_layer(tmp_path):
     write_scan_trace(path, layers=2, blocks=5, rounds=2)
     with pytest.raises(InfeasibleBudget, match="device budget >= 20480 bytes"):
         replay(load_trace(str(path)), "lru", 4 * 4096, bandwidths=BW)
+    with pytest.raises(ValueError, match=r"host_budget: 4095 bytes is less than one block .*or 0 for no host tier"):
+        replay(load_trace(str(path)), "lru", 10 * 4096, host_budget=4095, bandwidths=BW)
 
 
 def test_replay_budgets_and_bytes_add_up(tmp_path):
@@ -344,6 +346,8 @@ def test_compare_cli_json_and_table(tmp_path):
     (["--plot", "/nonexistent-dir/x.png"], "--plot: cannot write"),
     # no --io-json: the link rates are measured in --disk-dir (a FileNotFoundError traceback)
     (["--disk-dir", "/nonexistent-dir"], "--disk-dir: '/nonexistent-dir' does not exist"),
+    # under one block it held nothing: the replay ran with no host tier, as 0 asks (a review)
+    (["--lab-host-budget", "1"], "--lab-host-budget: 1 bytes is less than one block of the trace (4096 bytes)"),
 ])
 def test_compare_cli_bad_input(tmp_path, args, message):
     path = tmp_path / "scan.csv"

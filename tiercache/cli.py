@@ -442,6 +442,7 @@ def split_list(flag: str, text: str) -> list:
 def cmd_compare(args: argparse.Namespace) -> int:
     from tiercache.config import parse_bytes
     from tiercache.lab import compare as lab
+    from tiercache.lab.sim import check_host_budget
     from tiercache.lab.trace import load_trace
     from tiercache.policies import EVICTION_POLICIES
 
@@ -487,6 +488,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     elif args.live:
         raise CLIError("--live runs the model: give --prompt-file (or --prompt) instead of --trace")
     trace = load_trace(trace_path)
+    try:
+        check_host_budget(host_budget, trace.block_bytes, "--lab-host-budget")
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if budgets is None:
         budgets = default_budgets(trace)
     if args.io_json is None:  # the link rates are measured there: a missing one was a traceback

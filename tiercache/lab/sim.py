@@ -46,11 +46,19 @@ class InfeasibleBudget(ValueError):
                          f">= {self.min_budget_bytes} bytes")
 
 
+def check_host_budget(host_budget: Optional[int], block_bytes: int, name: str) -> None:
+    """A host budget under one block held nothing and was taken, silently, for 0: no host tier."""
+    if host_budget is not None and 0 < host_budget < block_bytes:
+        raise ValueError(f"{name}: {host_budget} bytes is less than one block of the trace ({block_bytes} bytes); "
+                         f"give at least {block_bytes}, or 0 for no host tier")
+
+
 class _Replay:
     def __init__(self, trace: Trace, eviction: str, device_budget: int, host_budget: Optional[int],
                  prefetch: str, prefetch_depth: int, bw: Bandwidths, pin_reads: bool) -> None:
         self.trace, self.bw, self.pin_reads = trace, bw, pin_reads
         self.size = trace.block_bytes
+        check_host_budget(host_budget, self.size, "host_budget")
         self.cap = {DEVICE: device_budget // self.size,
                     HOST: None if host_budget is None else host_budget // self.size}
         self.pol = {tier: self._eviction(eviction, tier) for tier in (DEVICE, HOST)}
