@@ -155,6 +155,17 @@ def test_config_names_every_bad_remote_setting(tmp_path):
             TierConfig(**{**good, "remote_url": url})
         assert "pw" not in str(err.value)
     TierConfig(**{**good, "remote_url": "unix:///tmp/r.sock?db=3&password=pw"})  # good options pass
+    # A name the connection does not take (a typo of a TLS option) was accepted too, then
+    # every connection failed inside redis-py, counted as a server fault every 5 s; an
+    # unclosed IPv6 bracket raised urllib's "Invalid IPv6 URL", naming no field (a review)
+    for url, message in [
+            ("rediss://h:6380/0?ssl_ca_cert=/ca.pem", r"unknown option 'ssl_ca_cert' .* \(did you mean 'ssl_ca_certs'\?\)"),
+            ("redis://h:6379/0?ssl_ca_certs=/ca.pem", r"unknown option 'ssl_ca_certs' .* \(a TLS option: it needs rediss://\)"),
+            ("redis://h:6379/0?foo=bar", "unknown option 'foo' in redis://h:6379/0.foo=bar; a redis:// connection"),
+            ("redis://[::1:6379/0", r"cannot parse redis://\[::1:6379/0 \(Invalid IPv6 URL\)")]:
+        with pytest.raises(ValueError, match=f"remote_url: {message}"):
+            TierConfig(**{**good, "remote_url": url})
+    TierConfig(**{**good, "remote_url": "rediss://h:6380/0?ssl_ca_certs=/ca.pem&ssl_cert_reqs=none&client_name=w1"})
 
 
 def test_password_never_shows_and_comes_from_the_environment(tmp_path, monkeypatch):

@@ -1,7 +1,9 @@
 """The one configuration object: a frozen, validated ``TierConfig``."""
 from __future__ import annotations
 
+import difflib
 import errno
+import inspect
 import math
 import numbers
 import os
@@ -182,18 +184,28 @@ _REMOTE_OPTIONS_REFUSED = {"decode_responses": "records are bytes; leave it out 
                            "retry_on_error": _TIMEOUT_OPTION}
 
 
-def _check_remote_options(url: str) -> None:
-    """Options in remote_url's query: those the tier cannot work with are refused, and a
-    value redis-py would not parse (``?db=abc``) is named here: it was accepted, then every
-    connection failed, counted as a server fault every 5 s (a review)."""
+def _check_remote_options(url: str, scheme: str) -> None:
+    """Options in remote_url's query: those the tier cannot work with are refused, and so
+    are a name the connection would not take (``?ssl_ca_cert=``, a typo of
+    ``ssl_ca_certs``) and a value redis-py would not parse (``?db=abc``). Each was accepted,
+    then every connection failed, counted as a server fault every 5 s (two reviews)."""
     try:
         from redis.connection import URL_QUERY_ARGUMENT_PARSERS as parsers
     except ImportError:  # no redis-py: the remote tier says so when it opens
         parsers = {}
+    known = _remote_option_names(scheme)
     for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
         why = _REMOTE_OPTIONS_REFUSED.get(name.lower())
         if why is not None:
             raise ValueError(f"remote_url: the option {name!r} in {redact_url(url)} cannot be used: {why}")
+        if known is not None and name not in known:
+            tls = _remote_option_names("rediss") if scheme == "redis" else known
+            close = difflib.get_close_matches(name, sorted(tls), n=1)
+            hint = " (a TLS option: it needs rediss://)" if name in tls else "" if not close else (
+                f" (did you mean {close[0]!r}?)" if close[0] in known
+                else f" (did you mean {close[0]!r}? a TLS option: it needs rediss://)")
+            raise ValueError(f"remote_url: unknown option {name!r} in {redact_url(url)}{hint}; a {scheme}:// "
+                             f"connection takes none by that name")
         parse = parsers.get(name)
         if parse is None or not value:
             continue
@@ -202,6 +214,23 @@ def _check_remote_options(url: str) -> None:
         except (TypeError, ValueError):
             shown = "***" if _secret_option(name) else repr(value)
             raise ValueError(f"remote_url: the option {name!r} has a value redis-py cannot parse: {shown}") from None
+
+
+def _remote_option_names(scheme: str) -> Optional[set]:
+    """The query options redis-py passes on to a ``scheme`` connection (its pool's and its
+    connection class's keyword arguments), or None without redis-py."""
+    try:
+        from redis import connection as rc
+    except ImportError:
+        return None
+    classes = [rc.AbstractConnection, rc.UnixDomainSocketConnection if scheme == "unix" else rc.Connection]
+    if scheme == "rediss":
+        classes.append(rc.SSLConnection)
+    names = {"max_connections"}  # the pool's
+    for cls in classes:
+        names.update(name for name, p in inspect.signature(cls.__init__).parameters.items()
+                     if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return names
 
 
 def remote_credentials(url: str) -> tuple:
@@ -557,14 +586,17 @@ class TierConfig:
                                  "would be ignored; set remote_url to a cluster node, or leave remote_cluster False")
             return
         url = self.remote_url
-        scheme = urlsplit(url).scheme if isinstance(url, str) else ""
+        try:
+            scheme = urlsplit(url).scheme if isinstance(url, str) else ""
+        except ValueError as exc:  # "Invalid IPv6 URL" (an unclosed '['), naming no field
+            raise ValueError(f"remote_url: cannot parse {redact_url(url)} ({exc})") from None
         if scheme not in REMOTE_SCHEMES:
             raise ValueError(f"remote_url: expected redis://host:port/db, rediss:// (TLS) or unix:///path, "
                              f"got {redact_url(url) if isinstance(url, str) else url!r}")
         if self.remote_cluster and scheme == "unix":
             raise ValueError("remote_cluster: a cluster is reached over TCP (redis:// or rediss://), not unix://")
         _check_remote_address(url, scheme)
-        _check_remote_options(url)
+        _check_remote_options(url, scheme)
         if not self.reuse_enabled:
             raise ValueError(f"remote_url: the remote tier shares prefix-cache blocks; it needs the prefix cache "
                              f"(set disk_dir with a disk_budget > 0, block_tokens <= {_max_reuse_block_tokens()}, "
