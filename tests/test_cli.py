@@ -46,8 +46,11 @@ def cli(*args, input_text=None, timeout=600):
     (["--metrics-port", "99999"], "--metrics-port: must be in [0, 65535]"),  # was an OverflowError
     # was a TypeError traceback ("expected an address string ... got ''")
     (["--metrics-port", "0", "--metrics-addr", ""], "metrics addr: an empty address"),
-    (["--metrics-linger", "inf"], "--metrics-linger: seconds in [0, 86400]"),  # an OverflowError after the run
-    (["--metrics-linger", "-5"], "--metrics-linger: seconds in [0, 86400]"),
+    (["--metrics-port", "0", "--metrics-linger", "inf"], "--metrics-linger: seconds in [0, 86400]"),  # an OverflowError after the run
+    (["--metrics-port", "0", "--metrics-linger", "-5"], "--metrics-linger: seconds in [0, 86400]"),
+    # with no endpoint they did nothing, silently (a review)
+    (["--metrics-linger", "5"], "--metrics-linger: 5.0 without --metrics-port would do nothing"),
+    (["--metrics-addr", "0.0.0.0"], "--metrics-addr: 0.0.0.0 without --metrics-port would do nothing"),
     # argparse's own refusals printed its 21-line usage first (a review)
     (["--block-tokens", "abc"], "tiercache generate: error: argument --block-tokens: invalid int value: 'abc' "
                                 "(see tiercache generate --help)"),

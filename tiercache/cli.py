@@ -234,6 +234,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:
         raise CLIError(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
+    for flag, value in (("--metrics-addr", args.metrics_addr), ("--metrics-linger", args.metrics_linger)):
+        if value is not None and args.metrics_port is None:  # no endpoint: it did nothing, silently (a review)
+            raise CLIError(f"{flag}: {value} without --metrics-port would do nothing (no metrics endpoint is "
+                           f"served); add --metrics-port PORT (0: any free port), or leave {flag} out")
+    args.metrics_addr = "127.0.0.1" if args.metrics_addr is None else args.metrics_addr
+    args.metrics_linger = 0.0 if args.metrics_linger is None else args.metrics_linger
     if not (math.isfinite(args.metrics_linger) and 0 <= args.metrics_linger <= 86400):  # inf: an OverflowError at the end
         raise CLIError(f"--metrics-linger: seconds in [0, 86400], got {args.metrics_linger}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -703,8 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats-json", default=None, help="write stats to this JSON file")
     gen.add_argument("--quiet", action="store_true", help="no progress bar or stats table")
     gen.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
-    gen.add_argument("--metrics-addr", default="127.0.0.1", help="metrics address (default loopback only)")
-    gen.add_argument("--metrics-linger", type=float, default=0.0, help="keep serving S seconds after the run")
+    gen.add_argument("--metrics-addr", default=None, help="metrics address (default 127.0.0.1: loopback only; "
+                     "needs --metrics-port)")
+    gen.add_argument("--metrics-linger", type=float, default=None, help="keep serving S seconds after the run "
+                     "(needs --metrics-port)")
     gen.add_argument("--metrics-textfile", default=None, help="write the metrics text format here at the end")
     gen.add_argument("--trace-out", default=None, help="record every block access to this CSV file "
                      "(header time,obj_id,obj_size,...: libCacheSim's CSV reader replays it)")
