@@ -750,6 +750,28 @@ def test_clear_of_one_tier_forgets_the_blocks_that_went_with_it(tmp_path, caplog
     assert "dropped" not in caplog.text and pc.stats()["blocks"] == 0
 
 
+def test_clear_of_the_host_moves_blocks_down_instead_of_losing_them(tmp_path):
+    """Scenario: a request stores its prompt's blocks (on the host: their disk copies are
+    written when the cache closes) and then clears the host tier to free memory.
+    ``clear(tier="host")`` dropped every block whose only copy was there: the next process
+    loaded nothing (a review). They move to the disk first now: the index keeps them, the
+    host holds none, and the next process loads the prefix and answers exactly."""
+    model, cfg, ids = tiny_model(), config(tmp_path), prompt()
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **GEN)
+        pc = cache._ensure_prefix()
+        blocks, on_host = pc.stats()["blocks"], list(pc.store.table.keys_on(tiercache.Tier.HOST))
+        assert blocks > 0 and any(pc.store.tiers_of(k) == [tiercache.Tier.HOST] for k in on_host), \
+            "the scenario needs blocks whose only copy is on the host"
+        assert cache.clear(tier="host") == len(on_host)
+        stats = pc.stats()
+        assert stats["blocks"] == blocks and stats["tiers"]["host"]["blocks"] == 0 and _orphans(pc) == []
+    close_all()
+    out, stats = run(model, ids, cfg)
+    assert stats["reused_tokens"] > 0
+    assert_same(reference(model, ids), out)
+
+
 def test_first_sightings_are_remembered_within_a_bound(tmp_path):
     """With ``reuse_admission="reused"`` every block seen once got an index row, kept for
     good: a service that saw many distinct prompts grew the index past the disk budget

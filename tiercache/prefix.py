@@ -763,18 +763,36 @@ class PrefixCache:
             self.index.delete(list(gone))
 
     def clear(self, tier: Optional[Tier] = None) -> int:
-        """Drop every prefix block (``tier`` None) or only their copies on ``tier``."""
+        """Drop every prefix block (``tier`` None) or only their copies on ``tier``; returns
+        how many blocks or copies left it. A block whose only copy is on the host (or the
+        device) moves a tier down first, so that clearing memory keeps the blocks: in the
+        process that had just stored them (their disk copies are written at close),
+        ``clear("host")`` dropped them all (a review). One that cannot move (no room below
+        that eviction can make, a disk that fails) goes whole, as a block whose only copy
+        is on the disk does with ``clear("disk")``."""
         with self._lock:
             rows = self.index.rows()
             if tier is None:
                 self.forget([ChainBlock(h, r[1], None, b"") for h, r in rows.items()])
                 return len(rows)
+            moved = 0
+            below = self.store.tiers[self.store.tiers.index(tier) + 1:] if tier in self.store.tiers else []
+            if below:
+                alone = [key for h, r in rows.items() if r[4] for key in self._keys(h, r[1])
+                         if self.store.tiers_of(key) == [tier]]
+                try:
+                    failed = self.store.demote_now(alone)
+                except (KeyError, TierIOError) as exc:  # gone meanwhile, or no room to be had: dropped below
+                    log.warning("tiercache: clear(%r) could not move the prefix blocks down first (%s); "
+                                "those with no other copy go", tier.label, exc)
+                    failed = alone
+                moved = len(alone) - len(failed)
             dropped = self.store.drop_copies(tier)
             # a block whose only copy was on ``tier`` went whole: its index row (and the blocks
             # that extend it, which could not be served any more) go too
             self.forget([ChainBlock(h, r[1], None, b"") for h, r in rows.items()
                          if r[4] and not all(k in self.store for k in self._keys(h, r[1]))])
-            return dropped
+            return moved + dropped
 
     @property
     def forked(self) -> bool:
