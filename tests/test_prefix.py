@@ -772,6 +772,30 @@ def test_clear_of_the_host_moves_blocks_down_instead_of_losing_them(tmp_path):
     assert_same(reference(model, ids), out)
 
 
+@pytest.mark.parametrize("budget, decoded_blocks_stored", [(12, False), (256, True)])
+def test_quest_publishes_only_what_full_attention_computed(tmp_path, budget, decoded_blocks_stored):
+    """Scenario: a chat turn runs with quest, which leaves pages out of attention at decode;
+    the next turn, exact, sends the whole conversation. The decoded tokens' KV above the
+    first layer is not what full attention computes, and the quest turn published it: the
+    exact turn loaded it and its logits were 5.4 off DynamicCache's (a review). Now only
+    blocks computed with every page go to the prefix cache: the prompt's, and all of them
+    when the budget reads every page. The next turn is exact either way."""
+    model, ids = tiny_model(), prompt()
+    quest = config(tmp_path, selection="quest", selection_budget=budget)
+    with TieredCache(model, quest) as cache, torch.no_grad():
+        first = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                               **{**GEN, "max_new_tokens": 30})
+    close_all()
+    turn = first.sequences  # the prompt and 30 decoded tokens: 60 tokens, 15 blocks
+    out, stats = run(model, turn, config(tmp_path))
+    prompt_blocks = PROMPT // BT
+    if decoded_blocks_stored:
+        assert stats["reused_tokens"] > (prompt_blocks + 1) * BT
+    else:
+        assert stats["reused_tokens"] == prompt_blocks * BT, "blocks of quest's decoded tokens were served"
+    assert_same(reference(model, turn), out)
+
+
 def test_first_sightings_are_remembered_within_a_bound(tmp_path):
     """With ``reuse_admission="reused"`` every block seen once got an index row, kept for
     good: a service that saw many distinct prompts grew the index past the disk budget

@@ -370,6 +370,9 @@ class TieredCache(Cache):
             self._reuse = False
         self._token_ids: Optional[list] = []  # ids of the sequence so far (None: not batch 1)
         self._chain: list = []  # ChainBlock of each full block of _token_ids
+        # tokens from here on were computed with pages left out of attention (quest): their
+        # KV above the layer it happened at is not exact, and never goes to the prefix cache
+        self._exact_tokens: float = float("inf")
         # ids that load_prefix() loaded, until generate()'s prefill checks its prompt starts
         # with them (_prefill_hook), and the hold on the model's hooks that check needs
         self._loaded_ids: Optional[list] = None
@@ -632,6 +635,13 @@ class TieredCache(Cache):
         if hold is not None and hold.detach() is not None:  # once: the hooks go if nothing else holds them
             _release_hooks(self._model)
 
+    def _attended_in_part(self, layer_idx: int, query_length: int) -> None:
+        """Quest left pages out of this forward's attention at ``layer_idx``: the KV of its
+        tokens above that layer, and of every later token, is not what full attention
+        computes, so none of it is published to the prefix cache (``_publish``)."""
+        first = self.layers[layer_idx].num_tokens - query_length
+        self._exact_tokens = min(self._exact_tokens, first)
+
     def _prompt_coming(self) -> Optional[bool]:
         """Before a forward's layer-0 update (its mask's sizes): whether it computes prompt
         tokens, where generate() told the prompt's length (``_prefill_hook``); else None."""
@@ -705,6 +715,13 @@ class TieredCache(Cache):
             self._chain.append(extend(self._chain[-1] if self._chain else None, ids[nxt * bt:(nxt + 1) * bt],
                                       self.prefix.salt))
         block = self._chain[key.index]
+        if (key.index + 1) * bt > self._exact_tokens:
+            # A token of it was computed with pages left out of attention at a layer below this
+            # one (quest, at decode): the prefix cache serves exact KV, and a later exact run
+            # loaded these (logits 5.4 off; a review). Its layers stored so far go too.
+            if key.layer:
+                self.prefix.drop_unfinished([block], owner=self)
+            return
         admitted = self._admitted.get(block.h)
         if admitted is None:
             admitted = self._admitted[block.h] = self.prefix.admit(block)
@@ -1504,6 +1521,8 @@ class TieredCache(Cache):
         if layer_idx == 0 and self._token_ids is not None:
             del self._token_ids[new_len:]
             del self._chain[new_len // bt:]
+        if layer_idx == 0 and new_len <= self._exact_tokens:  # what quest computed in part is gone
+            self._exact_tokens = float("inf")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: permute the batch rows of every block on every tier. ``beam_idx``
@@ -1571,6 +1590,7 @@ class TieredCache(Cache):
         self._forward = (None, -1)
         self._token_ids = [] if self._token_ids is not None else None
         self._chain = []
+        self._exact_tokens = float("inf")
         self._prompt_checked()  # nothing loaded any more: any prompt goes
         self._prompt_pending = 0
         self._prompt_known = False

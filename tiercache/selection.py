@@ -116,6 +116,7 @@ class SelectionPlan:
         k, v = cache._after_read(self.layer_idx, keys, 0, k, v)
         if len(pages) == num_pages and bool(chosen.all()):
             return k, v, mask  # every page, every head: exactly the full read
+        cache._attended_in_part(self.layer_idx, q_len)  # not exact: kept out of the prefix cache
         per_head = chosen[:, :, pages][:, :, page_of]  # [B, H_kv, n]
         per_head = per_head.repeat_interleave(hq // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, n]
         vis = seen[..., cols] & per_head
