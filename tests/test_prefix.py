@@ -796,6 +796,31 @@ def test_quest_publishes_only_what_full_attention_computed(tmp_path, budget, dec
     assert_same(reference(model, turn), out)
 
 
+def test_a_lora_adapter_switched_off_or_on_names_another_model(tmp_path):
+    """Scenario: a LoRA model (PEFT, the adapter not merged) serves a request with the
+    adapter switched off (``disable_adapter()``: a base-model pass), then the adapted
+    model serves the same prompt. The weights are the same objects either way, and the
+    model digest named only weights and config: the adapted run loaded the base pass's KV
+    and its logits were 7.4 off (a review). Adapter switches name the model now: no hit
+    across them, a hit within one setting, exact throughout."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                                                              init_lora_weights=False)).eval()
+    inner = model.base_model.model  # the causal LM with the LoRA layers in it
+    ids, cfg = prompt(), config(tmp_path)
+    with model.disable_adapter():
+        base_ref = reference(inner, ids)
+        out, stats = run(inner, ids, cfg)
+        assert stats["reused_tokens"] == 0
+        assert_same(base_ref, out)
+    adapted_ref = reference(inner, ids)
+    assert not torch.equal(adapted_ref.sequences, base_ref.sequences), "the adapter must change the answer"
+    for attempt in ("cold", "warm"):
+        out, stats = run(inner, ids, cfg)
+        assert (stats["reused_tokens"] > 0) == (attempt == "warm"), (attempt, stats["reused_tokens"])
+        assert_same(adapted_ref, out)
+
+
 def test_first_sightings_are_remembered_within_a_bound(tmp_path):
     """With ``reuse_admission="reused"`` every block seen once got an index row, kept for
     good: a service that saw many distinct prompts grew the index past the disk budget

@@ -173,6 +173,7 @@ def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
     # where the model was loaded from does not name it: machines differ
     config_text = json.dumps(_naming_fields(config.to_dict()), sort_keys=True, default=str) if config is not None \
         else ""
+    config_text += _switches_text(model)
     with torch.no_grad():  # the config too: one changed in place (a sliding window) computes other KV
         state = (tuple((name, t.data_ptr(), t._version) for name, t in tensors), _weights_sample(tensors),
                  config_text)
@@ -198,6 +199,26 @@ def model_digest(model: Any, dtype: Optional[torch.dtype] = None) -> bytes:
         except TypeError:
             pass
     return digest
+
+
+# Attributes of a submodule that change what it computes with the same weights: PEFT's
+# adapters (LoRA and the rest, ``BaseTunerLayer``) switched off (``disable_adapter()``),
+# another adapter made active (``set_adapter``), merged, or rescaled (``set_scale``). A run
+# with the adapter off published under the adapted model's name, and the adapted run then
+# loaded it: logits 7.4 off (a review).
+_BEHAVIOUR_SWITCHES = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling")
+
+
+def _switches_text(model: Any) -> str:
+    """The values of ``_BEHAVIOUR_SWITCHES`` on ``model``'s submodules that have them ("" if none)."""
+    if not hasattr(model, "named_modules"):
+        return ""
+    found = []
+    for name, module in model.named_modules():
+        values = {attr: getattr(module, attr) for attr in _BEHAVIOUR_SWITCHES if attr in vars(module)}
+        if values:
+            found.append(f"{name}:{sorted((k, repr(v)) for k, v in values.items())}")
+    return "|switches:" + ";".join(found) if found else ""
 
 
 def _aligned_empty(num_bytes: int) -> torch.Tensor:
