@@ -796,7 +796,7 @@ def test_quest_publishes_only_what_full_attention_computed(tmp_path, budget, dec
     assert_same(reference(model, turn), out)
 
 
-def test_a_lora_adapter_switched_off_or_on_names_another_model(tmp_path):
+def test_a_lora_adapter_switched_off_or_on_names_another_model_and_a_peft_model_reuses(tmp_path):
     """Scenario: a LoRA model (PEFT, the adapter not merged) serves a request with the
     adapter switched off (``disable_adapter()``: a base-model pass), then the adapted
     model serves the same prompt. The weights are the same objects either way, and the
@@ -818,6 +818,13 @@ def test_a_lora_adapter_switched_off_or_on_names_another_model(tmp_path):
     for attempt in ("cold", "warm"):
         out, stats = run(inner, ids, cfg)
         assert (stats["reused_tokens"] > 0) == (attempt == "warm"), (attempt, stats["reused_tokens"])
+        assert_same(adapted_ref, out)
+    # The PeftModel itself (another name: its weights' names differ): its generate() runs the
+    # base model's forward, which the cache's hook on the wrapper never saw, and nothing was
+    # stored or loaded, silently (a review)
+    for attempt in ("cold", "warm"):
+        out, stats = run(model, ids, cfg)
+        assert (stats["reused_tokens"] > 0) == (attempt == "warm"), ("PeftModel", attempt, stats["reused_tokens"])
         assert_same(adapted_ref, out)
 
 

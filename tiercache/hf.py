@@ -400,7 +400,7 @@ class TieredCache(Cache):
                     cache._token_ids = None
                     return
                 cache._observe_inputs(module, args, kwargs)
-            self._hook = self._model.register_forward_pre_hook(observe, with_kwargs=True)
+            self._hook = _runs_forward(self._model).register_forward_pre_hook(observe, with_kwargs=True)
         self.closed = False
 
     def _set_prefetch(self, name: str, depth: int) -> None:
@@ -2015,6 +2015,21 @@ def _prepare_cache_hook(self: Any, generation_config: Any, model_kwargs: dict, g
 
 
 _HOOKS = {"prepare_cache": _prepare_cache_hook}
+
+
+def _runs_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward generate() calls: a PEFT model's base model (its generate()
+    goes to the base model's, which calls its own forward; a hook on the wrapper saw no
+    forward, and the prefix cache stored nothing, silently; a review), else ``model``."""
+    inner = getattr(model, "get_base_model", None)
+    if callable(inner):
+        try:
+            base = inner()
+        except Exception:  # noqa: BLE001 - not PEFT's: the model itself
+            return model
+        if isinstance(base, torch.nn.Module):
+            return base
+    return model
 
 
 def _prefill_hook(self: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict,
