@@ -803,7 +803,12 @@ def test_a_lora_adapter_switched_off_or_on_names_another_model_and_a_peft_model_
     model digest named only weights and config: the adapted run loaded the base pass's KV
     and its logits were 7.4 off (a review). Adapter switches name the model now: no hit
     across them, a hit within one setting, exact throughout."""
+    from tiercache.prefix import _switches_text
+
     peft = pytest.importorskip("peft")
+    # a model with no adapter is named as before: its attention's ``scaling`` is no switch
+    # (taken for one, it renamed every model, and every prefix cache stored was left behind)
+    assert _switches_text(tiny_model()) == ""
     model = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj"],
                                                               init_lora_weights=False)).eval()
     inner = model.base_model.model  # the causal LM with the LoRA layers in it

@@ -215,6 +215,8 @@ def _switches_text(model: Any) -> str:
         return ""
     found = []
     for name, module in model.named_modules():
+        if "_disable_adapters" not in vars(module):  # not an adapter layer (attention has a ``scaling`` too)
+            continue
         values = {attr: getattr(module, attr) for attr in _BEHAVIOUR_SWITCHES if attr in vars(module)}
         if values:
             found.append(f"{name}:{sorted((k, repr(v)) for k, v in values.items())}")
@@ -290,9 +292,12 @@ class PrefixIndex:
             db.execute("SELECT h, idx, parent, tokens, layers, hits, seen, created, last_used FROM blocks "
                        "LIMIT 1").fetchone()
             db.execute("SELECT key, value FROM meta LIMIT 1").fetchone()
-            (check,) = db.execute("PRAGMA quick_check").fetchone()
+            # integrity_check, not quick_check: a flipped bit that left an index out of step
+            # with its table passed quick_check, and every write then failed ("database disk
+            # image is malformed"): the prefix cache was off for good (a review)
+            (check,) = db.execute("PRAGMA integrity_check(1)").fetchone()
             if check != "ok":
-                raise sqlite3.DatabaseError(f"quick_check: {check}")
+                raise sqlite3.DatabaseError(f"integrity_check: {check}")
             # SQLite keeps whatever type a row was given: a text or negative number of layers
             # passed quick_check, and every later open failed with a TypeError from inside
             (bad,) = db.execute(BAD_INDEX_ROWS).fetchone()
