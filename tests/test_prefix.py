@@ -501,14 +501,17 @@ def test_a_hash_collision_cannot_return_another_prompts_kv(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["delete", "garbage", "a directory", "an older schema", "text layers",
-                                    "tokens not a blob"])
+                                    "tokens not a blob", "an index out of step"])
 def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path, damage):
     """Whatever is in the index's place, the records' headers rebuild it. A directory
     there was an IsADirectoryError traceback, and an index of an older schema (without the
     ``seen`` column) a "no such column" sqlite3 error on every run. So was one value of the
     wrong type ("text layers", "tokens not a blob"), which passes SQLite's quick_check: a
     TypeError from inside on every later run, reuse=None included, while ``cache ls``
-    called the index fine or "rebuilt on the next open" (a review)."""
+    called the index fine or "rebuilt on the next open" (a review). And so did an index
+    of the table out of step with it (one flipped bit can do that; here SQLite's own
+    writable_schema names other columns for the entries stored): it passes quick_check,
+    and every write then failed, "database disk image is malformed", for good (a review)."""
     model, ids = tiny_model(), prompt()
     run(model, ids, config(tmp_path))
     close_all()
@@ -532,6 +535,15 @@ def test_a_missing_or_damaged_index_is_rebuilt_from_the_record_headers(tmp_path,
                        else "UPDATE blocks SET tokens = 5 WHERE idx = 3")
         ((where, tag),) = prefix_dirs(str(tmp_path / "kv"))
         assert describe(where, tag).state == "damaged"  # ``cache ls`` says what the next open finds
+    elif damage == "an index out of step":
+        with sqlite3.connect(path, isolation_level=None) as db:
+            db.execute("PRAGMA writable_schema=ON")
+            db.execute("UPDATE sqlite_master SET sql = 'CREATE INDEX blocks_sightings ON blocks (last_used, layers)' "
+                       "WHERE name = 'blocks_sightings'")
+        with sqlite3.connect(path) as db:
+            assert db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        ((where, tag),) = prefix_dirs(str(tmp_path / "kv"))
+        assert describe(where, tag).state == "damaged"
     else:
         with open(path, "r+b") as f:
             f.write(b"this is not an sqlite database" * 40)

@@ -195,9 +195,9 @@ def describe(path: str, tag: re.Match) -> PrefixDirInfo:
     try:
         db = _open_index(index)
         try:
-            (check,) = db.execute("PRAGMA quick_check").fetchone()
+            (check,) = db.execute("PRAGMA integrity_check(1)").fetchone()  # as the open checks it
             if check != "ok":
-                raise sqlite3.DatabaseError(f"quick_check: {check}")
+                raise sqlite3.DatabaseError(f"integrity_check: {check}")
             meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
             num_blocks, num_seen, records, hits, last_used = db.execute(
                 "SELECT coalesce(sum(layers > 0), 0), coalesce(sum(layers = 0), 0), coalesce(sum(layers), 0), "
