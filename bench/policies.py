@@ -110,6 +110,8 @@ def _resummarize(path: str, as_json: bool) -> int:
     try:
         data = json.loads(text)
         results = data["results"]
+        if not isinstance(results, list) or not results:  # an empty summary and exit 0 said nothing (a review)
+            raise ValueError("it holds no results")
         fractions = {(r["trace"], r["budget_bytes"]): r["budget_fraction"] for r in results if "budget_fraction" in r}
         # inside the check: a `compare --json` report (no budget fractions) or a row with a
         # null hit ratio was a KeyError or TypeError from the summary

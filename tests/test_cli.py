@@ -324,6 +324,8 @@ def test_benchmarks_and_compare_refuse_bad_arguments_before_any_work(argv, messa
     # a row with a null hit ratio (a TypeError from statistics.fmean)
     {"results": [{"policy": "lru", "trace": "t", "budget_bytes": 4096, "budget_fraction": 0.5, "prefetch": "none",
                   "hit_ratio": None, "bytes_per_token_total": 1.0, "est_stall_seconds": 0.1, "bytes_moved": 1}]},
+    # no results: an empty summary and exit 0 (a review)
+    {"results": []},
 ])
 def test_bench_policies_summarize_refuses_other_json_in_one_line(content, tmp_path, capsys):
     from tiercache.cli import main
