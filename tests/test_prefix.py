@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -727,6 +728,7 @@ def test_a_reopened_prefix_cache_drops_blocks_whose_prefix_was_lost(tmp_path, ca
     model, cfg, ids = tiny_model(), config(tmp_path), prompt()
     run(model, ids, cfg)
     pc = _prefix_of(model, cfg)
+    blocks = pc.stats()["blocks"]
     first = chain(ids[0].tolist(), BT, pc.salt)[0]
     for layer in range(pc.num_layers):
         pc.store.delete(BlockKey(first.h, layer, 0))  # its records only; the index still names it
@@ -734,9 +736,12 @@ def test_a_reopened_prefix_cache_drops_blocks_whose_prefix_was_lost(tmp_path, ca
     close_all()
     with caplog.at_level("WARNING", logger="tiercache"):
         pc = _prefix_of(model, cfg)
-        assert "dropped" in caplog.text
+        # in records, as the store counts: the other blocks' (the first's were never found)
+        orphans = (blocks - 1) * pc.num_layers
+        assert f"dropped {orphans} damaged or incomplete records ({blocks} blocks) on open" in caplog.text
     stats = pc.stats()
     assert stats["blocks"] == stats["prefixes"] == stats["records"] == 0 and _orphans(pc) == []
+    assert stats["dropped_on_open"] == orphans
     out, stats = run(model, ids, cfg)
     assert stats["reused_tokens"] == 0
     assert_same(reference(model, ids), out)
@@ -1645,6 +1650,9 @@ def test_a_smaller_disk_budget_keeps_the_first_whole_blocks_and_says_why(tmp_pat
     assert_same(reference(model, ids), out)
     assert "held more saved blocks than disk_budget holds (10 blocks here)" in caplog.text
     assert "a sequence's first blocks kept first), 9 kept" in caplog.text and "damaged" not in caplog.text
+    # the records cut, counted once: their blocks' index rows were added to them (a review)
+    cut = int(re.search(r"\(10 blocks here\): (\d+) were dropped", caplog.text).group(1))
+    assert _prefix_of(model, small).stats()["dropped_on_open"] == cut
 
 
 def test_forwards_that_stop_half_way_leave_no_unfinished_block(tmp_path):
