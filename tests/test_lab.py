@@ -275,6 +275,9 @@ def test_prefetch_in_the_replay_turns_lower_tier_hits_into_device_hits(tmp_path)
     slow = Bandwidths(host_to_device=1e3, device_to_host=1e3, disk_read=1e3, disk_write=1e3)
     late = replay(trace, "lru", budget, prefetch="next-layer", bandwidths=slow)
     assert late["prefetches"]["late"] > 0
+    for result in (ahead, late):  # every prefetch is accounted for, those still on the device at the end too
+        p = result["prefetches"]
+        assert p["issued"] == p["used"] + p["late"] + p["unused"], p
 
 
 def test_live_runs_give_the_prefetch_depth_only_to_the_policies_that_read_it(tmp_path, monkeypatch):

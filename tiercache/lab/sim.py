@@ -10,7 +10,7 @@ pinned, a prefetch only evicts clean copies, and the device tier is where attent
 Time is simulated per link (host->device, disk->host) at the given bandwidths, on top of
 the trace's compute clock: a demand fetch stalls until its copy lands, a prefetch is "late"
 when its block is read before it lands (the reader stalls for the rest), "unused" when its
-block leaves the device unread.
+block leaves the device unread, or is still there unread when the trace ends.
 """
 from __future__ import annotations
 
@@ -276,6 +276,10 @@ def replay(trace: Trace, eviction: str, device_budget: int, *, host_budget: Opti
         reads = [keys[i] for i in range(lo, hi) if not is_write[i]]
         scores = {keys[i]: float(score[i]) for i in range(lo, hi) if not is_write[i] and np.isfinite(score[i])}
         sim.update(t_us[lo] / 1e6 + sim.stall, writes, reads, scores)
+    # fetched ahead for a read the trace never made: unused, as the runtime's read-ahead
+    # dropped when a run ends (left out, issued was more than used, late and unused together)
+    sim.pf_stats["unused"] += len(sim.prefetched)
+    sim.prefetched.clear()
     requests = len(trace)
     tokens = max(trace.total_tokens, 1)
     moved = sum(sim.moved.values())
