@@ -129,6 +129,29 @@ def test_a_disk_dir_on_a_full_filesystem_stops_with_one_clear_error(full_filesys
     assert str(full_filesystem / "kv") in str(err.value)
 
 
+def test_a_disk_budget_larger_than_the_filesystems_free_space_is_said_at_open(tmp_path, small_filesystem, caplog):
+    """Scenario: a disk_dir on a real 256 KiB filesystem with disk_budget 16 MiB. The data
+    file grows as blocks go down, and once it filled the filesystem every tier writing
+    there (a prefix cache's, a session's) failed with ENOSPC, with nothing said before (a
+    review). The open says it now; a budget the filesystem holds says nothing."""
+    import torch
+
+    from tiercache import TierConfig
+    from tiercache.store import BlockStore
+    from tiercache.tiers import BlockGeometry
+
+    mnt = small_filesystem(tmp_path / "small", "256k")
+    geometry = BlockGeometry(1, 2, 4, 8, torch.float32)
+    for budget, warned in (("16MiB", True), ("64KiB", False)):
+        caplog.clear()
+        cfg = TierConfig(device_budget="8KiB", host_budget=0, disk_dir=str(mnt / budget), disk_budget=budget,
+                         block_tokens=4)
+        with caplog.at_level("WARNING", logger="tiercache"):
+            BlockStore(cfg, geometry, device=torch.device("cpu"), persistent=False).close()
+        assert ("disk_budget holds 16.0 MiB" in caplog.text and "free: writes there may fail" in caplog.text) == warned, \
+            (budget, caplog.text)
+
+
 def test_the_readmes_reliability_table_names_each_fault_as_faults_takes_it():
     """The table's first column names the faults as ``--faults`` takes them, every one once,
     so a reader can rerun a row (its names were prose that ``--faults`` refused)."""

@@ -24,7 +24,7 @@ import crc32c
 import numpy as np
 import torch
 
-from tiercache.config import dangling_link
+from tiercache.config import dangling_link, format_bytes
 from tiercache.errors import CacheDirError
 from tiercache.table import BlockKey
 from tiercache.tiers import ALIGN, BlockGeometry, aligned_buffer, align_up
@@ -438,7 +438,23 @@ class DiskTier(RecordCodec):
         self._local = threading.local()
         self._grow_lock = threading.Lock()
         self._allocated = os.fstat(self._fd).st_size
+        self._warn_if_no_room()
         self.closed = False
+
+    def _warn_if_no_room(self) -> None:
+        """A budget the filesystem cannot hold is said at open: the data file grows as blocks
+        go down, and on a filesystem shared with other tiers (a session's disk tier beside
+        a prefix cache) one filling it made the others' writes fail with ENOSPC, unsaid
+        until then (a review). Not refused: free space changes, and a budget is a bound."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return
+        free, more = st.f_bavail * st.f_frsize, self.num_slots * self.record_bytes - self._allocated
+        if more > free:
+            log.warning("tiercache: disk_budget holds %s in %r, but its filesystem has %s free: writes there "
+                        "may fail with 'No space left on device' once it fills; lower disk_budget or free space",
+                        format_bytes(self.num_slots * self.record_bytes), self.directory, format_bytes(free))
 
     def _open_cufile(self, threads: int):
         """A kvikio handle on the data file. kvikio's thread pool is process-wide and has one
