@@ -1659,6 +1659,32 @@ def test_wrong_objects_are_refused_by_name():
     assert not getattr(model, "_tiercache_wrapped", False)
 
 
+def test_a_cache_passed_with_use_cache_false_is_refused_before_anything_is_written(tmp_path):
+    """Scenario: generate(cache=TieredCache(...), use_cache=False). transformers then feeds
+    the whole sequence at every step and the model still writes it into the cache passed
+    (DynamicCache too): every step's KV went in again, and the tokens were wrong without a
+    word (6.9 in the logits), or a CapacityError named budgets (a review). A ValueError says
+    why at the first forward, before anything is written; the cache then runs a normal
+    generate() exactly."""
+    model, ids = tiny_model("llama"), prompt_ids()
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12)
+    ref = generate(model, ids, max_new_tokens=NEW)
+    with TieredCache(model, cfg) as cache:
+        with pytest.raises(ValueError, match="use_cache=False with a TieredCache passed"):
+            generate(model, ids, cache=cache, max_new_tokens=NEW, use_cache=False)
+        assert cache.get_seq_length() == 0
+        assert_same(ref, generate(model, ids, cache=cache, max_new_tokens=NEW))
+        with pytest.raises(ValueError, match="use_cache=False"), torch.no_grad():  # a forward of its own too
+            model(ids, cache=cache, use_cache=False)
+    # every cache made with a model hooks its forward for this; one dropped unclosed leaves none
+    import gc
+
+    hooks = len(model._forward_pre_hooks)
+    TieredCache(model, tiercache.TierConfig(device_budget="1MiB", host_budget=0, block_tokens=BT))
+    gc.collect()
+    assert len(model._forward_pre_hooks) == hooks
+
+
 def test_copying_or_pickling_a_cache_is_a_clear_type_error(tmp_path):
     """transformers' prompt-reuse recipe deep-copies a prefilled cache; this one's blocks live
     in pools, files and I/O threads. The error was pickle's "cannot pickle '_thread.lock'

@@ -386,12 +386,17 @@ class TieredCache(Cache):
         self._prompt_known = False  # the hook told the prompt's length for this generate() call
         self._prompt_forward = False  # this forward computes prompt tokens (update, at layer 0)
         self._hook = None
-        if self._reuse:  # the hook holds the cache weakly: an unclosed cache can still be collected
+        if self._model is not None:  # the hook holds the cache weakly: an unclosed cache can still be collected
             ref = weakref.ref(self)
 
             def observe(module: Any, args: tuple, kwargs: Optional[dict] = None) -> None:
                 cache = ref()
                 if cache is None:
+                    return
+                if kwargs is not None and kwargs.get("use_cache") is False and any(
+                        kwargs.get(name) is cache for name in ("cache", "past_key_values")):
+                    raise ValueError(_NO_USE_CACHE)
+                if not cache._reuse:
                     return
                 if kwargs is None:
                     # torch may call a hook without its kwargs while other threads register
@@ -401,6 +406,7 @@ class TieredCache(Cache):
                     return
                 cache._observe_inputs(module, args, kwargs)
             self._hook = _runs_forward(self._model).register_forward_pre_hook(observe, with_kwargs=True)
+            weakref.finalize(self, self._hook.remove)  # a cache dropped unclosed leaves no hook behind
         self.closed = False
 
     def _set_prefetch(self, name: str, depth: int) -> None:
@@ -2015,6 +2021,14 @@ def _prepare_cache_hook(self: Any, generation_config: Any, model_kwargs: dict, g
 
 
 _HOOKS = {"prepare_cache": _prepare_cache_hook}
+
+
+# A cache passed with use_cache=False: generate() then feeds the whole sequence at every step
+# and the model still writes it into the cache (DynamicCache the same), so each step's KV went
+# in again: tokens silently wrong, or a CapacityError naming budgets (a review).
+_NO_USE_CACHE = ("use_cache=False with a TieredCache passed: the model would still write every step's whole "
+                 "sequence into the cache (generate() feeds it all again without a cache), so the tokens would "
+                 "be wrong; pass use_cache=True (the default), or no cache")
 
 
 def _runs_forward(model: torch.nn.Module) -> torch.nn.Module:
