@@ -416,8 +416,10 @@ def test_a_metrics_textfile_holds_the_runs_histograms(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
     textfile = tmp_path / "m.prom"
+    # the endpoint's settings at their defaults, given with no endpoint: nothing to refuse (a review)
     proc = cli("generate", "--prompt", "hi " * 40, "--max-new-tokens", "2", "--quiet", "--device-budget", "2MiB",
-               "--host-budget", "4MiB", "--block-tokens", "16", "--metrics-textfile", str(textfile))
+               "--host-budget", "4MiB", "--block-tokens", "16", "--metrics-textfile", str(textfile),
+               "--metrics-addr", "127.0.0.1", "--metrics-linger", "0")
     assert proc.returncode == 0, proc.stderr
     samples = {s.name: s.value for f in text_string_to_metric_families(textfile.read_text()) for s in f.samples
                if not s.labels}

@@ -1281,3 +1281,32 @@ def test_a_server_out_of_memory_never_lists_a_block_with_records_missing(tmp_pat
     strays = [b for b in blocks if b.h not in listed and any(client.exists(tier.record_key(b.h, layer))
                                                               for layer in range(_LAYERS))]
     assert not strays, f"{len(strays)} blocks that were never listed left records on the server"
+
+
+@needs_binary
+def test_a_refused_manifest_gives_back_its_blocks_records_and_reservation(tmp_path, server, monkeypatch):
+    """Scenario: a block's records went in earlier batches and its manifest comes in a batch
+    of its own, which the server refuses (here its ACL lets this user write records and the
+    budget's sets, not manifests). Only records marked a block as dropped: its reservation
+    and records stayed counted against remote_budget until the 10-minute stale timeout (a
+    review). The manifest's block is given back too now: after close, nothing of it is
+    left on the server and nothing is counted."""
+    import tiercache.remote as remote
+
+    monkeypatch.setattr(remote, "RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(remote, "BATCH_BYTES", 1)  # one record a batch: the manifest comes alone
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "writer", "on", ">pw", "+@all", "%R~*", "%W~*}:[0-9]*", "%W~*:lru",
+                          "%W~*:res")
+    url = f"redis://writer:pw@127.0.0.1:{server.port}/0"
+    tier = _remote_tier(tmp_path, url, remote_budget="1GiB")
+    (block,) = _chain(1, seed=7)
+    try:
+        _publish(tier, [block])
+        stats = tier.stats()
+    finally:
+        tier.close()
+    assert stats["errors"]["auth"] + stats["errors"]["server"] >= 1 and stats["blocks_written"] == 0, stats
+    assert not admin.exists(tier.manifest_key(block.h))
+    assert [layer for layer in range(_LAYERS) if admin.exists(tier.record_key(block.h, layer))] == []
+    assert admin.zcard(tier.res_key) == 0 and admin.zcard(tier.lru_key) == 0

@@ -472,3 +472,20 @@ def test_snapkv_observes_the_prompt_window_across_chunks(chunk, tmp_path):
     assert_same(whole, chunked, f"chunks of {chunk}")
     assert all(state.window is None for state in model.tiercache_last.retention_state.layers.values()), \
         "the prompt's window rows are let go once decoding starts"
+
+
+def test_snapkv_keeps_only_its_window_rows_of_a_prompt_chunk(tmp_path):
+    """The rows kept for the next chunk are copies: views of the chunk's last window rows
+    kept the whole chunk's queries and mask alive until decoding (an 8B model's 2048-token
+    chunks: about half a GiB; a review)."""
+    model = tiny_model("llama")
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=12, retention="snapkv", retention_budget=BUDGET)
+    ids = prompt_ids()
+    with TieredCache(model, cfg) as cache, torch.no_grad():
+        model(ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+        windows = [state.window for state in cache.retention_state.layers.values()]
+        assert windows and all(w is not None for w in windows)
+        for query, vis in windows:
+            assert query.shape[2] == vis.shape[2] == 3  # the window at this budget
+            for t in (query, vis):
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), "a view of the whole chunk"

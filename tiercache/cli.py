@@ -234,8 +234,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:
         raise CLIError(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
-    for flag, value in (("--metrics-addr", args.metrics_addr), ("--metrics-linger", args.metrics_linger)):
-        if value is not None and args.metrics_port is None:  # no endpoint: it did nothing, silently (a review)
+    for flag, value, default in (("--metrics-addr", args.metrics_addr, "127.0.0.1"),
+                                 ("--metrics-linger", args.metrics_linger, 0.0)):
+        # no endpoint: it did nothing, silently (a review); the default given explicitly does nothing either way
+        if value is not None and value != default and args.metrics_port is None:
             raise CLIError(f"{flag}: {value} without --metrics-port would do nothing (no metrics endpoint is "
                            f"served); add --metrics-port PORT (0: any free port), or leave {flag} out")
     args.metrics_addr = "127.0.0.1" if args.metrics_addr is None else args.metrics_addr

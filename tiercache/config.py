@@ -223,13 +223,17 @@ def _remote_option_names(scheme: str) -> Optional[set]:
         from redis import connection as rc
     except ImportError:
         return None
-    classes = [rc.AbstractConnection, rc.UnixDomainSocketConnection if scheme == "unix" else rc.Connection]
-    if scheme == "rediss":
-        classes.append(rc.SSLConnection)
-    names = {"max_connections"}  # the pool's
-    for cls in classes:
-        names.update(name for name, p in inspect.signature(cls.__init__).parameters.items()
-                     if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    try:  # AbstractConnection: redis-py 4.5 on (before it, Connection held every argument)
+        classes = [getattr(rc, "AbstractConnection", rc.Connection),
+                   rc.UnixDomainSocketConnection if scheme == "unix" else rc.Connection]
+        if scheme == "rediss":
+            classes.append(rc.SSLConnection)
+        names = {"max_connections"}  # the pool's
+        for cls in classes:
+            names.update(name for name, p in inspect.signature(cls.__init__).parameters.items()
+                         if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    except (AttributeError, TypeError, ValueError):  # a redis-py laid out otherwise: not checked here
+        return None
     return names
 
 

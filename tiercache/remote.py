@@ -480,19 +480,24 @@ class RemoteTier:
             results = pipe.execute(raise_on_error=False)
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed and (self.budget is None or not all(_wrong_type(r) for r in failed)):
-                # Refused in part (out of memory): a block whose manifest and listing went in
-                # is written, whole, and counted so; a manifest that went in unlisted goes
-                # again, so that the block's release (it is dropped below) takes its records.
+                # Refused in part (out of memory, an ACL): a block whose manifest and listing
+                # went in is written, whole, and counted so; a manifest that went in unlisted
+                # goes again, so that the block's release (it is dropped below) takes its records.
                 def took(i: int) -> bool:
                     return not isinstance(results[i], BaseException)
                 written = {h for h, i in manifest_at.items() if took(i) and (self.budget is None or took(i + 1))}
                 unlisted = [self.manifest_key(h) for h, i in manifest_at.items() if took(i) and h not in written]
+                # and a listing that went in without its manifest goes, uncounting the block
+                unlist = [f"{h:016x}" for h, i in manifest_at.items()
+                          if self.budget is not None and h not in written and took(i + 1)]
+                if unlist:
+                    client.zrem(self.lru_key, *unlist)
                 self._unlisted.difference_update(written)
                 self._in_place.difference_update(written)
                 self._count(bytes_written=self.record_bytes * sum(
                     1 for kind, block, _, _ in items if kind == "record" and block.h in written),
                     blocks_written=len(written))
-                batch = [it for it in batch if it[0] != "record" or it[1].h not in written]
+                batch = [it for it in batch if it[0] == "touch" or it[1].h not in written]
                 if unlisted:
                     client.delete(*unlisted)
                 raise failed[0]
@@ -679,6 +684,8 @@ class RemoteTier:
                 if kind == "record":
                     self._counts["writes_dropped"] += 1
                     self._poison(block.h)
+                elif kind == "manifest":  # its records went in earlier batches: they and its
+                    self._poison(block.h)  # reservation go, not left to the stale timeout (a review)
 
     _POISON_KEPT = 1 << 16  # blocks remembered: far more than the queue holds records of
 
@@ -788,9 +795,11 @@ class RemoteTier:
         back once more, if the server answers. Left, they counted against every worker's
         remote_budget until one cleared them as stale, ten minutes on: a batch refused for
         lack of memory left its blocks' reservations so (a review)."""
+        if self._writer is not None and self._writer.is_alive():  # still running: it owns them
+            return
         later = [h for h in self._release_later if h in self._unlisted or h in self._in_place]
         self._release_later = set()
-        if not later or (self._writer is not None and self._writer.is_alive()):
+        if not later:
             return
         own = client is None
         try:

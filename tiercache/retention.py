@@ -218,7 +218,8 @@ class RetentionState:
             shape = (max(v0.shape[0], vis.shape[0]), max(v0.shape[1], vis.shape[1]))
             vis = torch.cat([v0.expand(*shape, -1, -1), vis.expand(*shape, -1, -1)], 2)
             query = torch.cat([q0.to(query.dtype), query], 2)
-        state.window = (query[:, :, -window:].detach(), vis[:, :, -window:])
+        # copies: views kept the whole chunk's queries and mask alive until decoding (a review)
+        state.window = (query[:, :, -window:].detach().clone(), vis[:, :, -window:].clone())
         return query, vis
 
     def _combine(self, previous: Optional[torch.Tensor], mass: torch.Tensor) -> torch.Tensor:
