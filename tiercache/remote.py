@@ -490,14 +490,14 @@ class RemoteTier:
                 # and a listing that went in without its manifest goes, uncounting the block
                 unlist = [f"{h:016x}" for h, i in manifest_at.items()
                           if self.budget is not None and h not in written and took(i + 1)]
-                if unlist:
-                    client.zrem(self.lru_key, *unlist)
                 self._unlisted.difference_update(written)
                 self._in_place.difference_update(written)
                 self._count(bytes_written=self.record_bytes * sum(
                     1 for kind, block, _, _ in items if kind == "record" and block.h in written),
                     blocks_written=len(written))
-                batch = [it for it in batch if it[0] == "touch" or it[1].h not in written]
+                batch = [it for it in batch if it[0] == "touch" or it[1].h not in written]  # before any call
+                if unlist:
+                    client.zrem(self.lru_key, *unlist)
                 if unlisted:
                     client.delete(*unlisted)
                 raise failed[0]
