@@ -218,8 +218,7 @@ def _switches_text(model: Any) -> str:
         if "_disable_adapters" not in vars(module):  # not an adapter layer (attention has a ``scaling`` too)
             continue
         values = {attr: getattr(module, attr) for attr in _BEHAVIOUR_SWITCHES if attr in vars(module)}
-        if values:
-            found.append(f"{name}:{sorted((k, repr(v)) for k, v in values.items())}")
+        found.append(f"{name}:{sorted((k, repr(v)) for k, v in values.items())}")
     return "|switches:" + ";".join(found) if found else ""
 
 

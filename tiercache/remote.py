@@ -486,20 +486,21 @@ class RemoteTier:
                 def took(i: int) -> bool:
                     return not isinstance(results[i], BaseException)
                 written = {h for h, i in manifest_at.items() if took(i) and (self.budget is None or took(i + 1))}
-                unlisted = [self.manifest_key(h) for h, i in manifest_at.items() if took(i) and h not in written]
+                stray_manifests = [self.manifest_key(h) for h, i in manifest_at.items()
+                                   if took(i) and h not in written]
                 # and a listing that went in without its manifest goes, uncounting the block
-                unlist = [f"{h:016x}" for h, i in manifest_at.items()
-                          if self.budget is not None and h not in written and took(i + 1)]
+                stray_listings = [f"{h:016x}" for h, i in manifest_at.items()
+                                  if self.budget is not None and h not in written and took(i + 1)]
                 self._unlisted.difference_update(written)
                 self._in_place.difference_update(written)
                 self._count(bytes_written=self.record_bytes * sum(
                     1 for kind, block, _, _ in items if kind == "record" and block.h in written),
                     blocks_written=len(written))
                 batch = [it for it in batch if it[0] == "touch" or it[1].h not in written]  # before any call
-                if unlist:
-                    client.zrem(self.lru_key, *unlist)
-                if unlisted:
-                    client.delete(*unlisted)
+                if stray_listings:
+                    client.zrem(self.lru_key, *stray_listings)
+                if stray_manifests:
+                    client.delete(*stray_manifests)
                 raise failed[0]
             self._unlisted.difference_update(listed)
             self._in_place.difference_update(listed)
