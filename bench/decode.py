@@ -413,6 +413,9 @@ def run(argv: Optional[list] = None) -> int:
         from tiercache.errors import TierCacheError
 
         try:
+            from tiercache import plugins
+
+            plugins.load(plugins.specs_from_env(), source=plugins.ENV)  # the parent's, passed on
             if args.worker == SIDE_BY_SIDE:
                 from tiercache.config import parse_bytes
 
@@ -439,6 +442,10 @@ def run(argv: Optional[list] = None) -> int:
         if not 0 < value <= 1:
             raise ValueError(f"{flag}: must be in (0, 1], got {value}")
     cfg = TierConfig(block_tokens=args.block_tokens, **({"eviction": args.eviction} if args.eviction else {}))
+    from tiercache.plugins import check_shared
+
+    if args.eviction:  # refused before any set-up runs: the worker that makes it could not
+        check_shared("eviction", args.eviction, "bench decode")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -453,9 +460,16 @@ def run(argv: Optional[list] = None) -> int:
         raise ValueError(f"--disk-gbps: a positive rate in GB/s, got {args.disk_gbps}")  # 0: a ZeroDivisionError
     from tiercache.config import parse_bytes
 
-    if parse_bytes(args.io_size, "--io-size") < 1:  # was parsed by the side-by-side worker, after the set-ups ran
+    io_bytes = parse_bytes(args.io_size, "--io-size")
+    if io_bytes < 1:  # was parsed by the side-by-side worker, after the set-ups ran
         raise ValueError(f"--io-size: must be > 0, got {args.io_size!r}")
     work_dir("--dir", args.dir or ".")  # the temporary folder goes here
+    if args.disk_gbps is None and (args.selection != "full" or any(s.startswith(("disk", "quest")) for s in setups)):
+        from tiercache.bench.io import check_free_space
+
+        # the raw disk's file is written next to the set-ups' own: one larger than the free
+        # space filled the disk after every set-up had run alone, and ended in a traceback
+        check_free_space(args.dir or ".", io_bytes, "--io-size", "--io-size")
     if args.selection != "full" and "quest" not in setups:
         setups.append("quest")
     unknown = sorted(s for s in setups if _base(s) not in SETUPS)
@@ -476,6 +490,7 @@ def run(argv: Optional[list] = None) -> int:
                 raise ValueError(f"--setups: {setup}: {name} is not a tiered set-up; it has no eviction policy")
             try:
                 TierConfig(eviction=policy)
+                check_shared("eviction", policy, "bench decode")
             except ValueError as exc:  # an unknown policy: the message lists the known ones
                 raise ValueError(f"--setups: {setup}: {exc}") from None
     if not cuda and set(setups) & set(CUDA_ONLY):

@@ -115,7 +115,7 @@ def measure_io(directory: str, block_tokens: int, total_bytes: int, workers: int
     if not os.path.isdir(directory):  # as `bench io --dir` refuses it: a missing one is a typo, not made here
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise ValueError(f"directory: {directory!r} {what} (measure_io makes its folder inside an existing one)")
-    _check_free_space(directory, 2 * num_blocks * record_bytes, "directory", "total_bytes")
+    check_free_space(directory, 2 * num_blocks * record_bytes, "directory", "total_bytes")
     workdir = tempfile.mkdtemp(prefix="tiercache-bench-io-", dir=directory)
     try:
         result = _measure_in(workdir, geometry, num_blocks, workers, raw_tool, torch.device(device),
@@ -488,7 +488,7 @@ def drop_page_cache() -> bool:
         return False
 
 
-def _check_free_space(directory: str, num_bytes: int, name: str = "--dir", size: str = "--size") -> None:
+def check_free_space(directory: str, num_bytes: int, name: str = "--dir", size: str = "--size") -> None:
     """ValueError naming ``name`` (the folder's flag or argument) when ``directory`` has less
     than ``num_bytes`` (+10%) free; ``size`` names what to lower."""
     free = shutil.disk_usage(directory).free
@@ -581,7 +581,7 @@ def run(argv: Optional[list] = None) -> int:
         for tokens in sizes:  # now, not after the sizes before it were measured
             geometry = BlockGeometry(1, KV_HEADS, tokens, HEAD_DIM, DTYPE)
             num_blocks = max(1, total_bytes // geometry.block_bytes)
-            _check_free_space(args.dir, 2 * num_blocks * DiskTier.record_size(geometry))
+            check_free_space(args.dir, 2 * num_blocks * DiskTier.record_size(geometry))
     except ValueError as exc:
         print(f"tiercache: error: bench io: {exc}", file=sys.stderr)
         return 2

@@ -55,31 +55,45 @@ def _lookup(registry: dict, kind: str, name: str):
         raise ValueError(f"unknown {kind} policy {name!r}; known: {known}") from None
 
 
+class RegistryError(TypeError):
+    """What the registry holds under a name makes no policy of its kind."""
+
+
+def _make(registry: dict, kind: str, name: str, base: type, **kwargs):
+    """A new policy from the factory registered as ``name``: a TypeError naming it where the
+    registry holds something that cannot be called (an instance: "'MyLRU' object is not
+    callable" named no policy) or that makes no ``base``."""
+    factory = _lookup(registry, kind, name)
+    if not callable(factory):
+        raise RegistryError(f"the {kind} policy {name!r} is registered as an instance of {type(factory).__name__}, "
+                            f"which cannot be called; register its class (or a function that returns a new policy)")
+    policy = factory(**kwargs)
+    if not isinstance(policy, base):
+        raise RegistryError(f"the {kind} policy {name!r} is a {type(policy).__name__}, not a "
+                            f"tiercache.policies.{base.__name__}: subclass it")
+    return policy
+
+
 def make_eviction(name: str, **kwargs) -> EvictionPolicy:
     """Build the eviction policy registered under ``name`` (e.g. ``sinks=4`` for sinks-recent).
     A plug-in must subclass ``EvictionPolicy``: the store calls its batch methods
     (``insert_many``, ...), which the base class provides."""
-    policy = _lookup(EVICTION_POLICIES, "eviction", name)(**kwargs)
-    if not isinstance(policy, EvictionPolicy):
-        raise TypeError(f"eviction policy {name!r} is a {type(policy).__name__}, not a "
-                        f"tiercache.policies.EvictionPolicy: subclass it (it provides insert_many, "
-                        f"touch_many and remove_many)")
-    return policy
+    return _make(EVICTION_POLICIES, "eviction", name, EvictionPolicy, **kwargs)
 
 
 def make_prefetch(name: str, **kwargs) -> PrefetchPolicy:
-    """Build the prefetch policy registered under ``name``."""
-    return _lookup(PREFETCH_POLICIES, "prefetch", name)(**kwargs)
+    """Build the prefetch policy registered under ``name`` (``depth=`` for lookahead)."""
+    return _make(PREFETCH_POLICIES, "prefetch", name, PrefetchPolicy, **kwargs)
 
 
 def make_selection(name: str, **kwargs) -> SelectionPolicy:
     """Build the selection policy registered under ``name`` ("full" or "quest")."""
-    return _lookup(SELECTION_POLICIES, "selection", name)(**kwargs)
+    return _make(SELECTION_POLICIES, "selection", name, SelectionPolicy, **kwargs)
 
 
 def make_retention(name: str, **kwargs) -> RetentionPolicy:
     """Build the retention policy registered under ``name`` (streaming, h2o, tova, snapkv)."""
-    return _lookup(RETENTION_POLICIES, "retention", name)(**kwargs)
+    return _make(RETENTION_POLICIES, "retention", name, RetentionPolicy, **kwargs)
 
 
 __all__ = [

@@ -297,6 +297,11 @@ def test_the_output_file_probe_leaves_everything_as_it_found_it(tmp_path):
     # parsed by the side-by-side worker, after every set-up had run alone
     (["bench", "decode", "--io-size", "-1"], "--io-size: must not be negative"),
     (["bench", "decode", "--io-size", "0"], "--io-size: must be > 0"),
+    # ran every set-up, then filled the disk and ended in a traceback (a review)
+    (["bench", "decode", "--io-size", "1000PiB", "--dir", "TMP"], "--io-size: 'TMP' has"),
+    # shown as two rows of one run
+    (["compare", "--trace", "t.csv", "--budgets", "1MiB,1048576"], "--budgets: 1048576 is given twice"),
+    (["bench", "overhead", "--batches", "10,10"], "--batches: 10 is given twice"),
     # ran past the model's positions (generate and eval refuse that)
     (["bench", "decode", "--context", "100000"], "--context: 100000 tokens exceed the model's 8192 positions"),
 ])
@@ -989,3 +994,89 @@ def test_the_demo_in_one_log_keeps_its_answer_on_the_answer_line(tmp_path):
     answer = [x for x in lines if x.startswith("answer:")]
     assert len(answer) == 1 and "prefill [" not in answer[0] and len(answer[0]) > len("answer:   "), proc.stdout
     assert lines.index(answer[0]) > max(i for i, x in enumerate(lines) if x.startswith("prefill ["))
+
+
+PLUGIN = '''
+import os
+
+from tiercache.policies import EVICTION_POLICIES, LRUPolicy
+
+
+class Marked(LRUPolicy):
+    """lru, leaving a line in $MARK each time the cache makes one (one per tier)."""
+
+    def __init__(self):
+        super().__init__()
+        with open(os.environ["MARK"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+
+EVICTION_POLICIES["marked"] = Marked
+'''
+
+
+def test_a_plugin_module_names_its_policies_on_the_command_line(tiny_model, tmp_path):
+    """A policy registered from Python was unknown to the command line ("unknown policy"),
+    and ``bench decode`` took one registered in its own process, ran the other set-ups, and
+    then failed in the worker process that had never heard of it (a review).
+    ``tiercache --plugin MODULE`` (a module name or a .py file; or ``TIERCACHE_PLUGINS``)
+    imports the module first, for the command and for the processes it starts: here
+    ``generate`` and a ``bench decode`` worker each make the plug-in's policy."""
+    plugin = tmp_path / "my_policies.py"
+    plugin.write_text(PLUGIN)
+    mark = tmp_path / "mark"
+    env = {**os.environ, "MARK": str(mark)}
+
+    def run(*args, extra_env=None):
+        return subprocess.run([sys.executable, "-m", "tiercache.cli", *args], capture_output=True, text=True,
+                              timeout=600, env={**env, **(extra_env or {})})
+
+    proc = run("generate", "--model", tiny_model, "--prompt", "hi", "--max-new-tokens", "1", "--quiet",
+               "--eviction", "marked", "--disk-dir", str(tmp_path / "kv"))
+    assert proc.returncode == 2 and "eviction: unknown policy 'marked'" in proc.stderr
+    proc = run("--plugin", str(plugin), "generate", "--model", tiny_model, "--prompt", "hi", "--max-new-tokens",
+               "1", "--quiet", "--eviction", "marked", "--disk-dir", str(tmp_path / "kv"))
+    assert proc.returncode == 0, proc.stderr
+    assert mark.read_text().split(), "the plug-in's policy was never made"
+    mark.unlink()
+    # the same through the environment, into the worker processes of bench decode
+    proc = run("bench", "decode", "--model", tiny_model, "--context", "32", "--new-tokens", "2", "--rounds", "0",
+               "--block-tokens", "8", "--setups", "dynamic,fits@marked", "--dir", str(tmp_path), "--json",
+               extra_env={"TIERCACHE_PLUGINS": str(plugin)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert str(os.getpid()) not in mark.read_text().split() and mark.read_text().split()  # made in a worker
+    assert json.loads(proc.stdout)["fits@marked_tps"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plugin", "no_such_module_here", "generate", "--prompt", "hi"],
+     "--plugin 'no_such_module_here': cannot import it (ModuleNotFoundError"),
+    (["--plugin", "json", "generate", "--prompt", "hi"], "--plugin 'json': imported, but it registered no policy"),
+    (["--plugin", "/nonexistent/p.py", "generate", "--prompt", "hi"],
+     "--plugin '/nonexistent/p.py': cannot import it (FileNotFoundError: no file '/nonexistent/p.py')"),
+])
+def test_a_plugin_that_cannot_be_used_is_one_line(argv, message, capsys):
+    from tiercache.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiercache: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_decode_refuses_a_policy_its_workers_cannot_make():
+    """A plug-in registered in this process only (not through a plug-in module) is refused
+    by ``bench decode`` before any set-up runs: its set-ups run in processes of their own."""
+    from tiercache.bench.decode import run
+    from tiercache.policies import EVICTION_POLICIES, LRUPolicy
+
+    class Local(LRUPolicy):
+        pass
+
+    EVICTION_POLICIES["local"] = Local
+    try:
+        for argv in (["--setups", "dynamic,fits@local"], ["--eviction", "local"]):
+            with pytest.raises(ValueError, match="the eviction policy 'local' is registered in this process only, "
+                                                 "and bench decode runs each set-up in a process of its own"):
+                run(argv)
+    finally:
+        del EVICTION_POLICIES["local"]

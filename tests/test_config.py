@@ -242,6 +242,86 @@ def test_a_prefetch_plug_in_cannot_hide_under_auto():
         del PREFETCH_POLICIES["auto"]
 
 
+def test_an_explicit_reuse_with_retention_is_refused(tmp_path):
+    """The prefix cache stores exact KV and retention drops tokens: an explicit ``reuse=True``
+    with a retention policy is refused by name, where the default (``reuse=None``) turns the
+    prefix cache off for that config (a mutation review found the refusal untested: without
+    it, ``reuse=True`` was silently ignored)."""
+    common = dict(retention="snapkv", disk_dir=str(tmp_path), disk_budget="64MiB")
+    with pytest.raises(ValueError, match="reuse: the prefix cache stores exact KV; retention='snapkv' drops"):
+        TierConfig(reuse=True, **common)
+    assert not TierConfig(**common).reuse_enabled
+
+
+class _NeedsAnArgument:
+    def __init__(self, capacity):  # no default: the cache makes its policies with no arguments
+        self.capacity = capacity
+
+
+def _plugin_cases():
+    from tiercache.policies import LRUPolicy, NextLayerPrefetch, QuestSelection
+
+    class NeedsCapacity(LRUPolicy):
+        def __init__(self, capacity):
+            super().__init__()
+
+    class NoDepth(NextLayerPrefetch):
+        pass
+
+    shared = LRUPolicy()
+    return [
+        # each was a bare TypeError naming no policy, from the cache or its first forward
+        ("eviction", "mine", LRUPolicy(), dict(eviction="mine"),
+         "eviction: the eviction policy 'mine' is registered as an instance of LRUPolicy, which cannot be called; "
+         "register its class"),
+        ("eviction", "mine", NeedsCapacity, dict(eviction="mine"),
+         r"eviction: the policy 'mine' cannot be made as the cache makes it \(TypeError: .*capacity.*\); register a "
+         "class whose parameters have defaults"),
+        ("eviction", "mine", lambda: shared, dict(eviction="mine"),
+         "eviction: the policy 'mine' is registered as a function that returns the same object each time"),
+        ("prefetch", "mine", lambda: 3, dict(prefetch="mine"),
+         "prefetch: the prefetch policy 'mine' is a int, not a tiercache.policies.PrefetchPolicy: subclass it"),
+        # "auto" builds lookahead with a depth where disk blocks stream into attention
+        ("prefetch", "lookahead", NoDepth, dict(prefetch="auto"),
+         "prefetch: the policy 'lookahead' cannot be made as the cache makes it .*depth.*; register a class that "
+         "takes depth= and whose other parameters have defaults"),
+        ("selection", "mine", QuestSelection(), dict(selection="mine", selection_budget=96, block_tokens=32),
+         "selection: the selection policy 'mine' is registered as an instance of QuestSelection"),
+        ("selection", "mine", _NeedsAnArgument, dict(selection="mine", selection_budget=96, block_tokens=32),
+         "selection: the policy 'mine' cannot be made as the cache makes it"),
+        # a plug-in under "full" never ran: the cache reads every block without a policy
+        ("selection", "full", QuestSelection, dict(),
+         "selection: 'full' names reading every block, which the cache does without a policy"),
+        ("retention", "mine", _NeedsAnArgument, dict(retention="mine"),
+         "retention: the policy 'mine' cannot be made as the cache makes it"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_a_plugin_the_cache_cannot_make_is_refused_by_the_config_by_name(case):
+    """A plug-in registered as the cache cannot use it is a ValueError naming the field and
+    the policy when the config is made (a review found bare TypeErrors from the cache's
+    constructor or its first forward, and a "full" plug-in that silently never ran)."""
+    from tiercache.policies import (EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES,
+                                    SELECTION_POLICIES)
+
+    kind, name, factory, fields, message = _plugin_cases()[case]
+    registry = {"eviction": EVICTION_POLICIES, "prefetch": PREFETCH_POLICIES, "selection": SELECTION_POLICIES,
+                "retention": RETENTION_POLICIES}[kind]
+    saved = registry.get(name)
+    registry[name] = factory
+    try:
+        with pytest.raises(ValueError, match=message):
+            TierConfig(**fields)
+    finally:
+        if saved is None:
+            del registry[name]
+        else:
+            registry[name] = saved
+    if name != "mine":
+        TierConfig(**fields)  # the shipped policy under that name again: taken
+
+
 @pytest.mark.parametrize("field,text,message", [
     ("host_budget", "0.0004KiB", "host_budget: '0.0004KiB' is 0.4096 bytes, not a whole number of bytes; use 1 byte"),
     ("disk_budget", "0.0001KB", "disk_budget: '0.0001KB' is 0.1 bytes, not a whole number of bytes; use 1 byte"),

@@ -98,6 +98,10 @@ def test_fidelity_quest_over_the_context_is_lossless_and_retention_is_not(tiny):
     (["eval", "passkey", "--budgets", "-5"], "--budgets: -5 must be >= 1"),
     (["eval", "passkey", "--budgets", "lots"], "not an integer"),
     (["eval", "passkey", "--budgets", "128,,256"], "--budgets: an empty item in '128,,256'"),  # was 128 and 256
+    # the same samples run twice and counted twice: n doubled, the interval narrowed (a review)
+    (["eval", "passkey", "--methods", "full,quest,quest"], "--methods: 'quest' is given twice in 'full,quest,quest'"),
+    (["eval", "passkey", "--depths", "50,050"], "--depths: 50 is given twice in '50,050'"),
+    (["eval", "passkey", "--contexts", "256,256"], "--contexts: 256 is given twice"),
     (["eval", "passkey", "--methods", "quest", "--budgets", "64", "--block-tokens", "32"], "selection_budget"),
     (["eval", "passkey", "--depths", "150"], "--depths: 150"),
     (["eval", "passkey", "--contexts", "10"], "--contexts: 10"),
@@ -183,6 +187,8 @@ def test_a_budget_given_twice_is_run_once_and_fidelity_checks_the_positions():
     from tiercache import eval as ev
 
     assert ev.check_plan(["full", "quest"], [96, 96, 128], 32) == [("full", None), ("quest", 96), ("quest", 128)]
+    # a method given twice too (a review: quest's n was 4 for one sample)
+    assert ev.check_plan(["full", "quest", "full", "quest"], [96], 32) == [("full", None), ("quest", 96)]
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=256))

@@ -279,3 +279,53 @@ def test_the_fallback_is_tiercaches_lru_even_when_the_registry_name_is_taken(mak
         assert torch.equal(store.get(key), block(geometry, 0))  # lru's touch: no failure now
     finally:
         EVICTION_POLICIES["lru"] = saved
+
+
+def test_a_plugin_that_consumes_the_keys_it_is_told_of_leaves_the_stores_own_list(make_store, geometry, plugin):
+    """The store tells a policy of a batch (``touch_many`` of the blocks a read finds on the
+    device) and then pins those same blocks. A plug-in that emptied the list it was handed
+    (a review: one popped keys off as it went) made the store pin none of them and then
+    unpin them: "unpin: block ... is not pinned" out of ``generate()``, with no word of the
+    policy. The guard hands a plug-in a copy of each batch that it cannot change."""
+    heard = []
+
+    class Consumes(LRU):
+        def touch_many(self, keys):
+            heard.append(type(keys))
+            while keys:
+                self.touch(keys.pop())  # a tuple has no pop: that is this plug-in's bug, named
+
+    class KeepsACopy(LRU):
+        def touch_many(self, keys):
+            heard.append(type(keys))
+            keys = list(keys)
+            while keys:
+                self.touch(keys.pop())
+
+    store = make_store(device_blocks=4, host_blocks=6, disk_blocks=20, eviction=plugin(KeepsACopy, "keeps"),
+                       persistent=False)
+    keys = [BlockKey(0, 0, i) for i in range(4)]
+    for i, key in enumerate(keys):
+        store.put(key, block(geometry, i))
+    store.ensure_device(keys, pin=True)  # every block on the device: touched, then pinned
+    assert heard and all(kind is tuple for kind in heard)
+    assert all(store.table.get(key).pins == 1 for key in keys)
+    store.unpin(keys)
+    assert no_pins(store)
+    for i, key in enumerate(keys):
+        assert torch.equal(store.get(key), block(geometry, i))
+    store.close()
+
+    heard.clear()
+    store = make_store(device_blocks=4, host_blocks=6, disk_blocks=20, eviction=plugin(Consumes, "consumes"),
+                       persistent=False)
+    for i, key in enumerate(keys):
+        store.put(key, block(geometry, i))
+    store.ensure_device(keys, pin=True)  # the plug-in fails on the copy; the store's pins stand
+    assert all(store.table.get(key).pins == 1 for key in keys)
+    store.unpin(keys)
+    with pytest.raises(PolicyError, match="'consumes' of the device tier failed in touch_many: AttributeError"):
+        store.get(keys[0])
+    for i, key in enumerate(keys):
+        assert torch.equal(store.get(key), block(geometry, i))
+    store.check()

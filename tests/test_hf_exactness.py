@@ -1749,3 +1749,56 @@ def test_each_block_attention_reads_is_one_hit_on_the_tier_it_was_on(tmp_path, t
         assert stats["hits"] == found, (stats["hits"], found)
     if tiers in ("all", "no host, no prefetch"):
         assert stats["hits"]["disk"] > 0
+
+
+def test_a_prefetch_plugin_hears_a_copy_of_the_blocks_a_layer_reads(tmp_path):
+    """A prefetch plug-in's ``observe`` was handed the cache's own list of the blocks the
+    layer was about to read; one that sorted it newest first, or kept it and swapped two
+    keys later, made attention read other blocks: logits 7.45 off DynamicCache, no error
+    (a review). It hears a tuple now: sorting it in place is its own error, named; keeping
+    it changes nothing; the logits equal DynamicCache's."""
+    from tiercache.policies import PREFETCH_POLICIES
+
+    heard = []
+
+    class Rearranges(PREFETCH_POLICIES["next-layer"]):
+        def observe(self, layer_idx, keys):
+            heard.append(keys)
+            if isinstance(keys, list):  # what the old hand-over let it do
+                keys.reverse()
+            if len(heard) > 1 and isinstance(heard[-2], list) and len(heard[-2]) > 1:
+                heard[-2][0], heard[-2][1] = heard[-2][1], heard[-2][0]  # a list kept, changed later
+            super().observe(layer_idx, keys)
+
+    with registered(PREFETCH_POLICIES, "rearranges", Rearranges):
+        model = tiny_model("llama")
+        ids = prompt_ids()
+        need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+        cfg = tight_config(model, tmp_path, batch=1, device_blocks=need + 2, prefetch="rearranges")
+        with tiercache.TieredCache(model, cfg) as cache:
+            out = generate(model, ids, cache=cache, max_new_tokens=NEW)
+            assert_all_tiers_used(cache.stats())
+        assert heard and all(isinstance(keys, tuple) for keys in heard)
+        assert_same(generate(model, ids, max_new_tokens=NEW), out, "a plug-in that rearranges what it hears")
+
+
+def test_a_rollback_into_a_dropped_window_is_refused_even_by_one_token(tmp_path):
+    """A sliding layer not recording its past frees the blocks before its window. A crop
+    that keeps ``n`` tokens is possible only if the next token's window (the ``window - 1``
+    tokens before it) is still held: with blocks from token ``first * bt`` on, ``n`` must be
+    at least ``first * bt + window - 1``. Rolling back a single token already fails that
+    here (the window starts inside a freed block): it is refused, and the layer keeps its
+    tokens, where accepting it would attend next over a window with tokens missing (a
+    mutation review found only crops below the first kept block tested)."""
+    model = tiny_model("mistral")  # every layer slides, window 6
+    ids = prompt_ids()
+    cfg = tight_config(model, tmp_path, batch=1, device_blocks=16)
+    with tiercache.TieredCache(model, cfg) as cache:
+        generate(model, ids, cache=cache, max_new_tokens=NEW)
+        layer = cache.layers[0]
+        held, window = layer.num_tokens, layer.sliding_window
+        first = layer.first_block
+        assert first > 0 and held - 1 < first * BT + window - 1 <= held  # one token back lands in the gap
+        with pytest.raises(RuntimeError, match="already dropped the tokens needed to roll back"):
+            cache.crop(-1)
+        assert [lay.num_tokens for lay in cache.layers] == [held] * len(cache.layers)

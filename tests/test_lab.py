@@ -339,6 +339,17 @@ def test_compare_cli_json_and_table(tmp_path):
     assert text.returncode == 0 and "lru" in text.stdout and "next-layer" in text.stdout
 
 
+def test_a_lab_host_budget_of_exactly_one_block_is_taken():
+    """The boundary of the refusal of a small --lab-host-budget (below): one block's bytes
+    hold one block (a mutation review found only a budget of 1 byte tested)."""
+    from tiercache.lab.sim import check_host_budget
+
+    check_host_budget(4096, 4096, "--lab-host-budget")
+    check_host_budget(0, 4096, "--lab-host-budget")  # no host tier
+    with pytest.raises(ValueError, match="4095 bytes is less than one block of the trace"):
+        check_host_budget(4095, 4096, "--lab-host-budget")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--policies", "lru,nope"], "unknown eviction policy 'nope'"),
     (["--prefetch-policies", "soon"], "unknown prefetch policy 'soon'"),
@@ -499,6 +510,57 @@ def test_replay_stops_at_a_plugin_policys_wrong_answer(tmp_path, kind, cls, mess
                 ref = replay(trace, "lru", 9 * 4096, prefetch=prefetch, **kwargs)
                 assert {k: v for k, v in ours.items() if k != "policy"} == \
                     {k: v for k, v in ref.items() if k != "policy"}, same
+
+
+class _ByLayer(LRUPolicy):
+    """lru, with a look at ``key.layer``, as a policy written against the runtime may."""
+
+    def insert(self, key):
+        assert key.layer >= 0  # the replay handed plain tuples: "'tuple' object has no attribute 'layer'"
+        super().insert(key)
+
+
+class _PlansFromTheEnd(PrefetchPolicy):
+    """Asks for layer -1 (the last, as a Python index would have it)."""
+
+    def plan(self, layer_idx, num_layers, blocks_of_layer):
+        return list(blocks_of_layer(-1))
+
+
+class _EmptiesWhatItIsGiven(PrefetchPolicy):
+    """Plans the next layer's blocks, and empties the list it was handed."""
+
+    def plan(self, layer_idx, num_layers, blocks_of_layer):
+        keys = blocks_of_layer((layer_idx + 1) % num_layers)
+        plan = list(keys)
+        keys.clear()
+        return plan
+
+
+def test_the_replay_hands_plugins_what_the_runtime_does(tmp_path):
+    """A plug-in runs in the lab as in ``generate()`` (a review found three differences):
+    keys are ``BlockKey``s, whose ``.layer`` an eviction policy may read; ``blocks_of_layer``
+    refuses a layer the model does not have (it was []); and it returns a list of the
+    plug-in's own (the replay's own was handed out: emptying it changed what the replay
+    planned next). The last case's figures are next-layer's exactly."""
+    from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES
+
+    path = tmp_path / "scan.csv"
+    write_scan_trace(path, layers=5, blocks=2, rounds=5)
+    trace = load_trace(str(path))
+    kwargs = dict(bandwidths=BW, host_budget=4 * 4096)
+    with registered(EVICTION_POLICIES, "by-layer", _ByLayer):
+        ours = replay(trace, "by-layer", 9 * 4096, **kwargs)
+        assert {k: v for k, v in ours.items() if k != "policy"} == \
+            {k: v for k, v in replay(trace, "lru", 9 * 4096, **kwargs).items() if k != "policy"}
+    with registered(PREFETCH_POLICIES, "from-the-end", _PlansFromTheEnd):
+        with pytest.raises(tiercache.PolicyError, match=r"'from-the-end' failed in plan: IndexError: "
+                                                         r"blocks_of_layer\(-1\): the model has layers 0 \.\. 4"):
+            replay(trace, "lru", 9 * 4096, prefetch="from-the-end", **kwargs)
+    with registered(PREFETCH_POLICIES, "empties", _EmptiesWhatItIsGiven):
+        ours = replay(trace, "lru", 9 * 4096, prefetch="empties", **kwargs)
+    ref = replay(trace, "lru", 9 * 4096, prefetch="next-layer", **kwargs)
+    assert {k: v for k, v in ours.items() if k != "prefetch"} == {k: v for k, v in ref.items() if k != "prefetch"}
 
 
 def test_the_readmes_policy_table_is_the_saved_runs():

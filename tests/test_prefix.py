@@ -2355,3 +2355,48 @@ def test_close_all_under_an_open_cache_reopens_the_prefix_cache(tmp_path):
     out, stats = run(model, longer, cfg)  # what the second call published is there to load
     assert stats["reused_tokens"] == (longer.shape[1] - 1) // BT * BT
     assert_same(reference(model, longer), out)
+
+
+def test_a_plugin_that_fails_in_the_prefix_caches_store_is_named_there_and_not_forgotten(tmp_path, caplog):
+    """The prefix cache's store is the process's, shared by every cache that uses it, and
+    it evicts with the cache's eviction policy. A plug-in that failed there was reported as
+    if a cache's own tier had failed, with the advice to "make a new cache"; the next
+    caches then ran with ``lru`` in its place in that store, in silence (a review). The
+    error now names the prefix cache's store and says what helps (closing it), and each
+    new cache that opens the store while it is so logs a warning. The tokens stay exact."""
+    import logging
+
+    from tiercache.policies import EVICTION_POLICIES, LRUPolicy
+    from tiercache.prefix import _OPEN
+
+    class FailsWhenArmed(LRUPolicy):
+        armed = False
+
+        def evict(self, n, is_evictable):
+            if self.armed:
+                raise RuntimeError("a bug in evict")
+            return super().evict(n, is_evictable)
+
+    EVICTION_POLICIES["fails-when-armed"] = FailsWhenArmed
+    try:
+        model = tiny_model()
+        cfg = config(tmp_path, eviction="fails-when-armed", reuse_host_budget="16KiB")
+        ids = prompt(seed=1)
+        assert_same(reference(model, ids), run(model, ids, cfg)[0])
+        (store,) = [prefix.store for prefix in _OPEN.values()]
+        for policy in store.policies.values():
+            policy.inner.armed = True
+        message = (r"the eviction policy 'fails-when-armed' of the host tier of the prefix cache's store failed in "
+                   r"evict: RuntimeError: a bug in evict\. .* close the prefix cache's store "
+                   r"\(tiercache\.prefix\.close_all\(\)\)")
+        with pytest.raises(tiercache.PolicyError, match=message):
+            for seed in range(2, 12):  # new prompts: the store's host tier fills and evicts
+                run(model, prompt(seed=seed), cfg)
+        assert [failure for failure in store.policy_failures()]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tiercache"):
+            ids = prompt(seed=20)
+            assert_same(reference(model, ids), run(model, ids, cfg)[0])
+        assert any("still so: the eviction policy 'fails-when-armed'" in r.getMessage() for r in caplog.records)
+    finally:
+        del EVICTION_POLICIES["fails-when-armed"]

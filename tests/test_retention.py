@@ -425,7 +425,7 @@ def test_a_plugin_retention_that_breaks_keep_is_named_before_it_costs_a_token(br
 @pytest.mark.parametrize("attrs, message", [
     ({"score_rows": "every"}, "has score_rows='every'; expected one of none, all, last, window"),
     ({"min_budget": lambda self: "2"}, "says its min_budget() is '2'; expected a whole number of tokens >= 1"),
-    ({"__init__": lambda self, ratio: None}, "cannot be made with no arguments, as the cache makes it (TypeError"),
+    ({"__init__": lambda self, ratio: None}, "cannot be made as the cache makes it (TypeError"),
 ])
 def test_a_plugin_retention_policy_that_cannot_be_used_is_named_by_the_config(attrs, message):
     """A registered retention policy whose score_rows is misspelt (a KeyError from the

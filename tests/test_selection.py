@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -286,6 +288,35 @@ def test_a_plugin_selection_that_breaks_choose_is_named_before_attention_runs(br
             return chosen
 
     assert_plugin_refused(SELECTION_POLICIES, "selection", Broken, message, tmp_path, selection_budget=3 * BT)
+
+
+def test_stats_name_a_plugin_as_it_is_registered():
+    """``attention_stats()`` named a selection or retention policy by its class's ``name``,
+    which a plug-in need not set: it reported ``"policy": ""`` (a review). The registered name
+    is what the config says and what the stats say."""
+    from tiercache.policies import RetentionPolicy, SelectionPolicy
+    from tiercache.retention import RetentionState
+    from tiercache.selection import SelectionState
+
+    class Nameless(SelectionPolicy):
+        def choose(self, query, key_min, key_max, budget_pages):
+            raise AssertionError("not called here")
+
+    class NamelessRetention(RetentionPolicy):
+        def keep(self, scores, valid, budget):
+            raise AssertionError("not called here")
+
+    assert SelectionState(Nameless(), 3 * BT, BT, "mine").stats()["policy"] == "mine"
+    assert RetentionState(types.SimpleNamespace(layers=[]), NamelessRetention(), 16, "kept").stats()["policy"] == "kept"
+
+
+def test_a_budget_of_two_blocks_is_refused_a_step_reads_three():
+    """quest reads the first block, the newest and at least one it chooses: 3 blocks. A
+    budget of 2 (64 tokens of 32-token blocks) is refused, 3 taken (the boundary; a
+    mutation review found it untested)."""
+    with pytest.raises(ValueError, match=r"selection_budget: 64 tokens is less than 3 blocks of block_tokens=32"):
+        tiercache.TierConfig(selection="quest", selection_budget=64, block_tokens=32)
+    tiercache.TierConfig(selection="quest", selection_budget=96, block_tokens=32)
 
 
 def test_a_budget_that_is_not_whole_blocks_is_refused_by_name():

@@ -4505,3 +4505,33 @@ def test_an_interrupt_inside_the_direct_io_probe_is_not_masked(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
         disk.probe_direct_io(str(tmp_path))
     assert not any(tmp_path.iterdir())
+
+
+def test_a_record_of_another_block_is_never_read_as_this_one(tmp_path, geometry):
+    """A corrupted record is never returned, and neither is a whole, valid record of another
+    block: its payload passes its own CRC32C, so only the header's key tells. Every read
+    (``read``, ``read_into``, and ``read_unchecked``, which the streamed reads use) refuses
+    a slot whose record names another key, before a byte is used (a mutation review
+    removed the check in ``read_unchecked`` and no test failed)."""
+    from tiercache.disk import RecordError, parts_crc
+
+    directory = str(tmp_path / "kv")
+    os.makedirs(directory, mode=0o700)
+    tier = DiskTier(directory, geometry, 4)
+    block, _owner = aligned_buffer(geometry.padded_bytes)
+    block[:geometry.block_bytes] = 7
+    tier.write(0, BlockKey(1, 0, 0), block, geometry.block_tokens)
+    out, _out_owner = aligned_buffer(geometry.padded_bytes)
+    parts = [memoryview(out.numpy())[:tier.payload_bytes]]
+    try:
+        with pytest.raises(RecordError, match=r"slot holds BlockKey\(seq=1, layer=0, index=0\), expected "
+                                              r"BlockKey\(seq=2, layer=0, index=0\)"):
+            tier.read_into(0, BlockKey(2, 0, 0), parts)
+        with pytest.raises(RecordError, match="slot holds BlockKey"):
+            tier.read_unchecked(0, BlockKey(2, 0, 0), parts)
+        with pytest.raises(RecordError, match="slot holds BlockKey"):
+            tier.read(0, BlockKey(2, 0, 0), torch.empty(geometry.shape))
+        tokens, crc = tier.read_unchecked(0, BlockKey(1, 0, 0), parts)  # its own key: read, and checkable
+        assert tokens == geometry.block_tokens and parts_crc(parts) == crc
+    finally:
+        tier.close()

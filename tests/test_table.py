@@ -255,3 +255,24 @@ def test_free_slots_an_interrupt_left_out_of_the_heap_are_found_and_never_exceed
         assert slots.num_free == 1
         assert (slots.alloc() if take == "alloc" else slots.alloc_many(1)) in (1, [1])
         assert slots.alloc() is None and slots.alloc_many(1) is None and slots.num_free == 0
+
+
+def test_a_demotion_that_ends_while_another_move_reads_its_source_keeps_the_source():
+    """Nothing in flight is freed. A block's device copy is the source of two moves: a
+    demotion that drops it when done, and a write-down that copies it to disk. The
+    demotion finishes first: the device copy must stay (the write-down still reads it)
+    and the table stays consistent; only when the reader is done may the copy go. (A
+    mutation that dropped the readers check raised TableError with the device copy
+    already gone from the table's books; no test caught it.)"""
+    t = BlockTable({Tier.DEVICE: 4, Tier.HOST: 4, Tier.DISK: 4})
+    t.allocate("k", Tier.DEVICE)
+    t.commit(t.get("k"), Tier.DEVICE)
+    demote = t.prepare_move("k", Tier.DEVICE, Tier.HOST, drop_source=True)
+    write_down = t.prepare_move("k", Tier.DEVICE, Tier.DISK, drop_source=False)
+    assert t.complete_move(demote, ok=True) == []  # nothing freed: the device copy has a reader
+    t.check()
+    assert t.get("k").copies[Tier.DEVICE].readers == 1
+    assert t.is_ready("k", Tier.HOST)
+    t.complete_move(write_down, ok=True)
+    t.check()
+    assert t.is_ready("k", Tier.DISK) and t.is_ready("k", Tier.DEVICE)  # never freed under its reader

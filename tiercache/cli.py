@@ -439,12 +439,28 @@ def worker_failure(stdout: str) -> Optional[str]:
 
 
 def split_list(flag: str, text: str) -> list:
+    return no_repeats(flag, _items(flag, text), text)
+
+
+def _items(flag: str, text: str) -> list:
     items = [x.strip() for x in text.split(",")]
     if not any(items):
         raise CLIError(f"{flag}: give a comma-separated list, got {text!r}")
     if "" in items:  # '128,,256' was 128 and 256 without a word: a typo the run would hide
         raise CLIError(f"{flag}: an empty item in {text!r}")
     return items
+
+
+def no_repeats(flag: str, values: list, text: str) -> list:
+    """``values`` (parsed from ``text``, given to ``flag``), refused where one comes twice: the
+    same runs were made twice and counted twice (eval passkey's n doubled and its interval
+    narrowed; a review), or shown as two rows."""
+    seen: set = set()
+    for value in values:
+        if value in seen:
+            raise CLIError(f"{flag}: {value!r} is given twice in {text!r}")
+        seen.add(value)
+    return values
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -463,7 +479,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.plot:
         require_extra("--plot", "matplotlib.backends.backend_agg")
     try:
-        budgets = [parse_bytes(b, "--budgets") for b in split_list("--budgets", args.budgets)] if args.budgets else None
+        budgets = (no_repeats("--budgets", [parse_bytes(b, "--budgets") for b in split_list("--budgets", args.budgets)],
+                              args.budgets) if args.budgets else None)
         host_budget = None if args.lab_host_budget is None else parse_bytes(args.lab_host_budget, "--lab-host-budget")
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -562,7 +579,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def int_list(flag: str, text: str, low: int, high: Optional[int] = None) -> list:
     """The integers of a comma list given to ``flag``, each in [low, high]; else CLIError."""
     values = []
-    for item in split_list(flag, text):
+    for item in _items(flag, text):
         try:
             value = int(item)
         except ValueError:
@@ -571,7 +588,7 @@ def int_list(flag: str, text: str, low: int, high: Optional[int] = None) -> list
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise CLIError(f"{flag}: {value} must be {bound}")
         values.append(value)
-    return values
+    return no_repeats(flag, values, text)  # "050" and "50" too
 
 
 # Each eval task's own flags (argparse dest: default): the other task's flags are refused,
@@ -698,6 +715,10 @@ def cmd_bench(args: argparse.Namespace, rest: list) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="tiercache", description="Tiered KV cache for long-context generation")
+    # read by _plugin_options before parsing; here for --help
+    parser.add_argument("--plugin", metavar="MODULE", action="append",
+                        help="import MODULE (a module name, or a .py file) first: a plug-in that registers policies; "
+                             "repeatable; TIERCACHE_PLUGINS=MOD1,MOD2 does the same")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with the KV cache spread over the tiers")
@@ -831,22 +852,61 @@ def main(argv: Optional[list] = None) -> int:
 def _main(argv: Optional[list]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    try:
+        specs, argv = _plugin_options(argv)
+    except CLIError as exc:
+        parser.error(str(exc))
     if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
         args, rest = parser.parse_args(argv[:2]), argv[2:]
     else:
         args, rest = parser.parse_args(argv), []
+    return _run(args, rest, specs)
+
+
+def _plugin_options(argv: list) -> tuple:
+    """The leading ``--plugin MODULE`` options (before the command), and the rest of ``argv``.
+    Taken apart here: the commands' own parsers (``bench``'s) never see them."""
+    specs = []
+    while argv and (argv[0] == "--plugin" or argv[0].startswith("--plugin=")):
+        if argv[0] == "--plugin":
+            if len(argv) < 2 or argv[1].startswith("-"):
+                raise CLIError("--plugin: expected a module name or the path of a .py file")
+            specs.append(argv[1])
+            argv = argv[2:]
+        else:
+            specs.append(argv[0].split("=", 1)[1])
+            argv = argv[1:]
+    if any(not spec.strip() or "," in spec for spec in specs):
+        raise CLIError(f"--plugin: one module a --plugin, got {next(s for s in specs if not s.strip() or ',' in s)!r}")
+    return specs, argv
+
+
+@contextlib.contextmanager
+def _plugins(specs: list):
+    """The plug-in modules of ``TIERCACHE_PLUGINS`` and ``--plugin`` imported; while the
+    command runs, ``TIERCACHE_PLUGINS`` names them all, for the processes it starts."""
+    from tiercache import plugins
+
+    plugins.load(plugins.specs_from_env(), source=plugins.ENV)
+    plugins.load(specs)
+    if not specs:
+        yield
+        return
+    before = os.environ.get(plugins.ENV)
+    os.environ[plugins.ENV] = ",".join(dict.fromkeys(plugins.specs_from_env() + specs))
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "demo":
-            return cmd_demo(args)
-        if args.command == "compare":
-            return cmd_compare(args)
-        if args.command == "cache":
-            return cmd_cache(args)
-        if args.command == "eval":
-            return cmd_eval(args)
-        return cmd_bench(args, rest)
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(plugins.ENV, None)
+        else:
+            os.environ[plugins.ENV] = before
+
+
+def _run(args: argparse.Namespace, rest: list, plugin_specs: list) -> int:
+    try:
+        with _plugins(plugin_specs):
+            return _command(args, rest)
     except (CLIError, TierCacheError, ValueError) as exc:
         print(f"tiercache: error: {exc}", file=sys.stderr)
         return 2
@@ -862,6 +922,20 @@ def _main(argv: Optional[list]) -> int:
     except KeyboardInterrupt:
         print("tiercache: interrupted", file=sys.stderr)
         return 130
+
+
+def _command(args: argparse.Namespace, rest: list) -> int:
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "demo":
+        return cmd_demo(args)
+    if args.command == "compare":
+        return cmd_compare(args)
+    if args.command == "cache":
+        return cmd_cache(args)
+    if args.command == "eval":
+        return cmd_eval(args)
+    return cmd_bench(args, rest)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,10 +11,11 @@ import re
 import tempfile
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from tiercache.policies import EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES, SELECTION_POLICIES
+from tiercache.policies import (EVICTION_POLICIES, PREFETCH_POLICIES, RETENTION_POLICIES, SELECTION_POLICIES,
+                                FullSelection, RegistryError, make_eviction, make_prefetch, make_retention, make_selection)
 
 if TYPE_CHECKING:  # torch is imported where a device is checked, not with the config
     import torch
@@ -130,12 +131,7 @@ def _retention_min_budget(name: str) -> int:
     >= 1, which is returned. A plug-in that fails one of these is a ValueError naming it
     here, not a TypeError from the config's comparison or a KeyError from the attention
     hook at the first forward (a review)."""
-    cls = RETENTION_POLICIES[name]
-    try:
-        policy = cls()
-    except Exception as exc:  # noqa: BLE001 - a plug-in's, named
-        raise ValueError(f"retention: the policy {name!r} cannot be made with no arguments, as the cache makes it "
-                         f"({type(exc).__name__}: {exc}); give its parameters defaults") from exc
+    policy = _made("retention", name, make_retention)
     rows = getattr(policy, "score_rows", None)
     if rows not in _SCORE_ROWS or (rows == "window" and not callable(getattr(policy, "window_for", None))):
         raise ValueError(f"retention: the policy {name!r} has score_rows={rows!r}; expected one of "
@@ -148,6 +144,24 @@ def _retention_min_budget(name: str) -> int:
         raise ValueError(f"retention: the policy {name!r} says its min_budget() is {low!r}; expected a whole number "
                          f"of tokens >= 1")
     return int(low)
+
+
+def _made(field: str, name: str, make: Callable, **kwargs) -> Any:
+    """The policy registered as ``name``, made here as the cache makes it (``make(name,
+    **kwargs)``): one that cannot be (an instance registered, a constructor with a required
+    argument, a class that is not the kind's base class) was a bare TypeError naming no
+    policy, from the cache's constructor or its first forward (a review); it is a
+    ValueError naming ``field`` and the policy, when the config is made."""
+    try:
+        return make(name, **kwargs)
+    except RegistryError as exc:  # says what to do
+        raise ValueError(f"{field}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a plug-in's, named
+        given = ", ".join(f"{k}=" for k in kwargs)
+        takes = f"that takes {given} and" if given else "whose parameters"
+        raise ValueError(f"{field}: the policy {name!r} cannot be made as the cache makes it "
+                         f"({type(exc).__name__}: {exc}); register a class {takes} "
+                         f"{'whose other parameters ' if given else ''}have defaults") from exc
 
 
 def _check_remote_address(url: str, scheme: str) -> None:
@@ -480,10 +494,19 @@ class TierConfig:
         self._check_int("io_workers", 1, 256)
         self._check_int("queue_depth", 1, 1 << 16)
         self._check_name("eviction", EVICTION_POLICIES)
+        if _made("eviction", self.eviction, make_eviction) is _made("eviction", self.eviction, make_eviction):
+            # each tier's policy ranks that tier's blocks: one object for both mixed them up,
+            # and its answers broke the contract with a message that did not say why
+            raise ValueError(f"eviction: the policy {self.eviction!r} is registered as a function that returns "
+                             f"the same object each time; each tier needs one of its own: register the class, "
+                             f"or a function that returns a new policy")
         self._check_name("prefetch", {**PREFETCH_POLICIES, AUTO: None})
         if self.prefetch == AUTO and AUTO in PREFETCH_POLICIES:
             raise ValueError(f"prefetch: {AUTO!r} names tiercache's own choice of policy, so a plug-in registered "
                              f"under that name would never run; register it under another name")
+        # "auto" picks one of these two where the store opens
+        for name in (("next-layer", "lookahead") if self.prefetch == AUTO else (self.prefetch,)):
+            _made("prefetch", name, make_prefetch, **({"depth": self.prefetch_depth} if name == "lookahead" else {}))
         # Only a depth told apart from its default (2 given or not, it cannot say): one was
         # taken with prefetch "none" or "next-layer", and did nothing.
         if self.prefetch_depth != _DEFAULT_PREFETCH_DEPTH and self.prefetch not in PREFETCH_DEPTH_POLICIES:
@@ -628,6 +651,12 @@ class TierConfig:
 
     def _check_selection_and_retention(self) -> None:
         self._check_name("selection", SELECTION_POLICIES)
+        if self.selection == "full" and SELECTION_POLICIES["full"] is not FullSelection:
+            raise ValueError("selection: 'full' names reading every block, which the cache does without a policy, "
+                             "so a plug-in registered under that name would never run; register it under another "
+                             "name")
+        if self.selection != "full":
+            _made("selection", self.selection, make_selection)
         self._check_int("selection_budget", 1, 1 << 30)
         if self.selection == "full" and self.selection_budget != _DEFAULT_SELECTION_BUDGET:
             raise ValueError(f"selection_budget: {self.selection_budget}, but selection='full' reads every block "

@@ -65,7 +65,7 @@ def method_config(method: str, budget: Optional[int], block_tokens: int,
 def check_plan(methods: list, budgets: list, block_tokens: int) -> list:
     """Validate every (method, budget) before any model work; returns the runs, full first."""
     runs = [("full", None)] if "full" in methods else []
-    for method in methods:
+    for method in dict.fromkeys(methods):  # a method given twice, too (a review)
         if method == "full":
             continue
         for budget in dict.fromkeys(budgets):  # a budget given twice counted the same runs twice in n
@@ -150,6 +150,8 @@ def run_passkey(model: Any, tokenizer: Any, *, contexts: list, depths: list, tri
                 seed: int = 0, log: Optional[Callable[[str], None]] = None) -> dict:
     """Passkey accuracy per (method, budget, context); the full cache is run first."""
     runs = check_plan(methods, budgets, block_tokens)
+    # a context or depth given twice made the same samples twice, counted twice in n
+    contexts, depths = list(dict.fromkeys(contexts)), list(dict.fromkeys(depths))
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     for context in contexts:
         if limit and context + max_new_tokens > limit:

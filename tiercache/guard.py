@@ -45,7 +45,12 @@ def is_plugin(policy: object) -> bool:
     """True for a policy (of any kind) whose class tiercache does not ship: the store calls
     such an eviction policy through ``GuardedPolicy``, and checks the answers of such a
     prefetch, selection or retention policy (``plugin_answer``)."""
-    return not type(policy).__module__.startswith("tiercache.policies.")
+    return is_plugin_class(type(policy))
+
+
+def is_plugin_class(cls: type) -> bool:
+    """True for a policy class that tiercache does not ship (see ``is_plugin``)."""
+    return not cls.__module__.startswith("tiercache.policies.")
 
 
 def plugin_answer(kind: str, name: str, method: str, call: Callable[[], object],
@@ -105,18 +110,21 @@ class _Wrapped(EvictionPolicy):
     def remove(self, key: Hashable) -> None:
         self._call("remove", key)
 
+    # The batch calls hand the plug-in copies: the store goes on with its own lists after
+    # them (``touch_many``'s keys are pinned next), so a plug-in that consumed or kept and
+    # changed one made the store unpin blocks it never pinned (a review).
     def insert_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("insert_many", keys)
+        self._call("insert_many", tuple(keys))
 
     def touch_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("touch_many", keys)
+        self._call("touch_many", tuple(keys))
 
     def remove_many(self, keys: Iterable[Hashable]) -> None:
-        self._call("remove_many", keys)
+        self._call("remove_many", tuple(keys))
 
     def observe_scores(self, scores) -> None:
-        if self.wants_scores:
-            self._call("observe_scores", scores)
+        if self.wants_scores:  # every tier's policy hears the same mapping: each gets its own
+            self._call("observe_scores", dict(scores))
 
 
 class GuardedPolicy(_Wrapped):
@@ -126,10 +134,11 @@ class GuardedPolicy(_Wrapped):
     ``report(error)`` receives the ``PolicyError`` of the first failure."""
 
     def __init__(self, inner: EvictionPolicy, name: str, tier: str, ready_keys: Callable[[], Iterable[Hashable]],
-                 report: Callable[[PolicyError], None]) -> None:
+                 report: Callable[[PolicyError], None], role: str = "") -> None:
         self.inner = inner
         self.name = name  # as registered (a plug-in subclass may inherit its parent's ``name``)
         self.tier = tier
+        self.role = role  # the store's, where it is not a cache's own: "the prefix cache's store"
         self.wants_scores = inner.wants_scores
         self.assumes_layer_scan = inner.assumes_layer_scan
         self.failure: Optional[PolicyError] = None
@@ -138,9 +147,14 @@ class GuardedPolicy(_Wrapped):
 
     def _failed(self, method: str, exc: Exception) -> None:
         """``inner`` failed in ``method``: ``lru`` takes its place, ranking what the tier holds."""
-        error = PolicyError(f"the eviction policy {self.name!r} of the {self.tier} tier failed in "
+        # the prefix cache's store outlives the caches that use it: a new cache did not help
+        # (a review: two more runs went on with lru in silence); closing the store does
+        where, remedy = ((f" of {self.role}", f"; fix the policy and close {self.role} (tiercache.prefix.close_all()), "
+                          f"which the process's caches share") if self.role else ("", "; fix the policy and make a "
+                                                                                  "new cache"))
+        error = PolicyError(f"the eviction policy {self.name!r} of the {self.tier} tier{where} failed in "
                             f"{method}: {type(exc).__name__}: {exc}. No data were lost: the {self.tier} tier "
-                            f"evicts with {FALLBACK!r} from now on; fix the policy and make a new cache")
+                            f"evicts with {FALLBACK!r} from now on{remedy}")
         error.__cause__ = exc
         log.error("tiercache: %s", error, exc_info=exc)
         fallback = LRUPolicy()

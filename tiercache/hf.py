@@ -521,8 +521,11 @@ class TieredCache(Cache):
             return None
         try:
             digest = model_digest(self._model, geometry.dtype)  # kept per model while its weights stay
-            return open_prefix_cache(self.tier_config.disk_dir, self.tier_config, geometry, digest,
-                                     self.num_layers)
+            prefix = open_prefix_cache(self.tier_config.disk_dir, self.tier_config, geometry, digest,
+                                       self.num_layers)
+            for failure in prefix.store.policy_failures():  # raised once, to the cache it failed under
+                log.warning("tiercache: still so: %s", failure)
+            return prefix
         except (CacheDirError, UnsupportedModelError) as exc:
             if self.tier_config.reuse:
                 raise
@@ -824,7 +827,11 @@ class TieredCache(Cache):
         """The blocks the layer's attention reads, as ``update`` names them: from the first
         visible one on. A sliding layer that records its past (assisted generation) stores
         more than its window, and a prefetch plan of all it stores brought up, and read from
-        disk at every step, blocks no step reads (a review: 399 disk reads where 168 did)."""
+        disk at every step, blocks no step reads (a review: 399 disk reads where 168 did).
+        A layer the model does not have is an IndexError (a negative one named a layer from
+        the end)."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"blocks_of_layer({layer_idx}): the model has layers 0 .. {self.num_layers - 1}")
         first, end = self._block_range(layer_idx)
         bt = self.tier_config.block_tokens
         return self._keys(layer_idx, max(first, self.layers[layer_idx].visible_start() // bt), end)
@@ -1383,7 +1390,10 @@ class TieredCache(Cache):
             policy.observe(layer_idx, needed)
             return policy.plan(layer_idx, self.num_layers, self._read_blocks_of)
         name = self.prefetch_name
-        plugin_answer("prefetch", name, "observe", lambda: policy.observe(layer_idx, needed), lambda _: "")
+        # a copy: the store reads ``needed`` after this, so a plug-in that sorted or kept and
+        # changed the list it heard made attention read other blocks, silently (a review)
+        heard = tuple(needed)
+        plugin_answer("prefetch", name, "observe", lambda: policy.observe(layer_idx, heard), lambda _: "")
         return plugin_answer("prefetch", name, "plan",
                              lambda: as_plan(policy.plan(layer_idx, self.num_layers, self._read_blocks_of)),
                              plan_breach)

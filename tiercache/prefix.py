@@ -456,7 +456,7 @@ class PrefixCache:
                                 f"of this model needs {num_layers} (one per layer); raise disk_budget to at least "
                                 f"{num_layers * record_bytes} bytes, or pass reuse=False")
         self.store = BlockStore(store_cfg, geometry, disk_dir=self.directory, persistent=True,
-                                model_digest=digest, events=self.events)
+                                model_digest=digest, events=self.events, role="the prefix cache's store")
         self.admission = config.reuse_admission
         # First sightings remembered (admission "reused"): four times the blocks the disk
         # holds. Kept for good, they grew the index past the disk budget with every distinct

@@ -259,7 +259,7 @@ class RetentionState:
 
     def stats(self) -> dict:
         kept = {i: self.cache.layers[i].num_tokens - self.cache.layers[i].dropped for i in self.layers}
-        return {"policy": self.policy.name, "budget_tokens": self.budget, "dropped_tokens": self.dropped_tokens,
+        return {"policy": self.name, "budget_tokens": self.budget, "dropped_tokens": self.dropped_tokens,
                 "compactions": self.compactions, "kept_tokens": kept}
 
 

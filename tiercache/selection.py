@@ -177,7 +177,7 @@ class SelectionState:
         self.pages_total += pages_total
 
     def stats(self) -> dict:
-        return {"policy": self.policy.name, "budget_pages": self.budget_pages, "layer_steps": self.steps,
+        return {"policy": self.name, "budget_pages": self.budget_pages, "layer_steps": self.steps,
                 "pages_read": self.pages_read, "pages_total": self.pages_total}
 
 

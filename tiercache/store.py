@@ -159,8 +159,9 @@ class BlockStore:
     def __init__(self, config: TierConfig, geometry: BlockGeometry, *,
                  device: Optional[torch.device | str] = None, disk_dir: Optional[str] = None,
                  persistent: bool = True, model_digest: bytes = b"",
-                 events: Optional[Events] = None) -> None:
+                 events: Optional[Events] = None, role: str = "") -> None:
         self.closed = False
+        self.role = role  # what the store is, in a plug-in policy's failure: "" a cache's own
         self._pid = os.getpid()  # a child made by fork() cannot use the store: see ``_enter``
         self._active = 0  # public calls running (``_store_call``); close waits for them
         self._active_cv = threading.Condition()
@@ -342,7 +343,12 @@ class BlockStore:
         if not is_plugin(policy):
             return policy
         return GuardedPolicy(policy, name, tier.label, lambda: self.table.ready_keys(tier),
-                             self._policy_failures.append)
+                             self._policy_failures.append, self.role)
+
+    def policy_failures(self) -> list:
+        """The ``PolicyError`` of each plug-in eviction policy that failed and was replaced by
+        ``lru`` (``tiercache.guard``), one per tier, for as long as the store is open."""
+        return [policy.failure for policy in self.policies.values() if getattr(policy, "failure", None) is not None]
 
     def _raise_policy_failure(self) -> None:
         """Raise the plug-in policy failure reported first (``tiercache.guard``), once."""

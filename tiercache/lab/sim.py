@@ -22,6 +22,7 @@ import numpy as np
 from tiercache.guard import CheckedPolicy, as_plan, is_plugin, plan_breach, plugin_answer
 from tiercache.lab.trace import Trace
 from tiercache.policies import make_eviction, make_prefetch
+from tiercache.table import BlockKey
 
 DEVICE, HOST, DISK = 0, 1, 2
 LINKS = ("device->host", "host->device", "host->disk", "disk->host", "device->disk", "disk->device")
@@ -89,13 +90,22 @@ class _Replay:
     def _plan(self, layer: int, reads: list) -> list:
         """The prefetch policy hears what ``layer`` read and names what to bring up next; a
         plug-in's answers are checked as the runtime checks them (``TieredCache._plan_ahead``)."""
-        pf, blocks_of = self.pf, (lambda i: self.last_read.get(i, []))
+        pf, blocks_of = self.pf, self._blocks_of
         if not is_plugin(pf):
             pf.observe(layer, reads)
             return pf.plan(layer, self.trace.num_layers, blocks_of)
-        plugin_answer("prefetch", self.pf_name, "observe", lambda: pf.observe(layer, reads), lambda _: "")
+        heard = tuple(reads)  # a copy, as the runtime hands it: the replay keeps ``reads``
+        plugin_answer("prefetch", self.pf_name, "observe", lambda: pf.observe(layer, heard), lambda _: "")
         return plugin_answer("prefetch", self.pf_name, "plan",
                              lambda: as_plan(pf.plan(layer, self.trace.num_layers, blocks_of)), plan_breach)
+
+    def _blocks_of(self, layer: int) -> list:
+        """``blocks_of_layer`` as the runtime answers it (``TieredCache._read_blocks_of``): a
+        list of its own, and an IndexError for a layer the model does not have. The replay's
+        own list was handed out, and a layer out of range was [] (a review)."""
+        if not 0 <= layer < self.trace.num_layers:
+            raise IndexError(f"blocks_of_layer({layer}): the model has layers 0 .. {self.trace.num_layers - 1}")
+        return list(self.last_read.get(layer, ()))
 
     # ---- placement ----------------------------------------------------------------------
     def _has(self, key, tier: int) -> bool:
@@ -269,7 +279,8 @@ def replay(trace: Trace, eviction: str, device_budget: int, *, host_budget: Opti
     step, layer = trace.step, trace.layer
     cut = np.flatnonzero((np.diff(step) != 0) | (np.diff(layer) != 0)) + 1
     bounds = np.concatenate(([0], cut, [len(trace)]))
-    keys = list(zip(trace.seq.tolist(), trace.layer.tolist(), trace.block.tolist()))
+    # keys as the runtime names blocks: a plug-in that read ``key.layer`` failed in the lab only
+    keys = [BlockKey(*key) for key in zip(trace.seq.tolist(), trace.layer.tolist(), trace.block.tolist())]
     is_write, score, t_us = trace.is_write, trace.score, trace.time_us
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         writes = [keys[i] for i in range(lo, hi) if is_write[i]]
