@@ -1496,15 +1496,16 @@ def test_truncated_data_file_loses_only_the_cut_records(tmp_path, geometry):
         store.flush()
         record = store.disk.record_bytes
         last_slot = max(store.table.copy(k, Tier.DISK).slot for k in data)
+        cut = next(k for k in data if store.table.copy(k, Tier.DISK).slot == last_slot)
     os.truncate(os.path.join(cfg.disk_dir, DATA_NAME), last_slot * record + HEADER_BYTES + 10)
     with BlockStore(cfg, geometry) as store:
-        survivors = [k for k in data if k in store]
-        for key in survivors:
-            try:
+        # the record whose payload the file cuts short is dropped at open, as torn records
+        # are, and counted; it was kept, and failed at its first read (a review)
+        assert [k for k in data if k in store] == [k for k in data if k != cut]
+        assert store.dropped_on_open == 1 and store.stats()["integrity_errors"] == 1
+        for key in data:
+            if key != cut:
                 assert torch.equal(store.get(key), data[key])
-            except BlockCorruptedError:
-                assert store.stats()["integrity_errors"] >= 1
-        assert len(survivors) >= 5
 
 
 def test_live_data_beyond_every_tier_raise_capacity_error_before_loss(make_store, geometry):
@@ -4535,3 +4536,80 @@ def test_a_record_of_another_block_is_never_read_as_this_one(tmp_path, geometry)
         assert tokens == geometry.block_tokens and parts_crc(parts) == crc
     finally:
         tier.close()
+
+
+def test_a_block_deleted_while_its_record_is_written_never_comes_back(tmp_path, geometry):
+    """Scenario, on a disk where a record lands some time before its move completes (each
+    write held back, as a busy disk and a busy worker do). A block is stored on the host
+    and demoted; its record lands; the block is deleted. Before, delete() returned with
+    that record whole on disk until the move completed: a crash in that window (a review:
+    11 of 12 kills) brought the deleted block back at the next open, and with its key
+    stored again, the open dropped both records, losing the new block though flush() had
+    said it was written. A block deleted while its move waited in the queue was written
+    all the same, with 0 tokens. Now delete() in a persistent store waits for the write
+    and its invalidation; a queued write of a deleted block is not made; the key's new
+    block is the only record of it, and what the reopen serves."""
+    cfg = tiny_config(tmp_path, geometry, disk_blocks=8, io_workers=1)
+    store = BlockStore(cfg, geometry, persistent=True)
+    real_write = store.disk.write
+    key, queued, blocker = BlockKey(0, 0, 0), BlockKey(0, 0, 1), BlockKey(0, 0, 2)
+    written, landed, gate = [], threading.Event(), threading.Event()
+
+    def slow_write(slot, k, *args, **kwargs):
+        if k == blocker:
+            gate.wait(30)  # the one I/O worker is busy: the next move waits in the queue
+        real_write(slot, k, *args, **kwargs)
+        written.append(k)
+        if k == key:
+            landed.set()
+            time.sleep(0.3)  # whole on disk, the move not yet complete
+
+    store.disk.write = slow_write
+    first, second = torch.full(geometry.shape, 1.0), torch.full(geometry.shape, 2.0)
+    store.put(key, first, tier=Tier.HOST)
+    store.demote(key)
+    assert landed.wait(30)
+    store.delete(key)
+    assert not any(k == key for _, k, _ in store.disk.scan()), "a whole record of the deleted block is on disk"
+
+    store.put(blocker, first, tier=Tier.HOST)
+    store.put(queued, first, tier=Tier.HOST)
+    store.demote(blocker)
+    store.demote(queued)
+    threading.Timer(0.3, gate.set).start()
+    store.delete(queued)  # its write still waits behind the blocker's
+    store.wait_idle()
+    assert queued not in written
+
+    store.put(key, second, tier=Tier.HOST, num_tokens=3)
+    store.flush()
+    assert [(k, n) for _, k, n in store.disk.scan() if k == key] == [(key, 3)]
+    store.disk.write = real_write
+    store.close()
+    with BlockStore(cfg, geometry, persistent=True) as again:
+        assert sorted(again.table.keys()) == [key, blocker]
+        assert torch.equal(again.get(key), second) and again._tokens[key] == 3
+
+
+def test_a_failed_sync_at_close_is_raised_not_swallowed(tmp_path, geometry, monkeypatch):
+    """The kernel reports written pages it could not put on the disk as an fsync error.
+    close() syncs a persistent store's data file, and ignored that error: close() returned
+    as if every block were kept (a review, with fsync made to fail, as a failing disk
+    makes it; no device here can fail for real). Now close() finishes (files closed, pools
+    freed) and then raises TierIOError naming the directory and the error."""
+    import errno
+
+    import tiercache.disk
+
+    store = BlockStore(tiny_config(tmp_path, geometry, disk_blocks=8), geometry, persistent=True)
+    store.put(BlockKey(0, 0, 0), torch.ones(geometry.shape), tier=Tier.HOST)
+    store.flush()
+
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(tiercache.disk.os, "fsync", failing_fsync)
+    with pytest.raises(TierIOError, match=r"disk_dir: syncing '.*' to the disk failed at close \(\[Errno 5\] "
+                                          r"Input/output error\): blocks written to it may not be on the disk"):
+        store.close()
+    assert store.closed and store.disk.closed

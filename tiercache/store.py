@@ -876,9 +876,24 @@ class BlockStore:
 
     @_ends_work
     def delete(self, key: Hashable) -> None:
-        """Forget ``key``; copies in flight are freed when their move completes."""
+        """Forget ``key``; copies in flight are freed when their move completes. In a
+        persistent store, a disk record of the block being written now is waited for, and
+        invalidated, before this returns: it used to land after the delete, and a crash
+        before its move completed brought the deleted block back at the next open (with 0
+        tokens), or, with the key stored again, dropped the new block as one of two
+        differing records after flush() had said it was written (a review: 11 of 12 kills)."""
         with self._lock:
+            writing = self._writes_of(key) if self.disk is not None and self.disk.persistent else []
             self._forget(key)
+        wait_all(writing)  # the write's own error, if any, is the deleted block's: nothing to report
+
+    def _writes_of(self, key: Hashable) -> list:
+        """Under the lock: futures of the moves writing ``key``'s disk record now: those
+        started (a job submitted, which runs). One prepared and not yet started is not waited
+        for (its caller starts it later, or rolls it back); when it runs, its write sees the
+        block gone and is not made (``_copy``)."""
+        return [self._future(m) for m in self._inflight
+                if m.key == key and m.dst is Tier.DISK and m in self._started]
 
     @_ends_work
     def link(self, key: Hashable, parent: Hashable) -> None:
@@ -2139,6 +2154,10 @@ class BlockStore:
         copies were on their way gets its disk copy in a second pass, once they landed."""
         if self.disk is None:
             return 0
+        with self._lock:  # deleted blocks' records being written: landed and invalidated first
+            gone = [self._future(m) for m in self._inflight
+                    if m.dst is Tier.DISK and m in self._started and self.table.get(m.key) is not m.entry]
+        wait_all(gone)
         with self._lock:  # first: a slot whose record is invalidated now takes a block's copy below
             self._retry_tombstones()
         written = 0
@@ -2250,6 +2269,14 @@ class BlockStore:
             if self._device_staging is not None:
                 self._device_staging.close()
             self.device_pool.release()
+        sync_error = self.disk.sync_error if self.disk is not None else None
+        if sync_error is not None and lost is None:
+            lost = TierIOError(f"disk_dir: syncing {self.disk.path!r} to the disk failed at close ({sync_error}): "
+                               f"blocks written to it may not be on the disk (the kernel reports write-back it "
+                               f"lost this way), and may be missing or old at the next open")
+        elif sync_error is not None:
+            log.error("tiercache: at close, besides the blocks not kept: syncing %s failed: %s", self.disk.path,
+                      sync_error)
         if self._policy_failures and lost is not None:  # the blocks lost are what the caller must hear
             with self._lock:
                 failures, self._policy_failures[:] = list(self._policy_failures), []
@@ -3435,14 +3462,20 @@ class BlockStore:
                     self.disk.read(move.src_slot, move.key, buf)
                     self._to_device_slot(move.dst_slot, buf, compute_event)
         elif dst is Tier.DISK:
+            # The block's tokens, then whether it is still the block this move writes: one
+            # deleted meanwhile wrote a record with 0 tokens, or with the token ids of a new
+            # block under its key, which a crash before the move completed left on disk (the
+            # completion frees the slot: nothing is written for a block that is gone).
+            tokens, token_ids = self._tokens.get(move.key, 0), self._token_ids.get(move.key, b"")
+            crc = self._payload_crc(move) if src is Tier.HOST else None  # taken either way: not left behind
+            if self.table.get(move.key) is not move.entry:
+                return
             if src is Tier.HOST:
-                self.disk.write(move.dst_slot, move.key, self.host_pool.raw(move.src_slot), self._tokens.get(move.key, 0),
-                                self._token_ids.get(move.key, b""), crc=self._payload_crc(move))
+                self.disk.write(move.dst_slot, move.key, self.host_pool.raw(move.src_slot), tokens, token_ids, crc=crc)
             else:
                 with self._staging.take() as buf:
                     self._from_device_slot(move.src_slot, buf, compute_event)
-                    self.disk.write(move.dst_slot, move.key, buf, self._tokens.get(move.key, 0),
-                                    self._token_ids.get(move.key, b""))
+                    self.disk.write(move.dst_slot, move.key, buf, tokens, token_ids)
         elif self._staged_copies:
             self._device_copy(lambda nb: self._host_device_copy([move], nb), compute_event)
         elif not self._cuda:  # device and host are both RAM: plain memcpys of byte rows
