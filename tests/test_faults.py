@@ -43,6 +43,16 @@ def test_damaged_prefix_cache_is_detected_and_recomputed(kind, seed, model, tmp_
         assert "reused 28 tokens" in detail  # rebuilt from the record headers
 
 
+@pytest.mark.timeout(300)
+def test_every_header_flip_lands_on_checked_bytes(model, tmp_path):
+    """Seed 6 flipped a byte of the padding after the token ids' checksum, which no check
+    reads: nothing was detected, the prefix was reused whole, and the run counted as
+    "recovered" (a review). The flips now land on the bytes the checks cover."""
+    outcome, detail = inject("header byte flipped", model, 6, str(tmp_path))
+    assert outcome == "recovered", detail
+    assert "0 errors detected, 0 records dropped" not in detail and "reused 28 tokens" not in detail
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", list(IO))
 def test_a_failing_disk_stops_with_one_clear_error_instead_of_spinning(kind, model, tmp_path):

@@ -6,9 +6,11 @@ time through the decode path (so per-step selection and retention act on it), an
 answer is generated greedily. Exact match: the first number in the answer equals the key.
 Accuracy per (method, budget, context) comes with a 95% Wilson interval.
 
-fidelity: teacher-forced on a long text: after prefilling ``context`` tokens, the next
-``tokens`` tokens are fed one at a time; each method's next-token distributions are compared
-with the full cache's: KL(full || method), top-1 agreement and perplexity change.
+fidelity: teacher-forced on a long text: after prefilling ``context`` tokens, ``tokens``
+next-token distributions are compared with the full cache's (KL(full || method), top-1
+agreement and perplexity change): the first is the prefill's last position's, where no
+method has dropped anything yet; the other ``tokens - 1`` come from the next tokens fed one
+at a time through the decode path.
 
 The full cache (transformers' DynamicCache) is always measured first: it is the baseline,
 and where it fails the model itself fails. Methods: full, quest (selection, lossless),
@@ -230,7 +232,8 @@ def fidelity_text_ids(tokenizer: Any, text: Optional[str], num_tokens: int) -> A
 
 
 def teacher_forced(model: Any, cache: Any, ids: Any, context: int, chunk: int) -> Any:
-    """Log-probabilities [tokens, vocab] predicting ids[context+1:], fed one token at a time."""
+    """Log-probabilities [tokens, vocab] predicting ids[context:]: row 0 from the prefill's
+    last position, the others from ids[context:-1] fed one token at a time."""
     import torch
 
     rows = []
