@@ -133,14 +133,49 @@ def _sync(model) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode(model, cache, nxt, steps: int) -> tuple:
-    """Time ``steps`` greedy decode steps: (seconds, the next token)."""
+def _decode(model, cache, nxt, steps: int, tokens: Optional[list] = None) -> tuple:
+    """Time ``steps`` greedy decode steps: (seconds, the next token); each token chosen is
+    appended to ``tokens``."""
     _sync(model)
     t0 = time.perf_counter()
     for _ in range(steps):
         nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        if tokens is not None:
+            tokens.append(nxt)
     _sync(model)
     return time.perf_counter() - t0, nxt
+
+
+EXACT = ("fits", "host", "disk", "hf_offload")  # nothing dropped, attention as SDPA's: DynamicCache's tokens
+
+
+def _token_list(tokens: list) -> list:
+    import torch
+
+    return torch.cat(tokens, dim=-1)[0].tolist()
+
+
+def check_tokens(results: dict) -> list:
+    """The set-ups whose greedy tokens were checked equal to DynamicCache's in ``results``
+    (set-up -> result with ``tokens``): those that drop nothing and attend as SDPA does.
+    A set-up that differs is a ``TierCacheError``: a wrong cache is not timed and scored
+    (only the sequence's length was checked before; a review)."""
+    from tiercache.errors import TierCacheError
+
+    ref = results.get("dynamic", {}).get("tokens")
+    checked = []
+    for setup, result in results.items():
+        if ref is None or setup == "dynamic" or _base(setup) not in EXACT or not isinstance(result, dict):
+            continue
+        got = result.get("tokens")
+        if got is None:
+            continue
+        if got != ref:
+            step = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            raise TierCacheError(f"bench decode: the {setup} set-up's tokens differ from DynamicCache's from token "
+                                 f"{step} of {len(ref)} on: it drops nothing, so they must be equal; not timed")
+        checked.append(setup)
+    return checked
 
 
 def _check_used(setup: str, cache, expected: int) -> None:
@@ -191,15 +226,17 @@ def worker(setup: str, context: int, new_tokens: int, block_tokens: int, workdir
         nxt = _prefill(model, cache, ids, prefill_chunk)
         _sync(model)
         prefill_s = time.perf_counter() - t0
-        _, nxt = _decode(model, cache, nxt, WARMUP_STEPS)
+        tokens = [nxt]
+        _, nxt = _decode(model, cache, nxt, WARMUP_STEPS, tokens)
         before = cache.stats() if tiered else None
         reads_before = cache.attention_stats()["reads"] if tiered else None
-        decode_s, _ = _decode(model, cache, nxt, new_tokens)
+        decode_s, _ = _decode(model, cache, nxt, new_tokens, tokens)
         _check_used(setup, cache, ids.shape[1] + WARMUP_STEPS + new_tokens)
     result = {"setup": setup, "context": context, "new_tokens": new_tokens, "tps": new_tokens / decode_s,
               "prefill_s": prefill_s, "kv_bytes": kv_bytes_per_token(model) * context,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "peak_device_bytes": _peak_device_bytes(model), "device": str(model.device)}
+              "peak_device_bytes": _peak_device_bytes(model), "device": str(model.device),
+              "tokens": _token_list(tokens)}
     if tiered:
         moved = _moved_since(cache, before)
         result["decode_bytes_moved"] = moved
@@ -245,7 +282,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
 
     model, tokenizer = load_model(model_path)
     ids = make_prompt_ids(tokenizer, context).to(model.device)
-    caches, nxt = {}, {}
+    caches, nxt, tokens = {}, {}, {}
     with torch.inference_mode():
         for setup in setups:
             print(f"bench decode: side by side: prefilling {setup} ...", file=sys.stderr)
@@ -253,7 +290,8 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
                                         selection, selection_budget, device_fraction, host_fraction,
                                         extra_tokens=WARMUP_STEPS, eviction=eviction, disk_io=disk_io)
             nxt[setup] = _prefill(model, caches[setup], ids, prefill_chunk)
-            _, nxt[setup] = _decode(model, caches[setup], nxt[setup], WARMUP_STEPS)
+            tokens[setup] = [nxt[setup]]
+            _, nxt[setup] = _decode(model, caches[setup], nxt[setup], WARMUP_STEPS, tokens[setup])
         raw = _raw_disk_next_to("disk", caches, workdir, raw_read_bytes) if raw_read_bytes else None
         tps = {s: [] for s in setups}
         disk_read = {s: [] for s in setups}  # bytes read from disk per token, per round
@@ -263,7 +301,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
             for setup in order:
                 cache = caches[setup]
                 before = cache.stats() if hasattr(cache, "stats") else None
-                seconds, nxt[setup] = _decode(model, cache, nxt[setup], new_tokens)
+                seconds, nxt[setup] = _decode(model, cache, nxt[setup], new_tokens, tokens[setup])
                 tps[setup].append(new_tokens / seconds)
                 if before is not None:
                     disk_read[setup].append(_disk_read(_moved_since(cache, before)) / new_tokens)
@@ -275,7 +313,7 @@ def worker_side_by_side(setups: list, context: int, new_tokens: int, rounds: int
         _check_used(setup, caches[setup], ids.shape[1] + WARMUP_STEPS + new_tokens * rounds)
         out[setup] = {"tps": statistics.median(tps[setup]), "tps_rounds": tps[setup],
                       "disk_read_bytes_per_token": sum(disk_read[setup]) / rounds if disk_read[setup] else 0.0,
-                      "disk_read_bytes_per_token_rounds": disk_read[setup]}
+                      "disk_read_bytes_per_token_rounds": disk_read[setup], "tokens": _token_list(tokens[setup])}
         if _base(setup) == "quest":
             out[setup]["attention"] = caches[setup].attention_stats()
         if hasattr(caches[setup], "close"):
@@ -526,10 +564,12 @@ def run(argv: Optional[list] = None) -> int:
     # The ratios come from the side-by-side run when there is one (same process, interleaved
     # rounds); the separate processes give each set-up's peak RSS and its tokens/s alone.
     results = together or isolated
+    checked = sorted(set(check_tokens(isolated)) | set(check_tokens(together or {})))
     out: dict = {"context": args.context, "new_tokens": args.new_tokens, "block_tokens": args.block_tokens,
                  "eviction": cfg.eviction, "disk_io": args.disk_io,
                  "rounds": args.rounds if together else 0,
-                 "ratios_from": "side-by-side" if together else "separate processes"}
+                 "ratios_from": "side-by-side" if together else "separate processes",
+                 "tokens_equal_dynamic": checked}
     for setup in setups:
         out[f"{setup}_tps"] = results[setup]["tps"]
         out.setdefault("isolated_tps", {})[setup] = isolated[setup]["tps"]

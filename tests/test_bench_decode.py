@@ -126,6 +126,7 @@ def test_bench_decode_runs_any_local_model_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["fits_tps"] > 0 and r["dynamic_tps"] > 0
+    assert r["tokens_equal_dynamic"] == ["fits"]  # checked, not only counted
     assert r["setups"]["fits"]["kv_bytes"] == 64 * 2 * 2 * 16 * 4 * 2  # tokens x K,V x heads x dim x fp32 x layers
     if not torch.cuda.is_available():
         assert "peak_device_bytes" not in r and r["setups"]["fits"]["device"] == "cpu"
@@ -185,3 +186,21 @@ def test_a_cache_the_model_did_not_use_stops_the_benchmark():
     _check_used("dynamic", cache, 0)
     with pytest.raises(RuntimeError, match="the host cache holds 0 tokens after decoding, expected 8200"):
         _check_used("host", cache, 8200)
+
+
+def test_a_setup_whose_tokens_differ_from_dynamic_cache_is_not_scored():
+    """bench decode checked only how many tokens a cache held: a tiered set-up decoding its
+    own wrong tokens would have been timed and scored (a review). The set-ups that drop
+    nothing must decode DynamicCache's tokens; one that does not stops the benchmark, naming
+    the first token that differs. Lossy ones (quest) and those attending in place (within
+    float rounding, not bit for bit) are not held to it."""
+    from tiercache.bench.decode import check_tokens
+    from tiercache.errors import TierCacheError
+
+    same = [5, 7, 9]
+    results = {"dynamic": {"tokens": same}, "fits": {"tokens": same}, "disk@lru": {"tokens": same},
+               "quest": {"tokens": [5, 1, 1]}, "host_inplace": {"tokens": [5, 7, 2]}, "turn_order_rounds": [["x"]]}
+    assert check_tokens(results) == ["fits", "disk@lru"]
+    results["host"] = {"tokens": [5, 7, 8]}
+    with pytest.raises(TierCacheError, match="the host set-up's tokens differ from DynamicCache's from token 2 of 3"):
+        check_tokens(results)

@@ -157,11 +157,13 @@ def _made(field: str, name: str, make: Callable, **kwargs) -> Any:
     except RegistryError as exc:  # says what to do
         raise ValueError(f"{field}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a plug-in's, named
-        given = ", ".join(f"{k}=" for k in kwargs)
-        takes = f"that takes {given} and" if given else "whose parameters"
+        advice = ""
+        if isinstance(exc, TypeError):  # the arguments: what the cache passes, and nothing more
+            given = ", ".join(f"{k}=" for k in kwargs)
+            advice = (f"; register a class that takes {given} and whose other parameters have defaults" if given
+                      else "; register a class whose parameters have defaults")
         raise ValueError(f"{field}: the policy {name!r} cannot be made as the cache makes it "
-                         f"({type(exc).__name__}: {exc}); register a class {takes} "
-                         f"{'whose other parameters ' if given else ''}have defaults") from exc
+                         f"({type(exc).__name__}: {exc}){advice}") from exc
 
 
 def _check_remote_address(url: str, scheme: str) -> None:

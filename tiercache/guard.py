@@ -147,11 +147,13 @@ class GuardedPolicy(_Wrapped):
 
     def _failed(self, method: str, exc: Exception) -> None:
         """``inner`` failed in ``method``: ``lru`` takes its place, ranking what the tier holds."""
-        # the prefix cache's store outlives the caches that use it: a new cache did not help
-        # (a review: two more runs went on with lru in silence); closing the store does
-        where, remedy = ((f" of {self.role}", f"; fix the policy and close {self.role} (tiercache.prefix.close_all()), "
-                          f"which the process's caches share") if self.role else ("", "; fix the policy and make a "
-                                                                                  "new cache"))
+        if self.role:  # the prefix cache's store outlives the caches that use it: a new cache did
+            # not help (a review: two more runs went on with lru in silence); closing the store does
+            where = f" of {self.role}"
+            remedy = f"; fix the policy and close {self.role} (tiercache.prefix.close_all()), which the process's " \
+                     f"caches share"
+        else:
+            where, remedy = "", "; fix the policy and make a new cache"
         error = PolicyError(f"the eviction policy {self.name!r} of the {self.tier} tier{where} failed in "
                             f"{method}: {type(exc).__name__}: {exc}. No data were lost: the {self.tier} tier "
                             f"evicts with {FALLBACK!r} from now on{remedy}")
