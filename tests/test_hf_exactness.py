@@ -444,6 +444,14 @@ def test_a_plugin_policy_bug_stops_generate_by_name_and_costs_no_tokens(tmp_path
         assert_all_tiers_used(stats)
 
 
+def _streamed_run(tmp_path, **config):
+    """The tiny Llama, a prompt, and a config whose device holds the working set and two
+    blocks more, so that blocks stream from every tier: (model, ids, config)."""
+    model = tiny_model("llama")
+    need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
+    return model, prompt_ids(), tight_config(model, tmp_path, batch=1, device_blocks=need + 2, **config)
+
+
 @pytest.mark.parametrize("breach, message", [
     ("a number", "plan: it returned int, not a list of block keys"),
     ("an unhashable key", r"plan: it named \[1, 2\], which is not a block key"),
@@ -485,10 +493,7 @@ def test_a_plugin_prefetch_plan_is_checked_and_keys_it_does_not_hold_are_skipped
             return ahead
 
     with registered(PREFETCH_POLICIES, "sloppy", Sloppy):
-        model = tiny_model("llama")
-        ids = prompt_ids()
-        need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
-        cfg = tight_config(model, tmp_path, batch=1, device_blocks=need + 2, prefetch="sloppy")
+        model, ids, cfg = _streamed_run(tmp_path, prefetch="sloppy")
         with tiercache.TieredCache(model, cfg) as cache:
             if message is None:
                 out = generate(model, ids, cache=cache, max_new_tokens=NEW)
@@ -1771,10 +1776,7 @@ def test_a_prefetch_plugin_hears_a_copy_of_the_blocks_a_layer_reads(tmp_path):
             super().observe(layer_idx, keys)
 
     with registered(PREFETCH_POLICIES, "rearranges", Rearranges):
-        model = tiny_model("llama")
-        ids = prompt_ids()
-        need = working_set_blocks(layer_windows(model), [PROMPT] + [1] * (NEW - 1))
-        cfg = tight_config(model, tmp_path, batch=1, device_blocks=need + 2, prefetch="rearranges")
+        model, ids, cfg = _streamed_run(tmp_path, prefetch="rearranges")
         with tiercache.TieredCache(model, cfg) as cache:
             out = generate(model, ids, cache=cache, max_new_tokens=NEW)
             assert_all_tiers_used(cache.stats())
