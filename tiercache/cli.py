@@ -877,7 +877,7 @@ def _plugin_options(argv: list) -> tuple:
             specs.append(argv[0].split("=", 1)[1])
             argv = argv[1:]
     if any(not spec.strip() or "," in spec for spec in specs):
-        raise CLIError(f"--plugin: one module a --plugin, got {next(s for s in specs if not s.strip() or ',' in s)!r}")
+        raise CLIError(f"--plugin: one module per --plugin, got {next(s for s in specs if not s.strip() or ',' in s)!r}")
     return specs, argv
 
 

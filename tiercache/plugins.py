@@ -6,10 +6,10 @@ imports the modules named by ``tiercache --plugin MODULE`` (repeatable) and by t
 environment variable ``TIERCACHE_PLUGINS`` (comma-separated) before it reads any policy
 name; a MODULE is a dotted module name on ``sys.path`` or the path of a ``.py`` file.
 
-Benchmarks that run each set-up in a process of their own (``bench decode``, ``bench
-prefix``) import the same modules there (the command line passes them on in
-``TIERCACHE_PLUGINS``). A policy registered some other way exists in one process only; those
-benchmarks refuse it by name (``check_shared``), where its set-up failed after the others ran.
+The command line passes the modules on to the processes it starts, in ``TIERCACHE_PLUGINS``:
+``bench decode`` runs each set-up in a process of its own, which imports them. A policy
+registered some other way exists in one process only; ``bench decode`` refuses it by name
+(``check_shared``), where its set-up failed after the others had run.
 """
 from __future__ import annotations
 
@@ -85,11 +85,6 @@ def _import(spec: str):
         sys.modules.pop(name, None)
         raise
     return module
-
-
-def loaded_specs() -> list:
-    """The plug-in modules imported so far, in order."""
-    return list(_loaded)
 
 
 def check_shared(kind: str, name: str, where: str) -> None:
