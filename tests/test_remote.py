@@ -241,7 +241,8 @@ def test_a_local_failure_while_a_prefix_comes_from_the_server_is_raised_not_blam
         close_all()
         with TieredCache(model, config_a.replace(disk_dir=str(tmp_path / "b"), eviction="brittle")) as cache:
             Brittle.armed = True
-            with pytest.raises(PolicyError, match="'brittle' of the host tier failed in insert: RuntimeError"):
+            with pytest.raises(PolicyError, match="'brittle' of the host tier of the prefix cache's store failed in "
+                                                  "insert: RuntimeError"):
                 cache.load_prefix(ids)
             Brittle.armed = False
             remote = cache.stats()["remote"]
